@@ -1,0 +1,82 @@
+"""The attention-backend interface and the metadata every backend reads.
+
+Paged KV layout, one tensor per layer:  kv_cache [2, num_blocks, block_size, num_kv_heads, head_dim]
+(index 0 = K, 1 = V).  A token at logical position p of a request lives in physical slot
+    block_table[p // block_size] * block_size + p % block_size.
+
+The flat batch holds the new tokens of R requests back to back (no padding):
+    query rows of request r:   query_start_loc[r] .. query_start_loc[r+1]       (q_len_r = C_r)
+    its context after this step: seq_lens[r] = S_r + C_r  (S_r cached tokens before this step)
+Query row i of request r sits at position S_r + i and attends causally to positions 0 .. S_r + i,
+reading K/V only through block_tables[r].  Requests with q_len == 1 (decodes) come first:
+num_decodes of them, then the prefill chunks.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class AttentionMetadata:
+    num_tokens: int  # N: rows in the flat batch
+    num_reqs: int  # R
+    num_decodes: int  # the first num_decodes requests have exactly one query row
+    query_start_loc: torch.Tensor  # [R+1] int32, device
+    seq_lens: torch.Tensor  # [R] int32, device: context length after this step
+    block_tables: torch.Tensor  # [R, max_blocks] int32, device (rows padded with 0)
+    slot_mapping: torch.Tensor  # [N] int64, device: where each new token's K/V is written
+    max_query_len: int
+    max_seq_len: int
+    query_start_loc_cpu: list[int]  # host copies, for backends that loop on the host
+    seq_lens_cpu: list[int]
+
+
+class AttentionBackend(ABC):
+    """Writes new K/V into the paged cache and computes attention over it."""
+
+    name: str = "abstract"
+
+    @abstractmethod
+    def write_kv(
+        self, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor
+    ) -> None:
+        """key/value [N, H_kv, D] -> kv_cache[:, slot] for each row's slot."""
+
+    @abstractmethod
+    def forward(
+        self, query: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float
+    ) -> torch.Tensor:
+        """query [N, H_q, D] -> output [N, H_q, D]; GQA when H_q is a multiple of H_kv."""
+
+
+def write_kv_torch(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    num_blocks, block_size = kv_cache.shape[1], kv_cache.shape[2]
+    flat = kv_cache.view(2, num_blocks * block_size, kv_cache.shape[3], kv_cache.shape[4])
+    flat[0].index_copy_(0, slot_mapping, key.to(kv_cache.dtype))
+    flat[1].index_copy_(0, slot_mapping, value.to(kv_cache.dtype))
+
+
+def get_attention_backend(name: str, device: str) -> AttentionBackend:
+    """Backend by config name: 'torch' (reference, CPU and CUDA), 'triton' (GPU kernels), 'auto'."""
+    if name == "auto":
+        name = "torch"
+        if device.startswith("cuda"):
+            try:
+                import triton  # noqa: F401
+
+                name = "triton"
+            except ImportError:
+                name = "torch"
+    if name == "torch":
+        from roofline.attention.torch_backend import TorchAttentionBackend
+
+        return TorchAttentionBackend()
+    if name == "triton":
+        from roofline.attention.triton.backend import TritonAttentionBackend
+
+        return TritonAttentionBackend()
+    raise ValueError(f"unknown attention backend {name!r}; choose one of: auto, torch, triton")

@@ -1,0 +1,71 @@
+"""Reference attention backend in plain torch (CPU and CUDA): the correctness baseline.
+
+Decodes are batched: their K/V are gathered through the block tables into a padded
+[R_d x S_max] view and masked by length.  Each prefill chunk is computed on its own with a causal
+mask offset by its cached prefix ([C x (S+C)] scores).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from roofline.attention.backend import AttentionBackend, AttentionMetadata, write_kv_torch
+
+
+def _gather_context(kv_cache: torch.Tensor, block_table: torch.Tensor, length: int):
+    """K, V for one request: [length, H_kv, D] each, read through its block table."""
+    block_size = kv_cache.shape[2]
+    nblocks = (length + block_size - 1) // block_size
+    blocks = block_table[:nblocks].long()
+    k = kv_cache[0, blocks].reshape(-1, kv_cache.shape[3], kv_cache.shape[4])[:length]
+    v = kv_cache[1, blocks].reshape(-1, kv_cache.shape[3], kv_cache.shape[4])[:length]
+    return k, v
+
+
+class TorchAttentionBackend(AttentionBackend):
+    name = "torch"
+
+    def write_kv(self, key, value, kv_cache, slot_mapping) -> None:
+        write_kv_torch(key, value, kv_cache, slot_mapping)
+
+    def forward(self, query, kv_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+        out = torch.empty_like(query)
+        num_heads, num_kv_heads = query.shape[1], kv_cache.shape[3]
+        gqa = num_heads != num_kv_heads
+        qsl, lens = meta.query_start_loc_cpu, meta.seq_lens_cpu
+        nd = meta.num_decodes
+        if nd > 0:
+            self._decode(query[:nd], kv_cache, meta, scale, out[:nd], gqa)
+        for r in range(nd, meta.num_reqs):
+            q0, q1, s = qsl[r], qsl[r + 1], lens[r]
+            c = q1 - q0
+            k, v = _gather_context(kv_cache, meta.block_tables[r], s)
+            q = query[q0:q1].transpose(0, 1)  # [H, C, D]
+            k, v = k.transpose(0, 1), v.transpose(0, 1)  # [H_kv, S+C, D]
+            if c == s:
+                o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=gqa)
+            else:
+                # Row i (position s-c+i) sees keys 0 .. s-c+i.
+                qpos = torch.arange(s - c, s, device=query.device)[:, None]
+                kpos = torch.arange(s, device=query.device)[None, :]
+                o = F.scaled_dot_product_attention(
+                    q, k, v, attn_mask=kpos <= qpos, scale=scale, enable_gqa=gqa
+                )
+            out[q0:q1] = o.transpose(0, 1).to(out.dtype)
+        return out
+
+    def _decode(self, query, kv_cache, meta, scale, out, gqa) -> None:
+        nd = meta.num_decodes
+        block_size = kv_cache.shape[2]
+        lens = meta.seq_lens[:nd]
+        max_len = max(meta.seq_lens_cpu[:nd])
+        nblocks = (max_len + block_size - 1) // block_size
+        table = meta.block_tables[:nd, :nblocks].long()  # [R_d, nb]
+        hk, d = kv_cache.shape[3], kv_cache.shape[4]
+        k = kv_cache[0][table].reshape(nd, nblocks * block_size, hk, d).transpose(1, 2)  # [R_d, H_kv, S, D]
+        v = kv_cache[1][table].reshape(nd, nblocks * block_size, hk, d).transpose(1, 2)
+        mask = torch.arange(nblocks * block_size, device=query.device)[None, :] < lens[:, None]  # [R_d, S]
+        q = query.unsqueeze(2)  # [R_d, H, 1, D]
+        o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask[:, None, None, :], scale=scale, enable_gqa=gqa)
+        out.copy_(o.squeeze(2).to(out.dtype))

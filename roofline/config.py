@@ -1,0 +1,230 @@
+"""Engine configuration: one place for every knob, named as vLLM names its flags.
+
+`EngineArgs` is the flat, user-facing form (what `LLM(**kwargs)` and `roofline serve --flags` take);
+`EngineArgs.create_engine_config()` validates it and splits it into the parts each module owns.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from dataclasses import dataclass, field
+from typing import Any, Literal, Optional
+
+GiB = 1 << 30
+
+
+@dataclass
+class ModelConfig:
+    model: Optional[str]  # HF directory, .gguf file, or None for the embedded default
+    tokenizer: Optional[str] = None
+    dtype: str = "auto"  # auto | float32 | bfloat16 | float16
+    seed: int = 0
+    load_format: str = "auto"  # auto | safetensors | gguf | dummy
+    max_model_len: Optional[int] = None
+    served_model_name: Optional[str] = None
+    trust_remote_code: bool = False
+    hf_config: Any = None  # transformers PretrainedConfig, filled by the loader
+    # Resolved at config time
+    model_path: Optional[str] = None  # directory holding config/tokenizer
+    gguf_file: Optional[str] = None  # file name inside model_path when loading GGUF
+
+
+@dataclass
+class CacheConfig:
+    block_size: int = 16
+    num_kv_blocks: Optional[int] = None  # force the pool size
+    kv_cache_memory: Optional[int] = None  # bytes for the KV pool (CPU); default: 2 GiB
+    gpu_memory_utilization: float = 0.9
+    enable_prefix_caching: bool = True
+    swap_space: float = 4.0  # GiB of CPU memory for swapped-out blocks
+    kv_cache_dtype: str = "auto"
+
+
+@dataclass
+class SchedulerConfig:
+    max_num_batched_tokens: int = 2048
+    max_num_seqs: int = 256
+    max_model_len: int = 8192
+    policy: Literal["fcfs", "priority"] = "fcfs"
+    preemption_mode: Literal["recompute", "swap"] = "recompute"
+    enable_chunked_prefill: bool = True
+    max_waiting_requests: Optional[int] = None
+
+
+@dataclass
+class ParallelConfig:
+    tensor_parallel_size: int = 1
+    nnodes: int = 1
+    node_rank: int = 0
+    master_addr: str = "127.0.0.1"
+    master_port: Optional[int] = None
+    distributed_backend: Optional[str] = None  # gloo on CPU, nccl on CUDA when None
+
+
+@dataclass
+class DeviceConfig:
+    device: str = "cpu"
+    attention_backend: str = "auto"  # auto | torch | triton
+    enforce_eager: bool = False
+
+
+@dataclass
+class EngineConfig:
+    model_config: ModelConfig
+    cache_config: CacheConfig
+    scheduler_config: SchedulerConfig
+    parallel_config: ParallelConfig
+    device_config: DeviceConfig
+
+
+def _default_device() -> str:
+    try:
+        import torch
+
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    except Exception:  # pragma: no cover - torch always present in practice
+        return "cpu"
+
+
+@dataclass
+class EngineArgs:
+    """Flat engine arguments, vLLM-compatible names."""
+
+    model: Optional[str] = None
+    tokenizer: Optional[str] = None
+    dtype: str = "auto"
+    seed: int = 0
+    device: Optional[str] = None
+    load_format: str = "auto"
+    max_model_len: Optional[int] = None
+    served_model_name: Optional[str] = None
+    trust_remote_code: bool = False
+    # cache
+    block_size: int = 16
+    num_kv_blocks: Optional[int] = None
+    kv_cache_memory: Optional[int] = None
+    gpu_memory_utilization: float = 0.9
+    enable_prefix_caching: bool = True
+    swap_space: float = 4.0
+    kv_cache_dtype: str = "auto"
+    # scheduler
+    max_num_batched_tokens: Optional[int] = None
+    max_num_seqs: int = 256
+    scheduling_policy: str = "fcfs"
+    preemption_mode: str = "recompute"
+    enable_chunked_prefill: bool = True
+    max_waiting_requests: Optional[int] = None
+    # parallel
+    tensor_parallel_size: int = 1
+    nnodes: int = 1
+    node_rank: int = 0
+    master_addr: str = "127.0.0.1"
+    master_port: Optional[int] = None
+    distributed_backend: Optional[str] = None
+    # device
+    attention_backend: str = "auto"
+    enforce_eager: bool = False
+
+    @classmethod
+    def field_names(cls) -> set[str]:
+        return {f.name for f in dataclasses.fields(cls)}
+
+    @classmethod
+    def from_kwargs(cls, **kwargs) -> "EngineArgs":
+        unknown = set(kwargs) - cls.field_names()
+        if unknown:
+            raise TypeError(
+                f"unknown engine argument(s): {sorted(unknown)}; known: {sorted(cls.field_names())}"
+            )
+        return cls(**kwargs)
+
+    def create_engine_config(self) -> EngineConfig:
+        errors = []
+        if self.block_size <= 0:
+            errors.append(f"block_size must be positive, got {self.block_size}")
+        if self.max_num_seqs <= 0:
+            errors.append(f"max_num_seqs must be positive, got {self.max_num_seqs}")
+        if self.num_kv_blocks is not None and self.num_kv_blocks <= 0:
+            errors.append(f"num_kv_blocks must be positive, got {self.num_kv_blocks}")
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            errors.append(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
+        if self.scheduling_policy not in ("fcfs", "priority"):
+            errors.append(f"scheduling_policy must be 'fcfs' or 'priority', got {self.scheduling_policy!r}")
+        if self.preemption_mode not in ("recompute", "swap"):
+            errors.append(f"preemption_mode must be 'recompute' or 'swap', got {self.preemption_mode!r}")
+        if self.tensor_parallel_size <= 0:
+            errors.append(f"tensor_parallel_size must be positive, got {self.tensor_parallel_size}")
+        if self.swap_space < 0:
+            errors.append(f"swap_space must be >= 0, got {self.swap_space}")
+        if self.max_num_batched_tokens is not None and self.max_num_batched_tokens <= 0:
+            errors.append(f"max_num_batched_tokens must be positive, got {self.max_num_batched_tokens}")
+        if errors:
+            raise ValueError("invalid engine arguments: " + "; ".join(errors))
+        device = self.device or _default_device()
+        model_config = ModelConfig(
+            model=self.model,
+            tokenizer=self.tokenizer,
+            dtype=self.dtype,
+            seed=self.seed,
+            load_format=self.load_format,
+            max_model_len=self.max_model_len,
+            served_model_name=self.served_model_name,
+            trust_remote_code=self.trust_remote_code,
+        )
+        cache_config = CacheConfig(
+            block_size=self.block_size,
+            num_kv_blocks=self.num_kv_blocks,
+            kv_cache_memory=self.kv_cache_memory,
+            gpu_memory_utilization=self.gpu_memory_utilization,
+            enable_prefix_caching=self.enable_prefix_caching,
+            swap_space=self.swap_space,
+            kv_cache_dtype=self.kv_cache_dtype,
+        )
+        scheduler_config = SchedulerConfig(
+            max_num_batched_tokens=self.max_num_batched_tokens or 0,  # resolved once max_model_len is known
+            max_num_seqs=self.max_num_seqs,
+            max_model_len=self.max_model_len or 0,
+            policy=self.scheduling_policy,  # type: ignore[arg-type]
+            preemption_mode=self.preemption_mode,  # type: ignore[arg-type]
+            enable_chunked_prefill=self.enable_chunked_prefill,
+            max_waiting_requests=self.max_waiting_requests,
+        )
+        parallel_config = ParallelConfig(
+            tensor_parallel_size=self.tensor_parallel_size,
+            nnodes=self.nnodes,
+            node_rank=self.node_rank,
+            master_addr=self.master_addr,
+            master_port=self.master_port,
+            distributed_backend=self.distributed_backend,
+        )
+        device_config = DeviceConfig(
+            device=device, attention_backend=self.attention_backend, enforce_eager=self.enforce_eager
+        )
+        return EngineConfig(model_config, cache_config, scheduler_config, parallel_config, device_config)
+
+
+def finalize_lengths(config: EngineConfig, model_max_len: int) -> None:
+    """Fill max_model_len and the token budget once the model's own limit is known."""
+    mc, sc = config.model_config, config.scheduler_config
+    if mc.max_model_len is None:
+        mc.max_model_len = model_max_len
+    elif mc.max_model_len > model_max_len:
+        raise ValueError(
+            f"max_model_len={mc.max_model_len} exceeds the model's limit of {model_max_len} positions"
+        )
+    sc.max_model_len = mc.max_model_len
+    if not sc.max_num_batched_tokens:
+        # Chunked prefill on by default: a budget that keeps decodes flowing; without chunking the
+        # budget must hold a whole prompt.
+        sc.max_num_batched_tokens = 2048 if sc.enable_chunked_prefill else max(2048, sc.max_model_len)
+    if not sc.enable_chunked_prefill and sc.max_num_batched_tokens < sc.max_model_len:
+        raise ValueError(
+            f"with chunked prefill disabled, max_num_batched_tokens ({sc.max_num_batched_tokens}) "
+            f"must be >= max_model_len ({sc.max_model_len})"
+        )
+
+
+def env_flag(name: str, default: str = "") -> str:
+    """The only place roofline reads environment variables."""
+    return os.environ.get(name, default)

@@ -1,0 +1,219 @@
+"""KVCacheManager: each request's block table, prefix caching by chained block hash, fork with
+copy-on-write, truncation, and swapping to the CPU pool.
+
+Block hash of logical block i of a request:
+    H_i = xxh3_128(H_{i-1} || token ids of block i || extra keys)     (H_{-1} = empty)
+so equal hashes mean equal content *and* equal prefix.  Extra keys (cache salt) enter every hash.
+Only full blocks are hashed and shared; the partial last block is private unless forked, and a
+write into a shared partial block first copies it (copy-on-write).
+"""
+
+from __future__ import annotations
+
+from array import array
+from typing import Optional, Sequence
+
+import xxhash
+
+from roofline.core.block_pool import BlockPool, KVBlock, SwapPool
+from roofline.core.request import Request
+
+
+def hash_block(parent: Optional[bytes], token_ids: Sequence[int], extra: Optional[str]) -> bytes:
+    h = xxhash.xxh3_128()
+    if parent is not None:
+        h.update(parent)
+    h.update(array("q", token_ids).tobytes())
+    if extra:
+        h.update(b"\x00salt:" + extra.encode())
+    return h.digest()
+
+
+class KVCacheManager:
+    def __init__(
+        self,
+        num_blocks: int,
+        block_size: int,
+        enable_caching: bool = True,
+        num_swap_blocks: int = 0,
+    ) -> None:
+        self.block_size = block_size
+        self.enable_caching = enable_caching
+        self.pool = BlockPool(num_blocks, enable_caching)
+        self.swap_pool = SwapPool(num_swap_blocks)
+        self.req_blocks: dict[str, list[KVBlock]] = {}
+        self.num_cached_blocks: dict[str, int] = {}  # leading blocks of a request registered in the cache
+        self.swapped_blocks: dict[str, list[int]] = {}  # request -> CPU block ids
+        self.pending_copies: list[tuple[int, int]] = []  # copy-on-write (src, dst), drained per step
+        self.prefix_cache_queries = 0  # tokens looked up
+        self.prefix_cache_hits = 0  # tokens found
+
+    # ---- hashing -------------------------------------------------------------------------
+    def _update_hashes(self, request: Request) -> None:
+        bs = self.block_size
+        hashes = request.block_hashes
+        while len(hashes) < request.num_tokens // bs:
+            i = len(hashes)
+            parent = hashes[-1] if hashes else None
+            hashes.append(hash_block(parent, request.all_token_ids[i * bs : (i + 1) * bs], request.cache_salt))
+
+    # ---- lookup / allocation ---------------------------------------------------------------
+    def get_computed_blocks(self, request: Request) -> tuple[list[KVBlock], int]:
+        """Longest cached prefix of full blocks, leaving at least one token to compute."""
+        if not self.enable_caching or request.skip_prefix_cache:
+            return [], 0
+        self._update_hashes(request)
+        max_blocks = (request.num_tokens - 1) // self.block_size
+        hits: list[KVBlock] = []
+        for h in request.block_hashes[:max_blocks]:
+            block = self.pool.get_cached_block(h)
+            if block is None:
+                break
+            hits.append(block)
+        self.prefix_cache_queries += request.num_tokens
+        self.prefix_cache_hits += len(hits) * self.block_size
+        return hits, len(hits) * self.block_size
+
+    def blocks_needed(self, request: Request, num_new_tokens: int, new_computed: Sequence[KVBlock] = ()) -> int:
+        """Free blocks allocate_slots would consume (including a copy-on-write copy)."""
+        blocks = self.req_blocks.get(request.request_id, [])
+        num_computed = request.num_computed_tokens + len(new_computed) * self.block_size
+        total = num_computed + num_new_tokens
+        need = -(-total // self.block_size) - len(blocks) - len(new_computed)
+        need = max(need, 0)
+        need += sum(1 for b in new_computed if b.ref_cnt == 0)  # touched blocks leave the free queue
+        if self._cow_index(blocks, num_computed) is not None:
+            need += 1
+        return need
+
+    def _cow_index(self, blocks: list[KVBlock], num_computed: int) -> Optional[int]:
+        idx = num_computed // self.block_size
+        if num_computed % self.block_size and idx < len(blocks) and blocks[idx].ref_cnt > 1:
+            return idx
+        return None
+
+    def allocate_slots(
+        self, request: Request, num_new_tokens: int, new_computed: Sequence[KVBlock] = ()
+    ) -> Optional[list[KVBlock]]:
+        """Give the request room for num_new_tokens more tokens after its computed ones.
+
+        new_computed are prefix-cache hits found by get_computed_blocks (first scheduling only).
+        Returns the newly allocated blocks, or None (nothing changed) when the pool is short.
+        """
+        if self.blocks_needed(request, num_new_tokens, new_computed) > self.pool.num_free_blocks:
+            return None
+        rid = request.request_id
+        blocks = self.req_blocks.setdefault(rid, [])
+        self.num_cached_blocks.setdefault(rid, 0)
+        if new_computed:
+            self.pool.touch(new_computed)
+            blocks.extend(new_computed)
+            self.num_cached_blocks[rid] = len(blocks)
+        num_computed = request.num_computed_tokens + len(new_computed) * self.block_size
+        cow = self._cow_index(blocks, num_computed)
+        new_blocks: list[KVBlock] = []
+        if cow is not None:
+            (copy,) = self.pool.get_new_blocks(1)
+            self.pending_copies.append((blocks[cow].block_id, copy.block_id))
+            self.pool.free_blocks([blocks[cow]])
+            blocks[cow] = copy
+            new_blocks.append(copy)
+        total = num_computed + num_new_tokens
+        need = -(-total // self.block_size) - len(blocks)
+        if need > 0:
+            fresh = self.pool.get_new_blocks(need)
+            blocks.extend(fresh)
+            new_blocks.extend(fresh)
+        self._cache_full_blocks(request, min(total, request.num_tokens))
+        return new_blocks
+
+    def _cache_full_blocks(self, request: Request, num_tokens: int) -> None:
+        if not self.enable_caching:
+            return
+        rid = request.request_id
+        num_full = num_tokens // self.block_size
+        start = self.num_cached_blocks.get(rid, 0)
+        if num_full <= start:
+            return
+        self._update_hashes(request)
+        blocks = self.req_blocks[rid]
+        for i in range(start, num_full):
+            self.pool.cache_block(blocks[i], request.block_hashes[i])
+        self.num_cached_blocks[rid] = num_full
+
+    def free(self, request: Request) -> None:
+        """Release every block of the request (tail first, so the tail is evicted first)."""
+        rid = request.request_id
+        blocks = self.req_blocks.pop(rid, None)
+        self.num_cached_blocks.pop(rid, None)
+        if blocks:
+            self.pool.free_blocks(reversed(blocks))
+        swapped = self.swapped_blocks.pop(rid, None)
+        if swapped:
+            self.swap_pool.release(swapped)
+
+    def get_block_ids(self, request_id: str) -> list[int]:
+        return [b.block_id for b in self.req_blocks.get(request_id, ())]
+
+    # ---- fork / truncate --------------------------------------------------------------------
+    def fork(self, parent: Request, child: Request, num_tokens: int) -> None:
+        """Child shares the parent's blocks covering its first num_tokens tokens (refcounts up)."""
+        n = -(-num_tokens // self.block_size)
+        shared = self.req_blocks[parent.request_id][:n]
+        self.pool.touch(shared)
+        self.req_blocks[child.request_id] = list(shared)
+        self.num_cached_blocks[child.request_id] = min(
+            self.num_cached_blocks.get(parent.request_id, 0), num_tokens // self.block_size
+        )
+        child.block_hashes = list(parent.block_hashes[: num_tokens // self.block_size])
+
+    def truncate(self, request: Request, num_tokens: int) -> None:
+        """Keep only the blocks covering the first num_tokens tokens (e.g. rejected draft tokens)."""
+        rid = request.request_id
+        blocks = self.req_blocks.get(rid, [])
+        keep = -(-num_tokens // self.block_size)
+        if keep < len(blocks):
+            self.pool.free_blocks(reversed(blocks[keep:]))
+            del blocks[keep:]
+        full = num_tokens // self.block_size
+        if self.num_cached_blocks.get(rid, 0) > full:
+            self.num_cached_blocks[rid] = full
+        del request.block_hashes[full:]
+
+    # ---- swapping -----------------------------------------------------------------------------
+    def can_swap_out(self, request: Request) -> bool:
+        n = -(-request.num_computed_tokens // self.block_size)
+        return n <= self.swap_pool.num_free_blocks
+
+    def swap_out(self, request: Request) -> list[tuple[int, int]]:
+        """Move the request's computed blocks to the CPU pool. Returns (device, cpu) pairs."""
+        rid = request.request_id
+        blocks = self.req_blocks.pop(rid, [])
+        self.num_cached_blocks.pop(rid, None)
+        n = -(-request.num_computed_tokens // self.block_size)
+        cpu = self.swap_pool.allocate(n)
+        pairs = [(blocks[i].block_id, cpu[i]) for i in range(n)]
+        self.swapped_blocks[rid] = cpu
+        self.pool.free_blocks(reversed(blocks))
+        return pairs
+
+    def swap_in(self, request: Request) -> Optional[list[tuple[int, int]]]:
+        """Bring a swapped request back. Returns (cpu, device) pairs, or None if the pool is short."""
+        rid = request.request_id
+        cpu = self.swapped_blocks[rid]
+        if len(cpu) > self.pool.num_free_blocks:
+            return None
+        blocks = self.pool.get_new_blocks(len(cpu))
+        self.req_blocks[rid] = blocks
+        # Swapped-in blocks are private copies; those already full are not registered again.
+        self.num_cached_blocks[rid] = request.num_computed_tokens // self.block_size
+        del self.swapped_blocks[rid]
+        self.swap_pool.release(cpu)
+        return [(c, b.block_id) for c, b in zip(cpu, blocks)]
+
+    def take_pending_copies(self) -> list[tuple[int, int]]:
+        copies, self.pending_copies = self.pending_copies, []
+        return copies
+
+    def usage(self) -> float:
+        return self.pool.usage()

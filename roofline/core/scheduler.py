@@ -1,0 +1,355 @@
+"""Scheduler: iteration-level continuous batching with a token budget, chunked prefill,
+prefix-cache hits, preemption (recompute or swap), FCFS or priority order.  No tensors.
+
+Every step:
+  1. running requests, oldest first, each gets min(remaining tokens, budget) new tokens
+     (a decode: 1; a prefill in progress: the next chunk).  When the pool is short, the
+     lowest-priority / most recently admitted running request is preempted until it fits.
+  2. swapped requests come back if nothing was preempted this step and the pool has room.
+  3. waiting requests are admitted while budget, max_num_seqs and free blocks allow; their
+     prompt starts after the longest cached prefix.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import dataclass
+from typing import Iterable, Optional
+
+from roofline.config import CacheConfig, SchedulerConfig
+from roofline.core.kv_cache_manager import KVCacheManager
+from roofline.core.request import Request, RequestStatus
+from roofline.core.scheduler_output import (
+    ModelRunnerOutput,
+    NewRequestData,
+    SamplingSpec,
+    ScheduledRequest,
+    SchedulerOutput,
+)
+
+
+@dataclass
+class SchedulerStats:
+    num_running: int
+    num_waiting: int
+    num_swapped: int
+    kv_cache_usage: float
+    num_total_blocks: int
+    num_free_blocks: int
+    num_cached_blocks: int
+    prefix_cache_queries: int
+    prefix_cache_hits: int
+    num_preemptions: int
+
+
+def sampling_spec(request: Request) -> SamplingSpec:
+    p = request.sampling_params
+    return SamplingSpec(
+        temperature=p.temperature,
+        top_p=p.top_p,
+        top_k=p.top_k,
+        min_p=p.min_p,
+        repetition_penalty=p.repetition_penalty,
+        presence_penalty=p.presence_penalty,
+        frequency_penalty=p.frequency_penalty,
+        seed=p.seed,
+        min_tokens=p.min_tokens,
+        stop_token_ids=([] if p.ignore_eos or request.eos_token_id is None else [request.eos_token_id])
+        + list(p.stop_token_ids),
+        logprobs=p.logprobs,
+        prompt_logprobs=p.prompt_logprobs,
+    )
+
+
+class Scheduler:
+    def __init__(
+        self,
+        scheduler_config: SchedulerConfig,
+        cache_config: CacheConfig,
+        num_blocks: int,
+        num_swap_blocks: int = 0,
+        seed: int = 0,
+    ) -> None:
+        self.config = scheduler_config
+        self.block_size = cache_config.block_size
+        self.kv = KVCacheManager(num_blocks, cache_config.block_size, cache_config.enable_prefix_caching, num_swap_blocks)
+        self.requests: dict[str, Request] = {}
+        self.waiting: list[Request] = []
+        self.running: list[Request] = []
+        self.swapped: deque[Request] = deque()
+        self.finished_req_ids: list[str] = []  # to tell the workers at the next step
+        self.sent_to_worker: set[str] = set()
+        self.num_preemptions = 0
+        self.step_count = 0
+        self.seed = seed
+
+    # ---- intake -------------------------------------------------------------------------------
+    def add_request(self, request: Request) -> None:
+        if request.request_id in self.requests:
+            raise ValueError(f"request id {request.request_id!r} is already in use")
+        self.requests[request.request_id] = request
+        if request.status == RequestStatus.WAITING:
+            self._enqueue(request)
+
+    def _enqueue(self, request: Request, front: bool = False) -> None:
+        if self.config.policy == "priority":
+            self.waiting.append(request)
+            self.waiting.sort(key=lambda r: (r.priority, r.arrival_time))
+        elif front:
+            self.waiting.insert(0, request)
+        else:
+            self.waiting.append(request)
+
+    def finish_requests(self, request_ids: Iterable[str], status: RequestStatus) -> list[Request]:
+        """Abort or stop requests from outside (client gone, stop string). Frees their blocks now."""
+        done = []
+        for rid in request_ids:
+            req = self.requests.get(rid)
+            if req is None or req.is_finished:
+                continue
+            if req.status == RequestStatus.RUNNING:
+                self.running.remove(req)
+            elif req in self.waiting:
+                self.waiting.remove(req)
+            elif req in self.swapped:
+                self.swapped.remove(req)
+            req.status = status
+            for child in req.forks_pending:
+                if not child.is_finished:
+                    child.status = status
+                    self._free(child)
+                    done.append(child)
+            req.forks_pending = []
+            self._free(req)
+            done.append(req)
+        return done
+
+    def _free(self, req: Request) -> None:
+        self.kv.free(req)
+        self.requests.pop(req.request_id, None)
+        if req.request_id in self.sent_to_worker:
+            self.sent_to_worker.discard(req.request_id)
+            self.finished_req_ids.append(req.request_id)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.requests)
+
+    # ---- the step -----------------------------------------------------------------------------
+    def _victim(self) -> Request:
+        if self.config.policy == "priority":
+            return max(self.running, key=lambda r: (r.priority, r.arrival_time))
+        return self.running[-1]
+
+    def _preempt(self, victim: Request, scheduled: dict[str, int], swap_out: list) -> int:
+        """Take a running request off the device; returns the budget it gave back."""
+        self.running.remove(victim)
+        returned = scheduled.pop(victim.request_id, 0)
+        self.num_preemptions += 1
+        victim.num_preemptions += 1
+        if self.config.preemption_mode == "swap" and self.kv.can_swap_out(victim):
+            swap_out.extend(self.kv.swap_out(victim))
+            victim.status = RequestStatus.SWAPPED
+            self.swapped.appendleft(victim)
+        else:
+            self.kv.free(victim)
+            victim.num_computed_tokens = 0
+            victim.status = RequestStatus.PREEMPTED
+            self._enqueue(victim, front=True)
+        return returned
+
+    def _num_new_tokens(self, req: Request, budget: int) -> int:
+        return min(req.num_tokens - req.num_computed_tokens, budget)
+
+    def schedule(self) -> SchedulerOutput:
+        budget = self.config.max_num_batched_tokens
+        scheduled: dict[str, int] = {}
+        order: list[Request] = []
+        swap_out: list[tuple[int, int]] = []
+        swap_in: list[tuple[int, int]] = []
+        preempted_any = False
+
+        # 1. running requests, admission order
+        i = 0
+        while i < len(self.running) and budget > 0:
+            req = self.running[i]
+            n = self._num_new_tokens(req, budget)
+            if n <= 0:
+                i += 1
+                continue
+            while self.kv.allocate_slots(req, n) is None:
+                victim = self._victim()
+                budget += self._preempt(victim, scheduled, swap_out)
+                preempted_any = True
+                if victim is req:
+                    break
+            if req.status != RequestStatus.RUNNING:
+                continue  # req itself was preempted; running[i] is now the next one
+            scheduled[req.request_id] = n
+            order.append(req)
+            budget -= n
+            i = self.running.index(req) + 1  # a victim ahead of req (priority policy) shifts the list
+        order = [r for r in order if r.request_id in scheduled]
+
+        # 2. swapped requests come back first in line
+        while self.swapped and not preempted_any and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            req = self.swapped[0]
+            n = self._num_new_tokens(req, budget)
+            if self.kv.blocks_needed(req, n) > self.kv.pool.num_free_blocks:  # swapped blocks included
+                break
+            pairs = self.kv.swap_in(req)
+            assert pairs is not None
+            swap_in.extend(pairs)
+            self.swapped.popleft()
+            if self.kv.allocate_slots(req, n) is None:  # cannot happen: checked above
+                raise RuntimeError("swap-in accounting error")
+            req.status = RequestStatus.RUNNING
+            self.running.append(req)
+            scheduled[req.request_id] = n
+            order.append(req)
+            budget -= n
+
+        # 3. waiting requests
+        while (
+            self.waiting
+            and not preempted_any
+            and not self.swapped
+            and budget > 0
+            and len(self.running) < self.config.max_num_seqs
+        ):
+            req = self.waiting[0]
+            hits, num_hit = self.kv.get_computed_blocks(req) if req.num_computed_tokens == 0 else ([], 0)
+            remaining = req.num_tokens - req.num_computed_tokens - num_hit
+            if not self.config.enable_chunked_prefill and remaining > budget:
+                break
+            n = min(remaining, budget)
+            if self.kv.allocate_slots(req, n, hits) is None:
+                break
+            self.waiting.pop(0)
+            req.num_computed_tokens += num_hit
+            if req.num_cached_tokens < 0:
+                req.num_cached_tokens = num_hit
+            req.status = RequestStatus.RUNNING
+            self.running.append(req)
+            scheduled[req.request_id] = n
+            order.append(req)
+            budget -= n
+
+        return self._build_output(order, scheduled, swap_out, swap_in)
+
+    def _build_output(self, order, scheduled, swap_out, swap_in) -> SchedulerOutput:
+        self.step_count += 1
+        new_reqs = []
+        items = []
+        for req in order:
+            n = scheduled[req.request_id]
+            if req.request_id not in self.sent_to_worker:
+                self.sent_to_worker.add(req.request_id)
+                seed = req.sampling_params.seed
+                gen_seed = (seed + req.index) if seed is not None else hash((self.seed, req.request_id)) & 0x7FFFFFFF
+                new_reqs.append(
+                    NewRequestData(
+                        req_id=req.request_id,
+                        prompt_token_ids=req.prompt_token_ids,
+                        output_token_ids=list(req.output_token_ids),
+                        sampling=sampling_spec(req),
+                        generator_seed=gen_seed,
+                    )
+                )
+            start = req.num_computed_tokens
+            items.append(
+                ScheduledRequest(
+                    req_id=req.request_id,
+                    num_computed_tokens=start,
+                    token_ids=req.all_token_ids[start : start + n],
+                    block_ids=self.kv.get_block_ids(req.request_id),
+                    sample=start + n == req.num_tokens,
+                )
+            )
+        finished, self.finished_req_ids = self.finished_req_ids, []
+        return SchedulerOutput(
+            step=self.step_count,
+            new_requests=new_reqs,
+            scheduled=items,
+            finished_req_ids=finished,
+            blocks_to_copy=self.kv.take_pending_copies(),
+            blocks_to_swap_out=swap_out,
+            blocks_to_swap_in=swap_in,
+        )
+
+    # ---- results ------------------------------------------------------------------------------
+    def update_from_output(self, out: SchedulerOutput, result: ModelRunnerOutput) -> list[tuple[Request, int]]:
+        """Advance progress, append sampled tokens, apply token-level stop conditions.
+
+        Returns (request, number of tokens appended) for requests that got tokens this step.
+        """
+        sampled = dict(zip(result.req_ids, result.sampled_token_ids))
+        touched: list[tuple[Request, int]] = []
+        for item in out.scheduled:
+            req = self.requests.get(item.req_id)
+            if req is None or req.status != RequestStatus.RUNNING:
+                continue  # finished or preempted meanwhile
+            req.num_computed_tokens += len(item.token_ids)
+            tokens = sampled.get(item.req_id)
+            if not tokens:
+                continue
+            appended = 0
+            for tok in tokens:
+                req.append_output_token(tok)
+                appended += 1
+                if self._check_stop(req, tok):
+                    break
+            if req.forks_pending:
+                self._fork_children(req)
+            touched.append((req, appended))
+            if req.is_finished:
+                self.running.remove(req)
+                self._free(req)
+        return touched
+
+    def _check_stop(self, req: Request, tok: int) -> bool:
+        p = req.sampling_params
+        if req.num_output_tokens >= p.min_tokens:
+            if not p.ignore_eos and tok == req.eos_token_id:
+                req.status, req.stop_reason = RequestStatus.FINISHED_STOPPED, None
+                return True
+            if tok in p.stop_token_ids:
+                req.status, req.stop_reason = RequestStatus.FINISHED_STOPPED, tok
+                return True
+        if p.max_tokens is not None and req.num_output_tokens >= p.max_tokens:
+            req.status = RequestStatus.FINISHED_LENGTH
+            return True
+        if req.num_tokens >= self.config.max_model_len:
+            req.status = RequestStatus.FINISHED_LENGTH
+            return True
+        return False
+
+    def _fork_children(self, parent: Request) -> None:
+        """n>1: siblings share the parent's prompt blocks and compute only the last prompt token."""
+        num_shared = parent.num_prompt_tokens - 1
+        for child in parent.forks_pending:
+            if child.is_finished:
+                continue
+            self.kv.fork(parent, child, num_shared)
+            child.num_computed_tokens = num_shared
+            child.num_cached_tokens = max(parent.num_cached_tokens, 0)
+            child.status = RequestStatus.WAITING
+            self._enqueue(child, front=True)
+        parent.forks_pending = []
+
+    def get_stats(self) -> SchedulerStats:
+        pool = self.kv.pool
+        return SchedulerStats(
+            num_running=len(self.running),
+            num_waiting=len(self.waiting) + sum(
+                1 for r in self.requests.values() if r.status == RequestStatus.WAITING_FOR_FORK
+            ),
+            num_swapped=len(self.swapped),
+            kv_cache_usage=pool.usage(),
+            num_total_blocks=pool.num_blocks,
+            num_free_blocks=pool.num_free_blocks,
+            num_cached_blocks=pool.num_cached_blocks,
+            prefix_cache_queries=self.kv.prefix_cache_queries,
+            prefix_cache_hits=self.kv.prefix_cache_hits,
+            num_preemptions=self.num_preemptions,
+        )

@@ -1,0 +1,76 @@
+"""The messages of the heartbeat: SchedulerOutput (scheduler -> workers) and ModelRunnerOutput
+(workers -> scheduler).  msgspec Structs, so they cross process boundaries as msgpack, never pickle.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import msgspec
+
+
+class SamplingSpec(msgspec.Struct, array_like=True):
+    """The part of SamplingParams a worker needs to sample."""
+
+    temperature: float
+    top_p: float
+    top_k: int
+    min_p: float
+    repetition_penalty: float
+    presence_penalty: float
+    frequency_penalty: float
+    seed: Optional[int]
+    min_tokens: int
+    stop_token_ids: list[int]  # suppressed (with EOS) until min_tokens are out
+    logprobs: Optional[int]
+    prompt_logprobs: Optional[int]
+
+
+class NewRequestData(msgspec.Struct, array_like=True):
+    req_id: str
+    prompt_token_ids: list[int]
+    output_token_ids: list[int]
+    sampling: SamplingSpec
+    generator_seed: int  # seeds the request's own RNG stream
+
+
+class ScheduledRequest(msgspec.Struct, array_like=True):
+    req_id: str
+    num_computed_tokens: int  # position of the first new token
+    token_ids: list[int]  # the new tokens fed this step (C of them)
+    block_ids: list[int]  # the whole block table
+    sample: bool  # the last new token is the request's last known token: sample the next one
+
+
+class SchedulerOutput(msgspec.Struct, array_like=True):
+    step: int
+    new_requests: list[NewRequestData]
+    scheduled: list[ScheduledRequest]
+    finished_req_ids: list[str]
+    blocks_to_copy: list[tuple[int, int]]
+    blocks_to_swap_out: list[tuple[int, int]]  # (device block, cpu block)
+    blocks_to_swap_in: list[tuple[int, int]]  # (cpu block, device block)
+
+    @property
+    def total_num_scheduled_tokens(self) -> int:
+        return sum(len(s.token_ids) for s in self.scheduled)
+
+
+class PositionLogprobs(msgspec.Struct, array_like=True):
+    """One position: token_ids[0] is the chosen/actual token, the rest the top-N; ranks are 1-based."""
+
+    token_ids: list[int]
+    logprobs: list[float]
+    ranks: list[int]
+
+
+class ModelRunnerOutput(msgspec.Struct, array_like=True):
+    req_ids: list[str]  # requests that sampled this step
+    sampled_token_ids: list[list[int]]
+    logprobs: list[Optional[PositionLogprobs]]  # per sampled request, when asked
+    prompt_logprobs: dict[str, list[Optional[PositionLogprobs]]]  # per request, this chunk's positions
+
+
+encoder = msgspec.msgpack.Encoder()
+scheduler_output_decoder = msgspec.msgpack.Decoder(SchedulerOutput)
+runner_output_decoder = msgspec.msgpack.Decoder(ModelRunnerOutput)

@@ -1,0 +1,219 @@
+"""EngineCore: the heartbeat.  add_request / abort_requests / step().
+
+step():  Scheduler.schedule() -> Executor.execute() -> Scheduler.update_from_output()
+         -> OutputProcessor (detokenize, stop strings) -> RequestOutputs.
+Not thread-safe: call it from one thread (the async server runs it in its own loop thread).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from typing import Iterable, Optional
+
+from roofline.config import EngineArgs, EngineConfig, GiB, finalize_lengths
+from roofline.core.request import Request, RequestStatus
+from roofline.core.scheduler import Scheduler
+from roofline.engine.output_processor import OutputProcessor
+from roofline.executor.base import create_executor
+from roofline.model_executor.loader.source import load_hf_config, load_tokenizer, resolve_source
+from roofline.outputs import RequestOutput
+from roofline.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+
+class EngineOverloadedError(RuntimeError):
+    """The waiting queue is full (max_waiting_requests); retry later."""
+
+
+@dataclass
+class EngineStats:
+    num_running: int
+    num_waiting: int
+    kv_cache_usage: float
+    num_total_blocks: int
+    num_free_blocks: int
+    num_cached_blocks: int
+    prefix_cache_queries: int
+    prefix_cache_hits: int
+    num_preemptions: int
+    prompt_tokens: int
+    generation_tokens: int
+
+
+class EngineCore:
+    def __init__(self, config: EngineConfig, show_progress: bool = True) -> None:
+        self.config = config
+        mc = config.model_config
+        t0 = time.monotonic()
+        self.source = resolve_source(mc.model, mc.load_format)
+        mc.model_path, mc.gguf_file = self.source.path, self.source.gguf_file
+        mc.hf_config = load_hf_config(self.source)
+        if mc.served_model_name is None:
+            mc.served_model_name = self.source.name
+        self.tokenizer = load_tokenizer(self.source, mc.tokenizer)
+        finalize_lengths(config, int(mc.hf_config.max_position_embeddings))
+        self.model_config = mc
+        self.vocab_size = int(mc.hf_config.vocab_size)
+        self.eos_token_id = self._eos_token_id()
+        self.executor = create_executor(config, self.source, show_progress)
+        num_blocks = self.executor.determine_num_blocks()
+        cc, sc = config.cache_config, config.scheduler_config
+        num_swap = int(cc.swap_space * GiB) // self.executor.block_bytes() if sc.preemption_mode == "swap" else 0
+        self.executor.init_kv_cache(num_blocks, num_swap)
+        self.scheduler = Scheduler(sc, cc, num_blocks, num_swap, seed=mc.seed)
+        self.kv_capacity_tokens = num_blocks * cc.block_size
+        self.output_processor = OutputProcessor(self.tokenizer)
+        self.pending_outputs: list[RequestOutput] = []
+        self.group_children: dict[str, list[str]] = {}
+        self.prompt_tokens = 0
+        self.generation_tokens = 0
+        logger.info("engine ready in %.1f s: %s, max_model_len=%d, %d KV blocks",
+                    time.monotonic() - t0, mc.served_model_name, mc.max_model_len, num_blocks)
+
+    @classmethod
+    def from_engine_args(cls, args: EngineArgs, show_progress: bool = True) -> "EngineCore":
+        return cls(args.create_engine_config(), show_progress)
+
+    def _eos_token_id(self) -> Optional[int]:
+        if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
+            return int(self.tokenizer.eos_token_id)
+        eos = getattr(self.model_config.hf_config, "eos_token_id", None)
+        if isinstance(eos, list):
+            eos = eos[0] if eos else None
+        return eos
+
+    # ---- intake -------------------------------------------------------------------------------
+    def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> SamplingParams:
+        """Raise ValueError naming the offending values; returns params with max_tokens resolved."""
+        n = len(prompt_token_ids)
+        max_len = self.model_config.max_model_len
+        if n == 0:
+            raise ValueError("the prompt is empty: at least one token is needed")
+        bad = [t for t in prompt_token_ids if not isinstance(t, int) or t < 0 or t >= self.vocab_size]
+        if bad:
+            raise ValueError(f"token id(s) {bad[:5]} out of range for a vocabulary of {self.vocab_size}")
+        if n >= max_len:
+            raise ValueError(f"the prompt ({n} tokens) is too long: max_model_len is {max_len}, "
+                             "which leaves no room for a generated token")
+        if params.max_tokens is None:
+            params = params.clone()
+            params.max_tokens = max_len - n
+        if n + params.max_tokens > max_len:
+            raise ValueError(
+                f"the prompt ({n} tokens) plus max_tokens ({params.max_tokens}) exceeds max_model_len ({max_len})"
+            )
+        if n + params.max_tokens > self.kv_capacity_tokens:
+            raise ValueError(
+                f"the prompt ({n} tokens) plus max_tokens ({params.max_tokens}) exceeds the KV cache capacity "
+                f"({self.kv_capacity_tokens} tokens)"
+            )
+        bad_stop = [t for t in params.stop_token_ids if t >= self.vocab_size]
+        if bad_stop:
+            raise ValueError(f"stop_token_ids {bad_stop} out of range for a vocabulary of {self.vocab_size}")
+        return params
+
+    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, *,
+                    prompt: Optional[str] = None, arrival_time: Optional[float] = None,
+                    priority: int = 0, cache_salt: Optional[str] = None) -> None:
+        if request_id in self.group_children:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        params = self.validate(list(prompt_token_ids), params)
+        limit = self.config.scheduler_config.max_waiting_requests
+        if limit is not None and self.scheduler.get_stats().num_waiting >= limit:
+            raise EngineOverloadedError(f"the waiting queue is full ({limit} requests)")
+        arrival = time.monotonic() if arrival_time is None else arrival_time
+        child_ids = [request_id] if params.n == 1 else [f"{request_id}#{i}" for i in range(params.n)]
+        reqs = [
+            Request(cid, prompt_token_ids, params, self.eos_token_id, arrival, priority, cache_salt,
+                    group_id=request_id, index=i)
+            for i, cid in enumerate(child_ids)
+        ]
+        for child in reqs[1:]:
+            child.status = RequestStatus.WAITING_FOR_FORK
+        reqs[0].forks_pending = reqs[1:]
+        self.output_processor.add_group(request_id, prompt, prompt_token_ids, params, child_ids, arrival)
+        self.group_children[request_id] = child_ids
+        for r in reqs:
+            self.scheduler.add_request(r)
+
+    def abort_requests(self, request_ids: Iterable[str]) -> None:
+        """Stop requests now (their blocks return to the pool); a final output follows on step()."""
+        now = time.monotonic()
+        for gid in request_ids:
+            children = self.group_children.get(gid)
+            if children is None:
+                continue
+            self.scheduler.finish_requests(children, RequestStatus.FINISHED_ABORTED)
+            for cid in children:
+                self.output_processor.abort_child(cid, now)
+            out = self.output_processor.make_output(gid, set())
+            del self.group_children[gid]
+            if out is not None:
+                self.pending_outputs.append(out)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished_requests() or bool(self.pending_outputs)
+
+    def get_num_unfinished_requests(self) -> int:
+        return len(self.group_children)
+
+    # ---- the heartbeat ------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        outputs, self.pending_outputs = self.pending_outputs, []
+        if not self.scheduler.has_unfinished_requests():
+            return outputs
+        sched_out = self.scheduler.schedule()
+        now = time.monotonic()
+        for item in sched_out.scheduled:
+            self.output_processor.mark_scheduled(item.req_id, now)
+        result = self.executor.execute(sched_out)
+        touched = self.scheduler.update_from_output(sched_out, result)
+        now = time.monotonic()
+        op = self.output_processor
+        for rid, entries in result.prompt_logprobs.items():
+            op.record_prompt_logprobs(rid, entries)
+        lp_by_req = dict(zip(result.req_ids, result.logprobs))
+        by_group: dict[str, set[int]] = {}
+        stopped: list[str] = []
+        for req, k in touched:
+            if k == 0:
+                continue
+            new_tokens = req.output_token_ids[-k:]
+            if req.num_output_tokens == k and req.index == 0:
+                self.prompt_tokens += req.num_prompt_tokens
+            self.generation_tokens += k
+            lp = lp_by_req.get(req.request_id)
+            stop = op.process(req, new_tokens, [lp] * k if lp is not None else None, now)
+            if stop is not None:
+                req.stop_reason = stop
+                stopped.append(req.request_id)
+            by_group.setdefault(req.group_id, set()).add(req.index)
+        if stopped:
+            self.scheduler.finish_requests(stopped, RequestStatus.FINISHED_STOPPED)
+        for gid, idxs in by_group.items():
+            out = op.make_output(gid, idxs)
+            if out is not None:
+                outputs.append(out)
+                if out.finished:
+                    self.group_children.pop(gid, None)
+        return outputs
+
+    def get_stats(self) -> EngineStats:
+        s = self.scheduler.get_stats()
+        return EngineStats(
+            num_running=s.num_running, num_waiting=s.num_waiting + s.num_swapped,
+            kv_cache_usage=s.kv_cache_usage, num_total_blocks=s.num_total_blocks,
+            num_free_blocks=s.num_free_blocks, num_cached_blocks=s.num_cached_blocks,
+            prefix_cache_queries=s.prefix_cache_queries, prefix_cache_hits=s.prefix_cache_hits,
+            num_preemptions=s.num_preemptions, prompt_tokens=self.prompt_tokens,
+            generation_tokens=self.generation_tokens,
+        )
+
+    def check_health(self) -> None:
+        self.executor.check_health()
+
+    def shutdown(self) -> None:
+        self.executor.shutdown()

@@ -1,0 +1,50 @@
+"""Command-line flags for every EngineArgs field, named as vLLM names them (--max-num-seqs, -tp, ...)."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import typing
+
+from roofline.config import EngineArgs
+
+_SHORT = {"tensor_parallel_size": ["-tp"]}
+_HELP = {
+    "model": "HF model directory or .gguf file (default: the embedded SmolLM2-135M-Instruct)",
+    "load_format": "auto | safetensors | gguf | dummy (random weights)",
+    "kv_cache_memory": "bytes for the KV pool on CPU",
+    "num_kv_blocks": "force the number of KV blocks",
+    "preemption_mode": "recompute | swap",
+    "scheduling_policy": "fcfs | priority",
+    "attention_backend": "auto | torch | triton",
+}
+
+
+def _base_type(tp):
+    origin = typing.get_origin(tp)
+    if origin is typing.Union:
+        args = [a for a in typing.get_args(tp) if a is not type(None)]
+        return args[0]
+    return tp
+
+
+def add_engine_args(parser: argparse.ArgumentParser, skip: tuple[str, ...] = ()) -> None:
+    group = parser.add_argument_group("engine")
+    hints = typing.get_type_hints(EngineArgs)
+    for f in dataclasses.fields(EngineArgs):
+        if f.name in skip:
+            continue
+        tp = _base_type(hints[f.name])
+        names = ["--" + f.name.replace("_", "-")] + _SHORT.get(f.name, [])
+        help_text = _HELP.get(f.name, "") + f" (default: {f.default})"
+        if tp is bool:
+            group.add_argument(*names, dest=f.name, action=argparse.BooleanOptionalAction,
+                               default=f.default, help=help_text)
+        else:
+            group.add_argument(*names, dest=f.name, type=tp, default=f.default, help=help_text)
+
+
+def engine_args_from(ns: argparse.Namespace, **overrides) -> EngineArgs:
+    values = {f.name: getattr(ns, f.name) for f in dataclasses.fields(EngineArgs) if hasattr(ns, f.name)}
+    values.update(overrides)
+    return EngineArgs(**values)

@@ -1,0 +1,121 @@
+"""Linear layers that know their tensor-parallel shard and load their own slice of a checkpoint.
+
+Column-parallel: the output dimension is split; each rank holds weight rows [rank*n/tp, (rank+1)*n/tp).
+Row-parallel: the input dimension is split; partial products are summed by one all-reduce.
+QKV-parallel: Q heads split on head boundaries, KV heads split too or replicated when tp > num_kv_heads.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from roofline.distributed.parallel_state import get_tp_rank, get_tp_size, tp_all_reduce
+
+
+def _divide(n: int, d: int, what: str) -> int:
+    if n % d:
+        raise ValueError(f"{what} ({n}) is not divisible by tensor_parallel_size ({d})")
+    return n // d
+
+
+class LinearBase(nn.Module):
+    def __init__(self, in_features: int, out_features: int, bias: bool, dtype: Optional[torch.dtype] = None):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(out_features, in_features, dtype=dtype), requires_grad=False)
+        self.bias = nn.Parameter(torch.empty(out_features, dtype=dtype), requires_grad=False) if bias else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+
+class ReplicatedLinear(LinearBase):
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
+        param.data.copy_(loaded)
+
+
+class ColumnParallelLinear(LinearBase):
+    """y = x W^T, W's rows (outputs) split across ranks; output stays sharded."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = False, dtype=None):
+        self.tp_size, self.tp_rank = get_tp_size(), get_tp_rank()
+        super().__init__(in_features, _divide(out_features, self.tp_size, "output features"), bias, dtype)
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
+        n = param.shape[0]
+        param.data.copy_(loaded.narrow(0, self.tp_rank * n, n))
+
+
+class MergedColumnParallelLinear(ColumnParallelLinear):
+    """Several column-parallel outputs stored as one weight (gate and up projections)."""
+
+    def __init__(self, in_features: int, output_sizes: list[int], bias: bool = False, dtype=None):
+        self.output_sizes = output_sizes
+        super().__init__(in_features, sum(output_sizes), bias, dtype)
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: int = 0) -> None:
+        tp = self.tp_size
+        offset = sum(self.output_sizes[:shard_id]) // tp
+        n = self.output_sizes[shard_id] // tp
+        param.data.narrow(0, offset, n).copy_(loaded.narrow(0, self.tp_rank * n, n))
+
+
+class QKVParallelLinear(ColumnParallelLinear):
+    """Fused Q, K, V projections; each rank holds its query heads and their KV heads."""
+
+    def __init__(self, hidden_size: int, head_dim: int, num_heads: int, num_kv_heads: int, bias: bool = False, dtype=None):
+        tp = get_tp_size()
+        self.head_dim = head_dim
+        self.num_heads = _divide(num_heads, tp, "num_attention_heads")
+        if tp >= num_kv_heads:
+            if tp % num_kv_heads:
+                raise ValueError(
+                    f"tensor_parallel_size ({tp}) must be a multiple of num_key_value_heads ({num_kv_heads}) "
+                    "when it exceeds it"
+                )
+            self.num_kv_heads = 1  # replicated: ranks r*kv/tp share KV head r // (tp/kv)
+            self.kv_replicas = tp // num_kv_heads
+        else:
+            self.num_kv_heads = _divide(num_kv_heads, tp, "num_key_value_heads")
+            self.kv_replicas = 1
+        self.tp_size, self.tp_rank = tp, get_tp_rank()
+        out = (self.num_heads + 2 * self.num_kv_heads) * head_dim
+        LinearBase.__init__(self, hidden_size, out, bias, dtype)
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: str = "q") -> None:
+        d = self.head_dim
+        q_size, kv_size = self.num_heads * d, self.num_kv_heads * d
+        if shard_id == "q":
+            offset, n, start = 0, q_size, self.tp_rank * q_size
+        else:
+            offset = q_size if shard_id == "k" else q_size + kv_size
+            n = kv_size
+            start = (self.tp_rank // self.kv_replicas) * kv_size
+        param.data.narrow(0, offset, n).copy_(loaded.narrow(0, start, n))
+
+
+class RowParallelLinear(LinearBase):
+    """y = sum over ranks of x_r W_r^T: input features split; one all-reduce joins the partials."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = False, dtype=None, reduce_results: bool = True):
+        self.tp_size, self.tp_rank = get_tp_size(), get_tp_rank()
+        self.reduce_results = reduce_results
+        super().__init__(_divide(in_features, self.tp_size, "input features"), out_features, bias, dtype)
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
+        if param.dim() == 1:  # bias: added once, after the reduction
+            param.data.copy_(loaded)
+            return
+        n = param.shape[1]
+        param.data.copy_(loaded.narrow(1, self.tp_rank * n, n))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = F.linear(x, self.weight)
+        if self.reduce_results:
+            y = tp_all_reduce(y)
+        if self.bias is not None:
+            y = y + self.bias
+        return y

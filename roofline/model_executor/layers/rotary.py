@@ -1,0 +1,115 @@
+"""Rotary position embedding (rotate-half form) with the rope-scaling variants of the Llama family.
+
+cos/sin are precomputed for every position up to max_position; a batch indexes them by its flat
+positions tensor, so no per-request work happens here.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import torch
+from torch import nn
+
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "dynamic", "yarn")
+
+
+def rope_parameters(hf_config) -> dict:
+    """rope_theta and scaling from either the transformers-5 `rope_parameters` or older fields."""
+    params = dict(getattr(hf_config, "rope_parameters", None) or {})
+    legacy = getattr(hf_config, "rope_scaling", None) or {}
+    for k, v in legacy.items():
+        params.setdefault(k, v)
+    if "rope_type" not in params:
+        params["rope_type"] = params.get("type", "default")
+    params.setdefault("rope_theta", getattr(hf_config, "rope_theta", 10000.0))
+    return params
+
+
+def _inv_freq(params: dict, dim: int, max_position: int) -> tuple[torch.Tensor, float]:
+    base = float(params["rope_theta"])
+    inv_freq = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+    rope_type = params["rope_type"]
+    attention_factor = 1.0
+    if rope_type == "default":
+        pass
+    elif rope_type == "linear":
+        inv_freq = inv_freq / float(params["factor"])
+    elif rope_type == "llama3":
+        factor = float(params["factor"])
+        low = float(params.get("low_freq_factor", 1.0))
+        high = float(params.get("high_freq_factor", 4.0))
+        old_len = float(params.get("original_max_position_embeddings", 8192))
+        low_wavelen, high_wavelen = old_len / low, old_len / high
+        wavelen = 2 * math.pi / inv_freq
+        scaled = torch.where(wavelen > low_wavelen, inv_freq / factor, inv_freq)
+        smooth = (old_len / wavelen - low) / (high - low)
+        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+        medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
+        inv_freq = torch.where(medium, smoothed, scaled)
+    elif rope_type == "yarn":
+        factor = float(params["factor"])
+        old_len = float(params.get("original_max_position_embeddings", max_position / factor))
+        beta_fast, beta_slow = float(params.get("beta_fast", 32)), float(params.get("beta_slow", 1))
+        mscale = params.get("mscale"), params.get("mscale_all_dim")
+
+        def get_mscale(scale, m=1.0):
+            return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+
+        if params.get("attention_factor") is not None:
+            attention_factor = float(params["attention_factor"])
+        elif mscale[0] and mscale[1]:
+            attention_factor = get_mscale(factor, mscale[0]) / get_mscale(factor, mscale[1])
+        else:
+            attention_factor = get_mscale(factor)
+
+        def correction_dim(rot):
+            return (dim * math.log(old_len / (rot * 2 * math.pi))) / (2 * math.log(base))
+
+        low = max(math.floor(correction_dim(beta_fast)), 0)
+        high = min(math.ceil(correction_dim(beta_slow)), dim - 1)
+        if low == high:
+            high += 0.001
+        ramp = ((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
+        extrapolation = 1 - ramp
+        pos_freqs = base ** (torch.arange(0, dim, 2).float() / dim)
+        inv_freq = (1.0 / (factor * pos_freqs)) * (1 - extrapolation) + (1.0 / pos_freqs) * extrapolation
+    elif rope_type == "dynamic":
+        # Dynamic NTK scaling changes with sequence length; for lengths within the original window
+        # it equals the default rope, which is what we support (max_model_len is capped there).
+        pass
+    else:
+        raise ValueError(f"unsupported rope_type {rope_type!r}; supported: {SUPPORTED_ROPE_TYPES}")
+    return inv_freq, attention_factor
+
+
+class RotaryEmbedding(nn.Module):
+    def __init__(self, head_dim: int, max_position: int, params: dict, rotary_dim: Optional[int] = None):
+        super().__init__()
+        self.head_dim = head_dim
+        self.rotary_dim = rotary_dim or head_dim
+        inv_freq, attention_factor = _inv_freq(params, self.rotary_dim, max_position)
+        t = torch.arange(max_position, dtype=torch.int64).float()
+        freqs = torch.outer(t, inv_freq)  # [P, rot/2]
+        emb = torch.cat((freqs, freqs), dim=-1)
+        self.register_buffer("cos_cache", emb.cos() * attention_factor, persistent=False)
+        self.register_buffer("sin_cache", emb.sin() * attention_factor, persistent=False)
+
+    @staticmethod
+    def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+        half = x.shape[-1] // 2
+        return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
+        """q [N, H, D], k [N, H_kv, D] rotated at their positions [N]."""
+        cos = self.cos_cache[positions].unsqueeze(1).to(q.dtype)  # [N, 1, rot]
+        sin = self.sin_cache[positions].unsqueeze(1).to(q.dtype)
+        r = self.rotary_dim
+        if r == self.head_dim:
+            return q * cos + self._rotate_half(q) * sin, k * cos + self._rotate_half(k) * sin
+        q_rot, q_pass = q[..., :r], q[..., r:]
+        k_rot, k_pass = k[..., :r], k[..., r:]
+        q = torch.cat((q_rot * cos + self._rotate_half(q_rot) * sin, q_pass), dim=-1)
+        k = torch.cat((k_rot * cos + self._rotate_half(k_rot) * sin, k_pass), dim=-1)
+        return q, k

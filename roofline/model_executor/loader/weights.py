@@ -1,0 +1,93 @@
+"""Weight iterators: safetensors shards, GGUF (dequantized with the gguf package), random (dummy).
+
+Each yields (HF parameter name, tensor) so a model's load_weights reads one naming scheme.
+"""
+
+from __future__ import annotations
+
+import glob
+import os
+import re
+from typing import Iterator
+
+import numpy as np
+import torch
+from tqdm import tqdm
+
+
+def safetensors_weights(path: str, show_progress: bool = True) -> Iterator[tuple[str, torch.Tensor]]:
+    from safetensors import safe_open
+
+    files = sorted(glob.glob(os.path.join(path, "*.safetensors")))
+    for f in tqdm(files, desc="Loading safetensors shards", disable=not show_progress or len(files) < 2):
+        with safe_open(f, framework="pt") as st:
+            for name in st.keys():
+                yield name, st.get_tensor(name)
+
+
+_GGUF_NAMES = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
+_GGUF_LAYER = {
+    "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+
+
+def gguf_name_to_hf(name: str) -> str | None:
+    if name in _GGUF_NAMES:
+        return _GGUF_NAMES[name]
+    m = re.match(r"blk\.(\d+)\.([a-z_]+)\.(weight|bias)$", name)
+    if m and m.group(2) in _GGUF_LAYER:
+        return f"model.layers.{m.group(1)}.{_GGUF_LAYER[m.group(2)]}.{m.group(3)}"
+    return None  # e.g. rope_freqs: recomputed from the config
+
+
+def _unpermute(w: torch.Tensor, n_head: int) -> torch.Tensor:
+    """Undo llama.cpp's Q/K row permutation (interleaved rope pairs -> rotate-half halves)."""
+    out = w.shape[0]
+    return w.reshape(n_head, out // n_head // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def gguf_weights(file: str, hf_config, show_progress: bool = True) -> Iterator[tuple[str, torch.Tensor]]:
+    import gguf
+
+    reader = gguf.GGUFReader(file)
+    arch = reader.fields["general.architecture"].contents()
+    permute_qk = arch in ("llama", "mistral")
+    n_head = hf_config.num_attention_heads
+    n_kv = getattr(hf_config, "num_key_value_heads", None) or n_head
+    for t in tqdm(reader.tensors, desc="Dequantizing GGUF tensors", disable=not show_progress):
+        name = gguf_name_to_hf(t.name)
+        if name is None:
+            continue
+        arr = gguf.quants.dequantize(t.data, t.tensor_type)
+        shape = tuple(int(d) for d in reversed(t.shape))  # ggml lists the fastest dim first
+        w = torch.from_numpy(np.array(arr, dtype=np.float32).reshape(shape))
+        if permute_qk and name.endswith("q_proj.weight"):
+            w = _unpermute(w, n_head)
+        elif permute_qk and name.endswith("k_proj.weight"):
+            w = _unpermute(w, n_kv)
+        yield name, w
+
+
+def init_dummy_weights(model: torch.nn.Module, seed: int = 0) -> None:
+    """Random weights, small enough that activations stay finite (norm weights stay at 1)."""
+    g = torch.Generator().manual_seed(seed)
+    for name, p in model.named_parameters():
+        if "norm" in name:
+            p.data.fill_(1.0)
+        else:
+            cpu = torch.empty(p.shape, dtype=torch.float32).uniform_(-0.05, 0.05, generator=g)
+            p.data.copy_(cpu.to(p.dtype))

@@ -1,0 +1,198 @@
+"""The Llama family: Llama 2/3/3.1, Mistral, SmolLM (LlamaForCausalLM), Qwen2 (qkv bias) and
+Qwen3 (per-head q/k RMSNorm).  One flat batch of N tokens from many requests goes through:
+
+    x [N x d] = embed(input_ids)
+    per layer:  h = RMSNorm(x); qkv = h W_qkv [N x (H + 2 H_kv) D]; q, k = rope(q, k, positions)
+                write k, v into the paged cache at slot_mapping; o = attention(q, cache, block tables)
+                x = x + o W_o;  x = x + down(silu(gate(h')) * up(h'))   with h' = RMSNorm(x)
+    logits [T x V] = RMSNorm(x)[sample rows] W_lm^T
+"""
+
+from __future__ import annotations
+
+from typing import Iterable, Optional
+
+import torch
+from torch import nn
+
+from roofline.attention.backend import AttentionBackend, AttentionMetadata
+from roofline.model_executor.layers.activation import SiluAndMul
+from roofline.model_executor.layers.linear import (
+    MergedColumnParallelLinear,
+    QKVParallelLinear,
+    RowParallelLinear,
+)
+from roofline.model_executor.layers.norm import RMSNorm
+from roofline.model_executor.layers.rotary import RotaryEmbedding, rope_parameters
+from roofline.model_executor.layers.vocab_embedding import ParallelLMHead, VocabParallelEmbedding
+
+
+class LlamaAttention(nn.Module):
+    def __init__(self, config, layer_idx: int, backend: AttentionBackend, qk_norm: bool, bias: bool, o_bias: bool):
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.backend = backend
+        hidden = config.hidden_size
+        total_heads = config.num_attention_heads
+        total_kv = getattr(config, "num_key_value_heads", None) or total_heads
+        self.head_dim = getattr(config, "head_dim", None) or hidden // total_heads
+        self.qkv_proj = QKVParallelLinear(hidden, self.head_dim, total_heads, total_kv, bias=bias)
+        self.num_heads, self.num_kv_heads = self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads
+        self.q_size, self.kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        self.o_proj = RowParallelLinear(total_heads * self.head_dim, hidden, bias=o_bias)
+        self.scale = self.head_dim**-0.5
+        self.rotary = RotaryEmbedding(
+            self.head_dim, config.max_position_embeddings, rope_parameters(config),
+            rotary_dim=int(self.head_dim * getattr(config, "partial_rotary_factor", 1.0)),
+        )
+        eps = config.rms_norm_eps
+        self.q_norm = RMSNorm(self.head_dim, eps) if qk_norm else None
+        self.k_norm = RMSNorm(self.head_dim, eps) if qk_norm else None
+
+    def forward(self, positions, x, kv_cache: torch.Tensor, meta: AttentionMetadata):
+        n = x.shape[0]
+        qkv = self.qkv_proj(x)  # [N, (H + 2 H_kv) D]
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(n, self.num_heads, self.head_dim)
+        k = k.view(n, self.num_kv_heads, self.head_dim)
+        v = v.view(n, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = self.rotary(positions, q, k)
+        self.backend.write_kv(k, v, kv_cache, meta.slot_mapping)
+        o = self.backend.forward(q, kv_cache, meta, self.scale)  # [N, H, D]
+        return self.o_proj(o.reshape(n, self.q_size))
+
+
+class LlamaMLP(nn.Module):
+    def __init__(self, config):
+        super().__init__()
+        bias = getattr(config, "mlp_bias", False)
+        self.gate_up_proj = MergedColumnParallelLinear(
+            config.hidden_size, [config.intermediate_size] * 2, bias=bias
+        )
+        self.down_proj = RowParallelLinear(config.intermediate_size, config.hidden_size, bias=bias)
+        act = getattr(config, "hidden_act", "silu")
+        if act != "silu":
+            raise ValueError(f"unsupported hidden_act {act!r} (only silu)")
+        self.act = SiluAndMul()
+
+    def forward(self, x):
+        return self.down_proj(self.act(self.gate_up_proj(x)))
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(self, config, layer_idx: int, backend: AttentionBackend, qk_norm: bool, qkv_bias: bool, o_bias: bool):
+        super().__init__()
+        self.self_attn = LlamaAttention(config, layer_idx, backend, qk_norm, qkv_bias, o_bias)
+        self.mlp = LlamaMLP(config)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(self, positions, x, residual: Optional[torch.Tensor], kv_cache, meta):
+        if residual is None:
+            residual = x
+            h = self.input_layernorm(x)
+        else:
+            h, residual = self.input_layernorm(x, residual)
+        h = self.self_attn(positions, h, kv_cache, meta)
+        h, residual = self.post_attention_layernorm(h, residual)
+        return self.mlp(h), residual
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, config, backend: AttentionBackend, qk_norm: bool, qkv_bias: bool, o_bias: bool):
+        super().__init__()
+        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(
+            LlamaDecoderLayer(config, i, backend, qk_norm, qkv_bias, o_bias) for i in range(config.num_hidden_layers)
+        )
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(self, input_ids, positions, kv_caches: list[torch.Tensor], meta: AttentionMetadata):
+        x = self.embed_tokens(input_ids)
+        residual = None
+        for layer, kv_cache in zip(self.layers, kv_caches):
+            x, residual = layer(positions, x, residual, kv_cache, meta)
+        x, _ = self.norm(x, residual)
+        return x
+
+
+class LlamaForCausalLM(nn.Module):
+    qk_norm = False
+    qkv_bias_default = False
+    o_bias_follows_qkv = True  # Llama/Qwen3: o_proj has a bias iff attention_bias; Qwen2: never
+
+    # checkpoint name fragment -> (our parameter fragment, shard id)
+    stacked_params = [
+        (".q_proj", ".qkv_proj", "q"),
+        (".k_proj", ".qkv_proj", "k"),
+        (".v_proj", ".qkv_proj", "v"),
+        (".gate_proj", ".gate_up_proj", 0),
+        (".up_proj", ".gate_up_proj", 1),
+    ]
+
+    def __init__(self, config, backend: AttentionBackend):
+        super().__init__()
+        self.config = config
+        qkv_bias = getattr(config, "attention_bias", self.qkv_bias_default)
+        o_bias = qkv_bias and self.o_bias_follows_qkv
+        self.model = LlamaModel(config, backend, self.qk_norm, qkv_bias, o_bias)
+        self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
+        self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size)
+        if self.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    def forward(self, input_ids, positions, kv_caches, meta) -> torch.Tensor:
+        return self.model(input_ids, positions, kv_caches, meta)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head.compute_logits(hidden)
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        """Load checkpoint tensors named as in HF; returns the parameters that were filled."""
+        params = dict(self.named_parameters(remove_duplicate=False))
+        loaded: set[str] = set()
+        for name, tensor in weights:
+            if "rotary_emb.inv_freq" in name:
+                continue
+            if self.tie_word_embeddings and name.startswith("lm_head."):
+                continue  # tied to the embedding
+            for frag, ours, shard in self.stacked_params:
+                if frag in name:
+                    target = name.replace(frag, ours)
+                    if target not in params:
+                        break
+                    p = params[target]
+                    self._owner(target).weight_loader(p, tensor.to(p.dtype), shard)
+                    loaded.add(target)
+                    break
+            else:
+                if name not in params:
+                    raise ValueError(f"checkpoint tensor {name!r} has no matching parameter in {type(self).__name__}")
+                p = params[name]
+                owner = self._owner(name)
+                if hasattr(owner, "weight_loader"):
+                    owner.weight_loader(p, tensor.to(p.dtype))
+                else:
+                    p.data.copy_(tensor.to(p.dtype))
+                loaded.add(name)
+        if self.tie_word_embeddings:
+            loaded.add("lm_head.weight")
+        return loaded
+
+    def _owner(self, param_name: str) -> nn.Module:
+        return self.get_submodule(param_name.rsplit(".", 1)[0])
+
+
+class Qwen2ForCausalLM(LlamaForCausalLM):
+    qkv_bias_default = True
+    o_bias_follows_qkv = False
+
+
+class Qwen3ForCausalLM(LlamaForCausalLM):
+    qk_norm = True
+
+
+class MistralForCausalLM(LlamaForCausalLM):
+    pass

@@ -1,0 +1,154 @@
+"""ModelRunner: turns a SchedulerOutput into one flat forward pass and sampled tokens.
+
+Flat batch for R requests with C_r new tokens each (N = sum C_r rows, no padding):
+    input_ids [N], positions [N], slot_mapping [N]
+    query_start_loc [R+1] (cu_seqlens of the queries), seq_lens [R] (= S_r + C_r), block_tables [R x B]
+Decodes (C_r = 1) are placed first so attention backends can batch them.  Logits are computed only
+at the rows that sample (the last row of a request that reached its last known token) and at the
+prompt rows of requests that asked for prompt logprobs.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Optional
+
+import numpy as np
+import torch
+
+from roofline.attention.backend import AttentionMetadata
+from roofline.core.scheduler_output import (
+    ModelRunnerOutput,
+    PositionLogprobs,
+    ScheduledRequest,
+    SchedulerOutput,
+)
+from roofline.model_executor.layers.sampler import Sampler, SamplingState, prompt_logprobs_rows
+
+logger = logging.getLogger(__name__)
+
+
+class ModelRunner:
+    def __init__(self, model: torch.nn.Module, kv_caches: list[torch.Tensor], block_size: int,
+                 device: torch.device, swap_caches: Optional[list[torch.Tensor]] = None) -> None:
+        self.model = model
+        self.kv_caches = kv_caches
+        self.swap_caches = swap_caches
+        self.block_size = block_size
+        self.device = device
+        self.sampler = Sampler()
+        self.states: dict[str, SamplingState] = {}
+
+    # ---- block movement ----------------------------------------------------------------------
+    def _move_blocks(self, out: SchedulerOutput) -> None:
+        if out.blocks_to_swap_out:
+            src = torch.tensor([d for d, _ in out.blocks_to_swap_out], device=self.device)
+            dst = torch.tensor([c for _, c in out.blocks_to_swap_out])
+            for cache, swap in zip(self.kv_caches, self.swap_caches):
+                swap[:, dst] = cache[:, src].to("cpu")
+        if out.blocks_to_swap_in:
+            src = torch.tensor([c for c, _ in out.blocks_to_swap_in])
+            dst = torch.tensor([d for _, d in out.blocks_to_swap_in], device=self.device)
+            for cache, swap in zip(self.kv_caches, self.swap_caches):
+                cache[:, dst] = swap[:, src].to(self.device)
+        if out.blocks_to_copy:
+            src = torch.tensor([s for s, _ in out.blocks_to_copy], device=self.device)
+            dst = torch.tensor([d for _, d in out.blocks_to_copy], device=self.device)
+            for cache in self.kv_caches:
+                cache[:, dst] = cache[:, src]
+
+    def _update_states(self, out: SchedulerOutput) -> None:
+        for rid in out.finished_req_ids:
+            self.states.pop(rid, None)
+        for new in out.new_requests:
+            gen = torch.Generator(device=self.device)
+            gen.manual_seed(new.generator_seed)
+            self.states[new.req_id] = SamplingState(
+                spec=new.sampling,
+                generator=gen,
+                prompt_token_ids=new.prompt_token_ids,
+                output_token_ids=list(new.output_token_ids),
+            )
+
+    # ---- the step ----------------------------------------------------------------------------
+    def _prepare(self, items: list[ScheduledRequest]):
+        bs = self.block_size
+        lens = [len(s.token_ids) for s in items]
+        n = sum(lens)
+        input_ids = np.empty(n, dtype=np.int64)
+        positions = np.empty(n, dtype=np.int64)
+        slots = np.empty(n, dtype=np.int64)
+        qsl = [0]
+        seq_lens = []
+        max_blocks = max(len(s.block_ids) for s in items)
+        tables = np.zeros((len(items), max_blocks), dtype=np.int32)
+        off = 0
+        for r, s in enumerate(items):
+            c = lens[r]
+            pos = np.arange(s.num_computed_tokens, s.num_computed_tokens + c, dtype=np.int64)
+            table = np.asarray(s.block_ids, dtype=np.int64)
+            input_ids[off : off + c] = s.token_ids
+            positions[off : off + c] = pos
+            slots[off : off + c] = table[pos // bs] * bs + pos % bs
+            tables[r, : len(s.block_ids)] = s.block_ids
+            off += c
+            qsl.append(off)
+            seq_lens.append(s.num_computed_tokens + c)
+        dev = self.device
+        meta = AttentionMetadata(
+            num_tokens=n,
+            num_reqs=len(items),
+            num_decodes=sum(1 for c in lens if c == 1),
+            query_start_loc=torch.tensor(qsl, dtype=torch.int32, device=dev),
+            seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=dev),
+            block_tables=torch.from_numpy(tables).to(dev),
+            slot_mapping=torch.from_numpy(slots).to(dev),
+            max_query_len=max(lens),
+            max_seq_len=max(seq_lens),
+            query_start_loc_cpu=qsl,
+            seq_lens_cpu=seq_lens,
+        )
+        return torch.from_numpy(input_ids).to(dev), torch.from_numpy(positions).to(dev), meta
+
+    @torch.inference_mode()
+    def execute(self, out: SchedulerOutput) -> ModelRunnerOutput:
+        self._update_states(out)
+        self._move_blocks(out)
+        result = ModelRunnerOutput(req_ids=[], sampled_token_ids=[], logprobs=[], prompt_logprobs={})
+        if not out.scheduled:
+            return result
+        # decodes first (stable order otherwise)
+        items = sorted(out.scheduled, key=lambda s: len(s.token_ids) != 1)
+        input_ids, positions, meta = self._prepare(items)
+        hidden = self.model(input_ids, positions, self.kv_caches, meta)  # [N, d]
+
+        sample_rows, sample_reqs = [], []
+        prompt_lp_jobs = []  # (req_id, first row, rows, next tokens, k)
+        for r, s in enumerate(items):
+            q0, q1 = meta.query_start_loc_cpu[r], meta.query_start_loc_cpu[r + 1]
+            st = self.states[s.req_id]
+            if st.spec.prompt_logprobs is not None and s.num_computed_tokens < len(st.prompt_token_ids):
+                # row at position p predicts prompt token p+1
+                p0 = s.num_computed_tokens
+                p1 = min(s.num_computed_tokens + (q1 - q0), len(st.prompt_token_ids) - 1)
+                if p1 > p0:
+                    prompt_lp_jobs.append((s.req_id, q0, p1 - p0, st.prompt_token_ids[p0 + 1 : p1 + 1],
+                                           st.spec.prompt_logprobs))
+                else:
+                    result.prompt_logprobs[s.req_id] = []
+            if s.sample:
+                sample_rows.append(q1 - 1)
+                sample_reqs.append(s.req_id)
+        for rid, row0, count, next_tokens, k in prompt_lp_jobs:
+            logits = self.model.compute_logits(hidden[row0 : row0 + count])
+            result.prompt_logprobs[rid] = prompt_logprobs_rows(logits, next_tokens, k)
+        if sample_rows:
+            logits = self.model.compute_logits(hidden[torch.tensor(sample_rows, device=hidden.device)])
+            states = [self.states[rid] for rid in sample_reqs]
+            tokens, lps = self.sampler(logits, states)
+            for rid, st, tok in zip(sample_reqs, states, tokens):
+                st.output_token_ids.append(tok)
+            result.req_ids = sample_reqs
+            result.sampled_token_ids = [[t] for t in tokens]
+            result.logprobs = lps
+        return result

@@ -1,0 +1,156 @@
+"""Worker: one device's model, KV pool and ModelRunner.  Loads weights (its shard under TP),
+sizes and allocates the paged KV cache, executes SchedulerOutputs.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Optional
+
+import torch
+
+from roofline.attention.backend import get_attention_backend
+from roofline.config import GiB, EngineConfig
+from roofline.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
+from roofline.model_executor.loader.source import ModelSource
+from roofline.model_executor.loader.weights import gguf_weights, init_dummy_weights, safetensors_weights
+from roofline.model_executor.models.registry import resolve_architecture
+from roofline.worker.model_runner import ModelRunner
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_CPU_KV_BYTES = 2 * GiB
+
+_DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+           "float16": torch.float16, "fp16": torch.float16, "half": torch.float16}
+
+
+def resolve_dtype(dtype: str, device: str) -> torch.dtype:
+    if dtype == "auto":
+        return torch.bfloat16 if device.startswith("cuda") else torch.float32
+    if dtype not in _DTYPES:
+        raise ValueError(f"unknown dtype {dtype!r}; choose one of auto, {', '.join(sorted(_DTYPES))}")
+    return _DTYPES[dtype]
+
+
+def kv_bytes_per_block(hf_config, model: torch.nn.Module, block_size: int, dtype: torch.dtype) -> int:
+    attn = model.model.layers[0].self_attn
+    per_token = 2 * attn.num_kv_heads * attn.head_dim * torch.tensor([], dtype=dtype).element_size()
+    return per_token * block_size * len(model.model.layers)
+
+
+class Worker:
+    def __init__(self, config: EngineConfig, source: ModelSource, rank: int = 0, show_progress: bool = True) -> None:
+        self.config = config
+        self.rank = rank
+        dc = config.device_config
+        self.device = torch.device(dc.device)
+        if self.device.type == "cuda" and self.device.index is None:
+            self.device = torch.device("cuda", torch.cuda.current_device())
+        self.dtype = resolve_dtype(config.model_config.dtype, dc.device)
+        self.hf_config = config.model_config.hf_config
+        t0 = time.monotonic()
+        self.model = self._load_model(source, show_progress and rank == 0)
+        self.load_time = time.monotonic() - t0
+        self.num_blocks = 0
+        self.runner: Optional[ModelRunner] = None
+
+    def _load_model(self, source: ModelSource, show_progress: bool) -> torch.nn.Module:
+        arch, cls = resolve_architecture(self.hf_config)
+        backend = get_attention_backend(self.config.device_config.attention_backend, self.config.device_config.device)
+        torch.manual_seed(self.config.model_config.seed)
+        prev = torch.get_default_dtype()
+        torch.set_default_dtype(self.dtype)  # parameters in the target dtype; rope tables stay fp32
+        try:
+            with torch.device(self.device):
+                model = cls(self.hf_config, backend)
+        finally:
+            torch.set_default_dtype(prev)
+        if source.fmt == "dummy":
+            init_dummy_weights(model, self.config.model_config.seed)
+        else:
+            if source.fmt == "gguf":
+                import os
+
+                weights = gguf_weights(os.path.join(source.path, source.gguf_file), self.hf_config, show_progress)
+            else:
+                weights = safetensors_weights(source.path, show_progress)
+            loaded = model.load_weights(weights)
+            expected = {n for n, _ in model.named_parameters(remove_duplicate=False)}
+            missing = expected - loaded
+            if missing:
+                raise ValueError(f"checkpoint is missing tensors: {sorted(missing)[:8]}{' ...' if len(missing) > 8 else ''}")
+        model.eval()
+        logger.info("loaded %s (%s, %s) on %s", arch, source.fmt, self.dtype, self.device)
+        return model
+
+    # ---- KV pool ------------------------------------------------------------------------------
+    def block_bytes(self) -> int:
+        return kv_bytes_per_block(self.hf_config, self.model, self.config.cache_config.block_size, self.dtype)
+
+    def determine_num_blocks(self) -> int:
+        cc = self.config.cache_config
+        if cc.num_kv_blocks is not None:
+            return cc.num_kv_blocks
+        if self.device.type == "cuda":
+            return self._profile_cuda_blocks()
+        budget = cc.kv_cache_memory if cc.kv_cache_memory is not None else DEFAULT_CPU_KV_BYTES
+        return max(budget // self.block_bytes(), 1)
+
+    @torch.inference_mode()
+    def _profile_cuda_blocks(self) -> int:
+        """Run a maximum-size dummy batch, then give the KV pool what the utilization target leaves."""
+        from roofline.attention.backend import AttentionMetadata
+
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(self.device)
+        n = self.config.scheduler_config.max_num_batched_tokens
+        attn = self.model.model.layers[0].self_attn
+        bs = self.config.cache_config.block_size
+        nblocks = -(-n // bs)
+        caches = [torch.zeros(2, nblocks, bs, attn.num_kv_heads, attn.head_dim, dtype=self.dtype, device=self.device)
+                  for _ in self.model.model.layers]
+        ids = torch.zeros(n, dtype=torch.long, device=self.device)
+        pos = torch.arange(n, device=self.device) % self.hf_config.max_position_embeddings
+        meta = AttentionMetadata(
+            num_tokens=n, num_reqs=1, num_decodes=0,
+            query_start_loc=torch.tensor([0, n], dtype=torch.int32, device=self.device),
+            seq_lens=torch.tensor([n], dtype=torch.int32, device=self.device),
+            block_tables=torch.arange(nblocks, dtype=torch.int32, device=self.device)[None],
+            slot_mapping=torch.arange(n, device=self.device), max_query_len=n, max_seq_len=n,
+            query_start_loc_cpu=[0, n], seq_lens_cpu=[n],
+        )
+        hidden = self.model(ids, pos, caches, meta)
+        self.model.compute_logits(hidden[-min(n, self.config.scheduler_config.max_num_seqs):])
+        torch.cuda.synchronize(self.device)
+        peak = torch.cuda.max_memory_allocated(self.device)
+        del caches, hidden
+        torch.cuda.empty_cache()
+        free, total = torch.cuda.mem_get_info(self.device)
+        budget = total * self.config.cache_config.gpu_memory_utilization - peak - (total - free - torch.cuda.memory_allocated(self.device))
+        blocks = int(max(budget, 0) // self.block_bytes())
+        logger.info("memory profile: peak activations+weights %.2f GiB of %.2f GiB", peak / GiB, total / GiB)
+        if blocks <= 0:
+            raise RuntimeError("no memory left for the KV cache; lower max_num_batched_tokens or raise gpu_memory_utilization")
+        return blocks
+
+    def init_kv_cache(self, num_blocks: int, num_swap_blocks: int = 0) -> None:
+        attn = self.model.model.layers[0].self_attn
+        bs = self.config.cache_config.block_size
+        shape = (2, num_blocks, bs, attn.num_kv_heads, attn.head_dim)
+        # zeros, not empty: masked-out (never written) slots must not hold NaN bit patterns
+        caches = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in self.model.model.layers]
+        swap = None
+        if num_swap_blocks:
+            swap_shape = (2, num_swap_blocks, bs, attn.num_kv_heads, attn.head_dim)
+            swap = [torch.zeros(swap_shape, dtype=self.dtype, device="cpu",
+                                pin_memory=self.device.type == "cuda") for _ in self.model.model.layers]
+        self.num_blocks = num_blocks
+        self.runner = ModelRunner(self.model, caches, bs, self.device, swap)
+        total = num_blocks * self.block_bytes()
+        logger.info("KV cache: %d blocks x %d tokens = %d tokens, %.3f GiB", num_blocks, bs, num_blocks * bs, total / GiB)
+
+    def execute(self, out: SchedulerOutput) -> ModelRunnerOutput:
+        assert self.runner is not None, "init_kv_cache first"
+        return self.runner.execute(out)

@@ -1,0 +1,40 @@
+"""Shared fixtures: the default model (loaded once per session) and its HF reference."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
+
+
+@pytest.fixture(scope="session")
+def default_llm():
+    from roofline import LLM
+
+    return LLM(dtype="float32", device="cpu", num_kv_blocks=1024, show_progress=False)
+
+
+@pytest.fixture(scope="session")
+def hf_default_model():
+    from transformers import AutoModelForCausalLM
+
+    from roofline.model_executor.loader.source import default_model_file
+
+    f = default_model_file()
+    return AutoModelForCausalLM.from_pretrained(os.path.dirname(f), gguf_file=os.path.basename(f),
+                                                dtype=torch.float32).eval()
+
+
+@pytest.fixture(scope="session")
+def tiny_models(tmp_path_factory):
+    """arch -> (checkpoint dir, HF model) for tiny random Llama, Qwen2, Qwen3."""
+    from tests.reference.hf_models import build_tiny_model
+
+    out = {}
+    for arch in ("llama", "qwen2", "qwen3"):
+        path = str(tmp_path_factory.mktemp(f"tiny-{arch}"))
+        out[arch] = (path, build_tiny_model(arch, path, seed=1))
+    return out

@@ -1,0 +1,67 @@
+"""HF-parity helpers: tiny random HF models saved as real checkpoints, and HF greedy references."""
+
+from __future__ import annotations
+
+import os
+from typing import Optional
+
+import torch
+
+TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, vocab_size=384, max_position_embeddings=512, rms_norm_eps=1e-6,
+            initializer_range=0.25, tie_word_embeddings=False)
+
+
+def tiny_config(arch: str, **overrides):
+    from transformers import LlamaConfig, Qwen2Config, Qwen3Config
+
+    kw = dict(TINY, **overrides)
+    if arch == "llama":
+        cfg = LlamaConfig(**kw)
+    elif arch == "qwen2":
+        cfg = Qwen2Config(**kw)
+    elif arch == "qwen3":
+        kw.setdefault("head_dim", 16)
+        cfg = Qwen3Config(**kw)
+    else:
+        raise ValueError(arch)
+    return cfg
+
+
+def build_tiny_model(arch: str, path: str, seed: int = 0, **overrides):
+    """Random HF model saved to `path` (config.json + model.safetensors); returns the HF model (fp32)."""
+    from transformers import AutoModelForCausalLM
+
+    cfg = tiny_config(arch, **overrides)
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
+    with torch.no_grad():  # visible biases / norm weights so every parameter matters
+        for name, p in model.named_parameters():
+            if name.endswith("bias") or "norm" in name:
+                p.add_(torch.randn_like(p) * 0.1)
+    model.eval()
+    os.makedirs(path, exist_ok=True)
+    model.save_pretrained(path, safe_serialization=True)
+    return model
+
+
+@torch.no_grad()
+def hf_greedy(model, prompt_ids: list[int], max_new_tokens: int, eos_token_id: Optional[int] = None) -> list[int]:
+    ids = torch.tensor([prompt_ids])
+    out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens, do_sample=False,
+                         eos_token_id=eos_token_id, pad_token_id=0, min_new_tokens=0 if eos_token_id else max_new_tokens)
+    return out[0, len(prompt_ids):].tolist()
+
+
+@torch.no_grad()
+def hf_logprobs(model, token_ids: list[int]) -> torch.Tensor:
+    """log-softmax of the next-token logits at every position of token_ids: [L x V]."""
+    logits = model(torch.tensor([token_ids])).logits[0].float()
+    return logits.log_softmax(-1)
+
+
+def random_prompts(n: int, vocab: int, lo: int, hi: int, seed: int = 0) -> list[list[int]]:
+    import random
+
+    rng = random.Random(seed)
+    return [[rng.randrange(3, vocab) for _ in range(rng.randint(lo, hi))] for _ in range(n)]
