@@ -158,6 +158,18 @@ class Scheduler:
             self._enqueue(victim, front=True)
         return returned
 
+    def _release_waiting_holder(self, keep: Request) -> bool:
+        """Free the blocks of a waiting request that holds some (a forked sibling not yet run);
+        it will recompute (cheaply, from the prefix cache).  Returns False when there is none."""
+        for r in reversed(self.waiting):
+            if r is not keep and r.request_id in self.kv.req_blocks:
+                self.kv.free(r)
+                r.num_computed_tokens = 0
+                r.num_preemptions += 1
+                self.num_preemptions += 1
+                return True
+        return False
+
     def _num_new_tokens(self, req: Request, budget: int) -> int:
         return min(req.num_tokens - req.num_computed_tokens, budget)
 
@@ -178,6 +190,8 @@ class Scheduler:
                 i += 1
                 continue
             while self.kv.allocate_slots(req, n) is None:
+                if self._release_waiting_holder(req):
+                    continue
                 victim = self._victim()
                 budget += self._preempt(victim, scheduled, swap_out)
                 preempted_any = True
@@ -224,6 +238,8 @@ class Scheduler:
                 break
             n = min(remaining, budget)
             if self.kv.allocate_slots(req, n, hits) is None:
+                if self._release_waiting_holder(req):
+                    continue
                 break
             self.waiting.pop(0)
             req.num_computed_tokens += num_hit

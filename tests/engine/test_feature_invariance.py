@@ -1,0 +1,84 @@
+"""Every engine feature leaves greedy output unchanged: prefix caching on/off, a token budget as
+small as 16 (chunked prefill), a pool so small that preemption happens (recompute and swap),
+block sizes 1/16/32, max_num_seqs=1 versus everything together."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from roofline import LLM, SamplingParams
+from tests.reference.hf_models import hf_greedy
+
+GREEDY = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
+
+
+def shared_prefix_prompts(vocab: int, n: int = 8, seed: int = 0) -> list[list[int]]:
+    rng = random.Random(seed)
+    prefix = [rng.randrange(3, vocab) for _ in range(37)]
+    prompts = []
+    for i in range(n):
+        tail = [rng.randrange(3, vocab) for _ in range(rng.randint(1, 30))]
+        prompts.append((prefix[: rng.randint(0, 37)] if i % 2 else prefix) + tail)
+    return prompts
+
+
+def run(path, prompts, **engine_args):
+    llm = LLM(path, dtype="float32", device="cpu", show_progress=False, **engine_args)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY, use_tqdm=False)
+    stats = llm.llm_engine.get_stats()
+    # every block back in the pool (cached ones are free too)
+    assert stats.num_free_blocks == stats.num_total_blocks
+    return [o.outputs[0].token_ids for o in outs], stats
+
+
+@pytest.fixture(scope="module")
+def tiny(tiny_models):
+    path, hf_model = tiny_models["llama"]
+    prompts = shared_prefix_prompts(hf_model.config.vocab_size)
+    reference = [hf_greedy(hf_model, p, GREEDY.max_tokens) for p in prompts]
+    return path, prompts, reference
+
+
+VARIANTS = {
+    "baseline": dict(num_kv_blocks=256),
+    "no_prefix_caching": dict(num_kv_blocks=256, enable_prefix_caching=False),
+    "budget_16": dict(num_kv_blocks=256, max_num_batched_tokens=16),
+    "block_size_1": dict(num_kv_blocks=4096, block_size=1),
+    "block_size_32": dict(num_kv_blocks=64, block_size=32),
+    "max_num_seqs_1": dict(num_kv_blocks=256, max_num_seqs=1),
+    "preempt_recompute": dict(num_kv_blocks=12, block_size=8, preemption_mode="recompute"),
+    "preempt_swap": dict(num_kv_blocks=12, block_size=8, preemption_mode="swap", swap_space=0.01),
+}
+
+
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_tiny_llama_greedy_unchanged(tiny, variant):
+    path, prompts, reference = tiny
+    outs, stats = run(path, prompts, **VARIANTS[variant])
+    assert outs == reference
+    if variant.startswith("preempt"):
+        assert stats.num_preemptions > 0
+    if variant == "baseline":
+        assert stats.prefix_cache_hits > 0
+
+
+def test_smollm2_features_unchanged(default_llm):
+    """The real model: caching off + budget 16 + block size 32, and a tiny pool that preempts (swap)."""
+    tok = default_llm.get_tokenizer()
+    system = "You are a careful assistant. Answer briefly and precisely. "
+    questions = ["Name a red fruit.", "What is 2+2?", "Give me a color.", "Say hello in French.", "Name a planet."]
+    prompts = [tok.encode(tok.apply_chat_template([{"role": "system", "content": system},
+                                                   {"role": "user", "content": q}],
+                                                  tokenize=False, add_generation_prompt=True),
+                          add_special_tokens=False) for q in questions]
+    base = [o.outputs[0].token_ids for o in default_llm.generate(
+        [{"prompt_token_ids": p} for p in prompts], GREEDY, use_tqdm=False)]
+    a, _ = run(None, prompts, num_kv_blocks=64, enable_prefix_caching=False, max_num_batched_tokens=16,
+               block_size=32)
+    assert a == base
+    b, stats = run(None, prompts, num_kv_blocks=12, block_size=16, preemption_mode="swap", swap_space=0.05,
+                   max_model_len=512)
+    assert stats.num_preemptions > 0
+    assert b == base
