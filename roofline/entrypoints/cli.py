@@ -10,6 +10,8 @@ import sys
 # Each module defines register(subparsers) which adds its subcommand and sets `func` on it.
 SUBCOMMAND_MODULES = [
     "roofline.entrypoints.generate_cmd",
+    "roofline.planner.cli",
+    "roofline.benchmarks.cli",
 ]
 
 

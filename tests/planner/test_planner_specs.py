@@ -1,0 +1,175 @@
+"""Model specs (presets and HF config directories), hardware presets and the cost model's structure."""
+
+import json
+import math
+
+import pytest
+
+from roofline.planner.cost_model import PlanInputs, decode_at, make_plan, prefill, saturation_batch
+from roofline.planner.hardware import GPU_PRESETS, GiB, get_hardware, normalize_dtype
+from roofline.planner.model_specs import MODEL_PRESETS, ModelSpec, load_model_spec
+
+PUBLISHED_PARAMS = {
+    "llama-2-7b": 6.74e9,
+    "llama-3-8b": 8.03e9,
+    "llama-3-70b": 70.55e9,
+    "qwen3-8b": 8.19e9,
+    "deepseek-v3": 671e9,
+    "smollm2-135m": 134.5e6,
+}
+
+
+@pytest.mark.parametrize("name", sorted(PUBLISHED_PARAMS))
+def test_preset_param_counts(name):
+    spec = load_model_spec(name)
+    assert spec.total_params() == pytest.approx(PUBLISHED_PARAMS[name], rel=0.005)
+
+
+def test_presets_cover_issue_list():
+    for name in ("llama-2-7b", "llama-3-8b", "llama-3-70b", "qwen3-8b", "deepseek-v3"):
+        assert name in MODEL_PRESETS
+    for name in ("h100-sxm", "h200", "a100-80gb", "l4"):
+        assert name in GPU_PRESETS
+    assert get_hardware("H100").name == "h100-sxm"
+    assert get_hardware("cpu").name == "cpu"
+    with pytest.raises(ValueError):
+        get_hardware("tpu-v5")
+    with pytest.raises(ValueError):
+        load_model_spec("no-such-model")
+
+
+def test_gqa_kv_bytes_and_tp_split():
+    spec = load_model_spec("llama-3-8b")  # 32 layers, 8 KV heads x 128
+    assert spec.kv_bytes_per_token(2) == 32 * 2 * 8 * 128 * 2 == 131072
+    assert spec.kv_bytes_per_token(2, tp=2) == 65536
+    assert spec.kv_bytes_per_token(2, tp=8) == 16384
+    # 16 GPUs > 8 KV heads: each GPU still holds one (replicated) KV head
+    assert spec.kv_bytes_per_token(2, tp=16) == 16384
+    assert spec.kv_bytes_per_token(1) == 65536  # fp8 KV
+
+
+def test_tied_embeddings_read_once():
+    spec = load_model_spec("smollm2-135m")
+    assert spec.tie_word_embeddings
+    # every parameter is read each decode step: the tied table is the LM head
+    assert spec.weight_params_read(1) == spec.total_params()
+    assert spec.active_params() == spec.total_params()
+    untied = load_model_spec("llama-3-8b")
+    assert untied.weight_params_read(1) == untied.total_params() - untied.embedding_params
+
+
+def test_moe_weight_read_grows_with_batch():
+    spec = load_model_spec("deepseek-v3")
+    r1, r32, rbig = spec.weight_params_read(1), spec.weight_params_read(32), spec.weight_params_read(1e6)
+    assert r1 < r32 < rbig
+    assert r1 == pytest.approx(spec.active_params(), rel=1e-9)
+    assert rbig == pytest.approx(spec.total_params() - spec.embedding_params, rel=1e-6)
+    assert spec.expected_experts_touched(1) == pytest.approx(8)
+    assert spec.expected_experts_touched(1e6) == pytest.approx(256)
+
+
+def _write_config(tmp_path, cfg):
+    d = tmp_path / "model"
+    d.mkdir()
+    (d / "config.json").write_text(json.dumps(cfg))
+    return str(d)
+
+
+def test_hf_config_dir_matches_preset(tmp_path):
+    cfg = dict(MODEL_PRESETS["qwen3-8b"], architectures=["Qwen3ForCausalLM"])
+    spec = load_model_spec(_write_config(tmp_path, cfg))
+    preset = load_model_spec("qwen3-8b")
+    assert spec.total_params() == preset.total_params()
+    assert spec.kv_bytes_per_token(2) == preset.kv_bytes_per_token(2) == 36 * 2 * 8 * 128 * 2
+    assert spec.name == "model"
+
+
+def test_hf_config_dir_unknown_architecture_uses_json(tmp_path):
+    cfg = {"model_type": "my-unknown-arch", "hidden_size": 256, "num_hidden_layers": 4, "num_attention_heads": 4,
+           "num_key_value_heads": 2, "intermediate_size": 512, "vocab_size": 1000, "tie_word_embeddings": True,
+           "torch_dtype": "float32"}
+    spec = load_model_spec(_write_config(tmp_path, cfg))
+    assert spec.head_dim == 64
+    assert spec.kv_bytes_per_token(4) == 4 * 2 * 2 * 64 * 4
+    assert spec.native_dtype == "fp32"
+
+
+def test_deepseek_from_transformers_config():
+    from transformers import DeepseekV3Config
+
+    spec = ModelSpec.from_hf_config(DeepseekV3Config(), name="ds")
+    preset = load_model_spec("deepseek-v3")
+    assert spec.kv_values_per_token_per_layer() == 576
+    assert spec.total_params() == pytest.approx(preset.total_params(), rel=1e-3)
+
+
+def test_from_llama_pretrained_config():
+    from transformers import LlamaConfig
+
+    cfg = LlamaConfig(hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
+                      num_key_value_heads=3, vocab_size=49152, tie_word_embeddings=True)
+    spec = ModelSpec.from_hf_config(cfg)
+    assert spec.total_params() == load_model_spec("smollm2-135m").total_params()
+
+
+def test_dtype_names():
+    assert normalize_dtype("bfloat16") == "bf16"
+    assert normalize_dtype("torch.float32") == "fp32"
+    assert normalize_dtype("float8_e4m3fn") == "fp8"
+    with pytest.raises(ValueError):
+        normalize_dtype("int3")
+
+
+def test_fp8_flops_fallback_on_a100():
+    a100 = get_hardware("a100-80gb")
+    assert a100.flops_for("fp8") == a100.flops_for("bf16") == 312e12
+    h100 = get_hardware("h100-sxm")
+    assert h100.flops_for("fp8") == pytest.approx(2 * h100.flops_for("bf16"), rel=1e-3)
+
+
+def test_saturation_batch_dense_closed_form():
+    p = PlanInputs(load_model_spec("llama-3-8b"), get_hardware("h100-sxm"), context=4096)
+    w = decode_at(p, 1)["weight_bytes_read"]
+    expected = w / (4096 * p.model.kv_bytes_per_token(2))
+    assert saturation_batch(p) == pytest.approx(expected, rel=1e-6)
+
+
+def test_decode_becomes_compute_bound_at_huge_batch_short_context():
+    p = PlanInputs(load_model_spec("llama-3-8b"), get_hardware("h100-sxm"), context=16, batch=1)
+    assert decode_at(p, 1)["bound"] == "memory"
+    assert decode_at(p, 4096)["bound"] == "compute"
+    # intensity ~ batch at short context
+    assert decode_at(p, 64)["intensity"] == pytest.approx(64, rel=0.1)
+
+
+def test_prefill_is_compute_bound_and_scales():
+    p = PlanInputs(load_model_spec("llama-3-8b"), get_hardware("h100-sxm"), context=2048)
+    pre = prefill(p)
+    assert pre["prefill_bound"] == "compute"
+    # ~2 * 7.5G * 2048 FLOPs at 989 TFLOP/s ~ 31 ms, plus attention
+    assert 25e-3 < pre["prefill_s"] < 45e-3
+    assert prefill(p, 4096)["prefill_s"] > 2 * pre["prefill_s"]  # attention is quadratic
+
+
+def test_budget_from_utilization_and_fit():
+    p = PlanInputs(load_model_spec("llama-3-8b"), get_hardware("l4"), gpu_memory_utilization=0.9, context=4096, batch=4)
+    r = make_plan(p).results
+    hw = get_hardware("l4")
+    assert r["kv_budget_bytes"] == pytest.approx(hw.memory_bytes * 0.9 - r["weight_bytes_per_gpu"]
+                                                 - r["activation_reserve_bytes"])
+    assert r["weights_fit"]
+    assert r["kv_fits_at_batch"]
+    big = make_plan(PlanInputs(load_model_spec("llama-3-8b"), hw, context=4096, batch=64)).results
+    assert not big["kv_fits_at_batch"]
+    # a 70B model in bf16 does not fit an L4 at all
+    r70 = make_plan(PlanInputs(load_model_spec("llama-3-70b"), hw)).results
+    assert not r70["weights_fit"] and r70["kv_blocks"] == 0 and r70["paged_max_seqs"] == 0
+
+
+def test_paged_never_worse_than_naive():
+    p = PlanInputs(load_model_spec("qwen3-8b"), get_hardware("h100-sxm"), kv_budget_bytes=20 * GiB,
+                   context=8192, avg_context=1000)
+    r = make_plan(p).results
+    assert r["paged_max_seqs"] >= r["naive_max_seqs"] >= r["max_seqs_at_context"] - 1
+    assert r["kv_tokens"] == r["kv_blocks"] * 16
+    assert math.isfinite(r["saturation_batch"])
