@@ -55,17 +55,26 @@ class TorchAttentionBackend(AttentionBackend):
             out[q0:q1] = o.transpose(0, 1).to(out.dtype)
         return out
 
+    @staticmethod
+    def _decode_plan(meta: AttentionMetadata, block_size: int, device):
+        """Block index and length mask for the batched decodes; built once per step, shared by layers."""
+        plan = getattr(meta, "_torch_decode_plan", None)
+        if plan is None:
+            nd = meta.num_decodes
+            nblocks = (max(meta.seq_lens_cpu[:nd]) + block_size - 1) // block_size
+            table = meta.block_tables[:nd, :nblocks].long()  # [R_d, nb]
+            mask = torch.arange(nblocks * block_size, device=device)[None, :] < meta.seq_lens[:nd, None]
+            plan = (table, mask[:, None, None, :], nblocks)  # mask [R_d, 1, 1, S]
+            meta._torch_decode_plan = plan
+        return plan
+
     def _decode(self, query, kv_cache, meta, scale, out, gqa) -> None:
         nd = meta.num_decodes
         block_size = kv_cache.shape[2]
-        lens = meta.seq_lens[:nd]
-        max_len = max(meta.seq_lens_cpu[:nd])
-        nblocks = (max_len + block_size - 1) // block_size
-        table = meta.block_tables[:nd, :nblocks].long()  # [R_d, nb]
+        table, mask, nblocks = self._decode_plan(meta, block_size, query.device)
         hk, d = kv_cache.shape[3], kv_cache.shape[4]
         k = kv_cache[0][table].reshape(nd, nblocks * block_size, hk, d).transpose(1, 2)  # [R_d, H_kv, S, D]
         v = kv_cache[1][table].reshape(nd, nblocks * block_size, hk, d).transpose(1, 2)
-        mask = torch.arange(nblocks * block_size, device=query.device)[None, :] < lens[:, None]  # [R_d, S]
         q = query.unsqueeze(2)  # [R_d, H, 1, D]
-        o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask[:, None, None, :], scale=scale, enable_gqa=gqa)
+        o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=gqa)
         out.copy_(o.squeeze(2).to(out.dtype))

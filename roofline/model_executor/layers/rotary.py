@@ -101,10 +101,13 @@ class RotaryEmbedding(nn.Module):
         half = x.shape[-1] // 2
         return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
 
-    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
+    def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """[N, 1, rot] tables for a batch; computed once per step and shared by every layer."""
+        return (self.cos_cache[positions].unsqueeze(1).to(dtype), self.sin_cache[positions].unsqueeze(1).to(dtype))
+
+    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos_sin=None):
         """q [N, H, D], k [N, H_kv, D] rotated at their positions [N]."""
-        cos = self.cos_cache[positions].unsqueeze(1).to(q.dtype)  # [N, 1, rot]
-        sin = self.sin_cache[positions].unsqueeze(1).to(q.dtype)
+        cos, sin = cos_sin if cos_sin is not None else self.cos_sin(positions, q.dtype)
         r = self.rotary_dim
         if r == self.head_dim:
             return q * cos + self._rotate_half(q) * sin, k * cos + self._rotate_half(k) * sin

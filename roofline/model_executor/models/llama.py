@@ -49,7 +49,7 @@ class LlamaAttention(nn.Module):
         self.q_norm = RMSNorm(self.head_dim, eps) if qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, eps) if qk_norm else None
 
-    def forward(self, positions, x, kv_cache: torch.Tensor, meta: AttentionMetadata):
+    def forward(self, positions, x, kv_cache: torch.Tensor, meta: AttentionMetadata, cos_sin=None):
         n = x.shape[0]
         qkv = self.qkv_proj(x)  # [N, (H + 2 H_kv) D]
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
@@ -58,7 +58,7 @@ class LlamaAttention(nn.Module):
         v = v.view(n, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = self.rotary(positions, q, k)
+        q, k = self.rotary(positions, q, k, cos_sin)
         self.backend.write_kv(k, v, kv_cache, meta.slot_mapping)
         o = self.backend.forward(q, kv_cache, meta, self.scale)  # [N, H, D]
         return self.o_proj(o.reshape(n, self.q_size))
@@ -89,13 +89,13 @@ class LlamaDecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
-    def forward(self, positions, x, residual: Optional[torch.Tensor], kv_cache, meta):
+    def forward(self, positions, x, residual: Optional[torch.Tensor], kv_cache, meta, cos_sin=None):
         if residual is None:
             residual = x
             h = self.input_layernorm(x)
         else:
             h, residual = self.input_layernorm(x, residual)
-        h = self.self_attn(positions, h, kv_cache, meta)
+        h = self.self_attn(positions, h, kv_cache, meta, cos_sin)
         h, residual = self.post_attention_layernorm(h, residual)
         return self.mlp(h), residual
 
@@ -112,8 +112,10 @@ class LlamaModel(nn.Module):
     def forward(self, input_ids, positions, kv_caches: list[torch.Tensor], meta: AttentionMetadata):
         x = self.embed_tokens(input_ids)
         residual = None
+        # every layer shares one rope table: look it up once per step, not once per layer
+        cos_sin = self.layers[0].self_attn.rotary.cos_sin(positions, x.dtype) if self.layers else None
         for layer, kv_cache in zip(self.layers, kv_caches):
-            x, residual = layer(positions, x, residual, kv_cache, meta)
+            x, residual = layer(positions, x, residual, kv_cache, meta, cos_sin)
         x, _ = self.norm(x, residual)
         return x
 

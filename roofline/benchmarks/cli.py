@@ -1,0 +1,12 @@
+"""`roofline bench`: throughput (offline workloads) and serve (online, against a running server)."""
+
+from __future__ import annotations
+
+from roofline.benchmarks import serve, throughput
+
+
+def register(subparsers) -> None:
+    p = subparsers.add_parser("bench", help="benchmarks (BENCHMARKS.md workloads)")
+    sub = p.add_subparsers(dest="bench_command", required=True)
+    throughput.register(sub)
+    serve.register(sub)

@@ -1,0 +1,287 @@
+"""`roofline bench throughput`: the offline workloads of BENCHMARKS.md.
+
+W1  offline throughput (mixed lengths), optionally against HF transformers' static batches of 16
+W3  shared prefix: throughput, mean TTFT and hit rate with prefix caching on and off
+W4  long-prompt interference: ITL of 16 decoding requests while a 2048-token prompt is prefilled,
+    with max_num_batched_tokens=256 and with chunking effectively off
+W5  single-stream TPOT against the bandwidth bound weight_bytes / measured memory bandwidth
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import statistics
+import time
+from typing import Any, Optional
+
+from roofline.benchmarks.datasets import random_requests, shared_prefix_requests
+from roofline.entrypoints.engine_flags import add_engine_args, engine_args_from
+
+
+def _percentile(xs: list[float], q: float) -> float:
+    xs = sorted(xs)
+    if not xs:
+        return float("nan")
+    k = (len(xs) - 1) * q
+    lo, hi = int(k), min(int(k) + 1, len(xs) - 1)
+    return xs[lo] + (xs[hi] - xs[lo]) * (k - lo)
+
+
+def _make_llm(args, **overrides):
+    from roofline.engine.llm import LLM
+
+    ea = engine_args_from(args, **overrides)
+    return LLM(**{k: v for k, v in vars(ea).items()}, show_progress=False)
+
+
+def _vocab(llm) -> int:
+    return int(llm.llm_engine.model_config.hf_config.vocab_size)
+
+
+def _warmup(llm) -> None:
+    from roofline import SamplingParams
+
+    llm.generate([{"prompt_token_ids": [100 + i for i in range(16)]}] * 2,
+                 SamplingParams(temperature=0, max_tokens=4, ignore_eos=True), use_tqdm=False)
+
+
+def _run_offline(llm, reqs) -> dict[str, Any]:
+    from roofline import SamplingParams
+
+    prompts = [{"prompt_token_ids": r.prompt} for r in reqs]
+    params = [SamplingParams(temperature=0, max_tokens=r.output_len, ignore_eos=True) for r in reqs]
+    t0 = time.monotonic()
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    dt = time.monotonic() - t0
+    n_out = sum(len(o.outputs[0].token_ids) for o in outs)
+    n_in = sum(len(r.prompt) for r in reqs)
+    ttfts = [o.metrics.first_token_time - o.metrics.arrival_time for o in outs]
+    return {"seconds": dt, "output_tokens": n_out, "prompt_tokens": n_in,
+            "output_tok_s": n_out / dt, "total_tok_s": (n_out + n_in) / dt,
+            "mean_ttft_s": statistics.mean(ttfts), "outputs": outs}
+
+
+# ---- W1 ---------------------------------------------------------------------------------------
+def hf_static_batches(model_path: Optional[str], reqs, batch_size: int = 16, dtype: str = "float32") -> dict:
+    """HF transformers generate in static batches (left-padded, each batch runs to its longest output)."""
+    import os
+
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from roofline.model_executor.loader.source import resolve_source
+
+    src = resolve_source(model_path, "auto")
+    torch_dtype = getattr(torch, dtype)
+    if src.fmt == "gguf":
+        model = AutoModelForCausalLM.from_pretrained(src.path, gguf_file=src.gguf_file, dtype=torch_dtype)
+    else:
+        model = AutoModelForCausalLM.from_pretrained(src.path, dtype=torch_dtype)
+    model.eval()
+    pad = 0
+    warm = torch.tensor([[100 + i for i in range(16)]])
+    with torch.no_grad():
+        model.generate(warm, attention_mask=torch.ones_like(warm), max_new_tokens=4, do_sample=False, pad_token_id=pad)
+    t0 = time.monotonic()
+    useful = 0
+    with torch.no_grad():
+        for i in range(0, len(reqs), batch_size):
+            batch = reqs[i : i + batch_size]
+            longest = max(len(r.prompt) for r in batch)
+            ids = torch.full((len(batch), longest), pad, dtype=torch.long)
+            mask = torch.zeros_like(ids)
+            for j, r in enumerate(batch):
+                ids[j, longest - len(r.prompt) :] = torch.tensor(r.prompt)
+                mask[j, longest - len(r.prompt) :] = 1
+            new = max(r.output_len for r in batch)
+            model.generate(ids, attention_mask=mask, max_new_tokens=new, min_new_tokens=new, do_sample=False,
+                           pad_token_id=pad)
+            useful += sum(r.output_len for r in batch)
+    dt = time.monotonic() - t0
+    del model
+    gc.collect()
+    return {"seconds": dt, "output_tokens": useful, "output_tok_s": useful / dt}
+
+
+def w1(args) -> dict:
+    llm = _make_llm(args)
+    reqs = random_requests(64, (64, 256), (32, 256), seed=0, vocab_size=_vocab(llm))
+    _warmup(llm)
+    res = _run_offline(llm, reqs)
+    res.pop("outputs")
+    out = {"workload": "W1", "roofline": res}
+    if args.compare_hf:
+        del llm
+        gc.collect()
+        hf = hf_static_batches(args.model, reqs, 16, "float32" if args.dtype in ("auto", "float32") else args.dtype)
+        out["hf_static_batch16"] = hf
+        out["ratio_output_tok_s"] = res["output_tok_s"] / hf["output_tok_s"]
+    return out
+
+
+# ---- W3 ---------------------------------------------------------------------------------------
+def w3(args) -> dict:
+    out: dict[str, Any] = {"workload": "W3"}
+    for caching in (True, False):
+        llm = _make_llm(args, enable_prefix_caching=caching)
+        reqs = shared_prefix_requests(64, 512, 32, 32, seed=1, vocab_size=_vocab(llm))
+        _warmup(llm)
+        before = llm.llm_engine.get_stats()
+        res = _run_offline(llm, reqs)
+        res.pop("outputs")
+        after = llm.llm_engine.get_stats()
+        q = after.prefix_cache_queries - before.prefix_cache_queries
+        h = after.prefix_cache_hits - before.prefix_cache_hits
+        res["hit_rate"] = h / q if q else 0.0
+        out["caching_on" if caching else "caching_off"] = res
+        del llm
+        gc.collect()
+    out["ttft_ratio_on_over_off"] = out["caching_on"]["mean_ttft_s"] / out["caching_off"]["mean_ttft_s"]
+    return out
+
+
+# ---- W4 ---------------------------------------------------------------------------------------
+def _w4_run(args, budget: int) -> dict:
+    from roofline import SamplingParams
+
+    llm = _make_llm(args, max_num_batched_tokens=budget)
+    engine = llm.llm_engine
+    vocab = _vocab(llm)
+    _warmup(llm)
+    decoders = random_requests(16, (64, 64), (256, 256), seed=0, vocab_size=vocab)
+    long_req = random_requests(1, (2048, 2048), (16, 16), seed=1, vocab_size=vocab)[0]
+    params = SamplingParams(temperature=0, max_tokens=256, ignore_eos=True)
+    from roofline.sampling_params import RequestOutputKind
+
+    params.output_kind = RequestOutputKind.DELTA
+    for i, r in enumerate(decoders):
+        engine.add_request(f"d{i}", r.prompt, params)
+    last_token_at: dict[str, float] = {}
+    counts = {f"d{i}": 0 for i in range(16)}
+    itl_window: list[float] = []
+    long_added = long_first = None
+    while engine.has_unfinished_requests():
+        outs = engine.step()
+        now = time.monotonic()
+        for o in outs:
+            rid = o.request_id
+            if rid == "long":
+                if long_first is None and o.outputs and o.outputs[0].token_ids:
+                    long_first = now
+                continue
+            n = sum(len(c.token_ids) for c in o.outputs)
+            if n == 0:
+                continue
+            if rid in last_token_at and long_added is not None and long_first is None:
+                itl_window.append(now - last_token_at[rid])
+            last_token_at[rid] = now
+            counts[rid] += n
+        if long_added is None and all(c >= 32 for c in counts.values()):
+            lp = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+            lp.output_kind = RequestOutputKind.DELTA
+            engine.add_request("long", long_req.prompt, lp)
+            long_added = time.monotonic()
+    res = {"max_num_batched_tokens": budget,
+           "p99_itl_ms": 1000 * _percentile(itl_window, 0.99), "max_itl_ms": 1000 * max(itl_window or [float("nan")]),
+           "ttft_long_s": (long_first - long_added) if long_first and long_added else float("nan"),
+           "itl_samples": len(itl_window)}
+    del llm
+    gc.collect()
+    return res
+
+
+def w4(args) -> dict:
+    chunked = _w4_run(args, 256)
+    unchunked = _w4_run(args, 4096)
+    return {"workload": "W4", "chunked_256": chunked, "unchunked": unchunked,
+            "p99_itl_ratio": chunked["p99_itl_ms"] / unchunked["p99_itl_ms"]}
+
+
+# ---- W5 ---------------------------------------------------------------------------------------
+def measure_bandwidth(device: str = "cpu", nbytes: int = 1 << 29, repeats: int = 5) -> float:
+    """Memory bandwidth from a large tensor copy (bytes read + bytes written) / time; best of repeats."""
+    import torch
+
+    src = torch.ones(nbytes // 4, dtype=torch.float32, device=device)
+    dst = torch.empty_like(src)
+    best = float("inf")
+    for _ in range(repeats):
+        if device.startswith("cuda"):
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        dst.copy_(src)
+        if device.startswith("cuda"):
+            torch.cuda.synchronize()
+        best = min(best, time.perf_counter() - t0)
+    return 2 * nbytes / best
+
+
+def weight_bytes(model) -> int:
+    seen, total = set(), 0
+    for p in model.parameters():
+        if id(p) not in seen:
+            seen.add(id(p))
+            total += p.numel() * p.element_size()
+    return total
+
+
+def w5(args) -> dict:
+    from roofline import SamplingParams
+
+    llm = _make_llm(args)
+    _warmup(llm)
+    req = random_requests(1, (128, 128), (256, 256), seed=0, vocab_size=_vocab(llm))[0]
+    out = llm.generate({"prompt_token_ids": req.prompt}, SamplingParams(temperature=0, max_tokens=256, ignore_eos=True),
+                       use_tqdm=False)[0]
+    m = out.metrics
+    tpot = (m.finished_time - m.first_token_time) / (len(out.outputs[0].token_ids) - 1)
+    model = llm.llm_engine.executor.worker.model
+    wb = weight_bytes(model)
+    bw = measure_bandwidth(str(llm.llm_engine.executor.worker.device))
+    bound = wb / bw
+    return {"workload": "W5", "tpot_ms": 1000 * tpot, "weight_bytes": wb, "bandwidth_gb_s": bw / 1e9,
+            "bound_ms": 1000 * bound, "ratio": tpot / bound}
+
+
+WORKLOADS = {"w1": w1, "w3": w3, "w4": w4, "w5": w5}
+
+
+def _fmt(d: dict, indent: int = 0) -> str:
+    lines = []
+    for k, v in d.items():
+        if isinstance(v, dict):
+            lines.append(" " * indent + f"{k}:")
+            lines.append(_fmt(v, indent + 2))
+        elif isinstance(v, float):
+            lines.append(" " * indent + f"{k:<28}{v:.4g}")
+        else:
+            lines.append(" " * indent + f"{k:<28}{v}")
+    return "\n".join(lines)
+
+
+def run(args: argparse.Namespace) -> int:
+    import torch
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    names = list(WORKLOADS) if args.workload == "all" else [args.workload]
+    results = [WORKLOADS[n](args) for n in names]
+    if args.json:
+        print(json.dumps(results if len(results) > 1 else results[0], indent=2))
+    else:
+        for r in results:
+            print(_fmt(r))
+            print()
+    return 0
+
+
+def register(bench_subparsers) -> None:
+    p = bench_subparsers.add_parser("throughput", help="offline workloads W1, W3, W4, W5 (BENCHMARKS.md)")
+    p.add_argument("--workload", choices=[*WORKLOADS, "all"], default="w1")
+    p.add_argument("--compare-hf", action="store_true", help="W1: also run HF transformers static batches of 16")
+    p.add_argument("--json", action="store_true")
+    p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    add_engine_args(p)
+    p.set_defaults(func=run)
