@@ -10,6 +10,7 @@ import sys
 # Each module defines register(subparsers) which adds its subcommand and sets `func` on it.
 SUBCOMMAND_MODULES = [
     "roofline.entrypoints.generate_cmd",
+    "roofline.entrypoints.serve_cmd",
     "roofline.planner.cli",
     "roofline.benchmarks.cli",
 ]

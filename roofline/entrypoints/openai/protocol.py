@@ -1,0 +1,270 @@
+"""Request and response models of the OpenAI-compatible API (pydantic v2).
+
+Field names and shapes follow OpenAI's API reference. Extra sampling fields that OpenAI lacks but
+serving engines accept (`top_k`, `min_p`, `repetition_penalty`, `ignore_eos`, `min_tokens`,
+`priority`, ...) are accepted at the top level of the body (the openai client sends them via
+`extra_body`). Unknown fields are ignored so that clients sending newer fields keep working.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from typing import Any, Literal, Optional, Union
+
+from pydantic import BaseModel, ConfigDict, Field
+
+MAX_LOGPROBS = 20
+
+
+def random_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+class OpenAIModel(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+
+# --------------------------------------------------------------------------- errors
+class ErrorInfo(BaseModel):
+    message: str
+    type: str
+    param: Optional[str] = None
+    code: Optional[Union[str, int]] = None
+
+
+class ErrorResponse(BaseModel):
+    error: ErrorInfo
+
+
+# --------------------------------------------------------------------------- shared pieces
+class StreamOptions(OpenAIModel):
+    include_usage: Optional[bool] = False
+    continuous_usage_stats: Optional[bool] = False
+
+
+class PromptTokensDetails(BaseModel):
+    cached_tokens: int = 0
+
+
+class UsageInfo(BaseModel):
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    total_tokens: int = 0
+    prompt_tokens_details: Optional[PromptTokensDetails] = None
+
+
+class _SamplingFields(OpenAIModel):
+    """Fields shared by completions and chat completions."""
+
+    model: Optional[str] = None
+    n: int = 1
+    temperature: Optional[float] = None
+    top_p: Optional[float] = None
+    seed: Optional[int] = None
+    stop: Optional[Union[str, list[str]]] = None
+    stream: Optional[bool] = False
+    stream_options: Optional[StreamOptions] = None
+    presence_penalty: Optional[float] = 0.0
+    frequency_penalty: Optional[float] = 0.0
+    logit_bias: Optional[dict[str, float]] = None
+    user: Optional[str] = None
+    # Extensions (sent by clients through extra_body)
+    top_k: Optional[int] = None
+    min_p: Optional[float] = None
+    repetition_penalty: Optional[float] = None
+    ignore_eos: bool = False
+    min_tokens: int = 0
+    priority: int = 0
+    stop_token_ids: Optional[list[int]] = None
+    skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+
+
+# --------------------------------------------------------------------------- completions
+class CompletionRequest(_SamplingFields):
+    prompt: Union[str, list[int], list[str], list[list[int]]]
+    max_tokens: Optional[int] = 16
+    echo: bool = False
+    logprobs: Optional[int] = None
+    suffix: Optional[str] = None
+    best_of: Optional[int] = None
+
+
+class CompletionLogProbs(BaseModel):
+    text_offset: list[int] = Field(default_factory=list)
+    token_logprobs: list[Optional[float]] = Field(default_factory=list)
+    tokens: list[str] = Field(default_factory=list)
+    top_logprobs: list[Optional[dict[str, float]]] = Field(default_factory=list)
+
+
+class CompletionResponseChoice(BaseModel):
+    index: int
+    text: str
+    logprobs: Optional[CompletionLogProbs] = None
+    finish_reason: Optional[str] = None
+    stop_reason: Optional[Union[int, str]] = None
+
+
+class CompletionResponse(BaseModel):
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    choices: list[CompletionResponseChoice]
+    usage: UsageInfo
+    system_fingerprint: Optional[str] = None
+
+
+class CompletionStreamChoice(BaseModel):
+    index: int
+    text: str
+    logprobs: Optional[CompletionLogProbs] = None
+    finish_reason: Optional[str] = None
+    stop_reason: Optional[Union[int, str]] = None
+
+
+class CompletionStreamResponse(BaseModel):
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    choices: list[CompletionStreamChoice]
+    usage: Optional[UsageInfo] = None
+
+
+# --------------------------------------------------------------------------- chat completions
+class ChatContentPart(OpenAIModel):
+    type: str
+    text: Optional[str] = None
+
+
+class ChatMessage(OpenAIModel):
+    model_config = ConfigDict(extra="allow")
+    role: str
+    content: Optional[Union[str, list[ChatContentPart]]] = None
+    name: Optional[str] = None
+
+
+class ResponseFormat(OpenAIModel):
+    type: str
+
+
+class ChatCompletionRequest(_SamplingFields):
+    messages: list[ChatMessage]
+    max_tokens: Optional[int] = None  # deprecated by OpenAI in favour of max_completion_tokens
+    max_completion_tokens: Optional[int] = None
+    logprobs: Optional[bool] = False
+    top_logprobs: Optional[int] = None
+    response_format: Optional[ResponseFormat] = None
+    tools: Optional[list[dict[str, Any]]] = None
+    tool_choice: Optional[Union[str, dict[str, Any]]] = None
+    # Extensions
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template: Optional[str] = None
+    chat_template_kwargs: Optional[dict[str, Any]] = None
+
+
+class ChatTopLogprob(BaseModel):
+    token: str
+    logprob: float
+    bytes: Optional[list[int]] = None
+
+
+class ChatTokenLogprob(BaseModel):
+    token: str
+    logprob: float
+    bytes: Optional[list[int]] = None
+    top_logprobs: list[ChatTopLogprob] = Field(default_factory=list)
+
+
+class ChatChoiceLogprobs(BaseModel):
+    content: Optional[list[ChatTokenLogprob]] = None
+
+
+class ChatResponseMessage(BaseModel):
+    role: str = "assistant"
+    content: Optional[str] = None
+
+
+class ChatCompletionResponseChoice(BaseModel):
+    index: int
+    message: ChatResponseMessage
+    logprobs: Optional[ChatChoiceLogprobs] = None
+    finish_reason: Optional[str] = None
+    stop_reason: Optional[Union[int, str]] = None
+
+
+class ChatCompletionResponse(BaseModel):
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    choices: list[ChatCompletionResponseChoice]
+    usage: UsageInfo
+    system_fingerprint: Optional[str] = None
+
+
+class DeltaMessage(BaseModel):
+    role: Optional[str] = None
+    content: Optional[str] = None
+
+
+class ChatCompletionStreamChoice(BaseModel):
+    index: int
+    delta: DeltaMessage
+    logprobs: Optional[ChatChoiceLogprobs] = None
+    finish_reason: Optional[str] = None
+    stop_reason: Optional[Union[int, str]] = None
+
+
+class ChatCompletionStreamResponse(BaseModel):
+    id: str
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    choices: list[ChatCompletionStreamChoice]
+    usage: Optional[UsageInfo] = None
+
+
+# --------------------------------------------------------------------------- models
+class ModelCard(BaseModel):
+    id: str
+    object: Literal["model"] = "model"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    owned_by: str = "roofline"
+    root: Optional[str] = None
+    max_model_len: Optional[int] = None
+    vocab_size: Optional[int] = None
+
+
+class ModelList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]
+
+
+# --------------------------------------------------------------------------- tokenizer endpoints
+class TokenizeRequest(OpenAIModel):
+    model: Optional[str] = None
+    prompt: Optional[str] = None
+    messages: Optional[list[ChatMessage]] = None
+    add_special_tokens: bool = True
+    add_generation_prompt: bool = True
+    return_token_strs: bool = False
+
+
+class TokenizeResponse(BaseModel):
+    count: int
+    max_model_len: int
+    tokens: list[int]
+    token_strs: Optional[list[str]] = None
+
+
+class DetokenizeRequest(OpenAIModel):
+    model: Optional[str] = None
+    tokens: list[int]
+
+
+class DetokenizeResponse(BaseModel):
+    prompt: str

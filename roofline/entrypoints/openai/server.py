@@ -1,0 +1,418 @@
+"""The OpenAI-compatible HTTP server: FastAPI app factory, uvicorn runner, graceful shutdown.
+
+`build_app(engine, config)` wires the routes to an AsyncLLM; `run_server(engine_args, config)` loads
+the engine, serves until SIGINT/SIGTERM, lets in-flight requests finish (up to
+`shutdown_timeout` seconds, then aborts them) and returns 0. `ServerThread` runs an app on a
+loopback port in a background thread (tests, benchmarks).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hmac
+import logging
+import os
+import signal
+import socket
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any, Optional
+
+import uvicorn
+from fastapi import APIRouter, Depends, FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from roofline.engine.async_llm import AsyncLLM
+from roofline.entrypoints.openai.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    DetokenizeResponse,
+    ModelCard,
+    ModelList,
+    TokenizeRequest,
+    TokenizeResponse,
+)
+from roofline.entrypoints.openai.serving_chat import OpenAIServingChat, apply_chat_template
+from roofline.entrypoints.openai.serving_completion import OpenAIServingCompletion
+from roofline.entrypoints.openai.serving_engine import (
+    DEFAULT_MAX_BODY_BYTES,
+    APIError,
+    SSEStream,
+    bad_request,
+    parse_model,
+    read_json_body,
+    server_tokenizer,
+)
+from roofline.metrics.prometheus import PrometheusStatLogger
+from roofline.metrics.stats import LoggingStatLogger
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
+DEFAULT_MODEL_ALIASES = ("HuggingFaceTB/SmolLM2-135M-Instruct",)
+
+
+def roofline_version() -> str:
+    try:
+        from importlib.metadata import version
+
+        return version("roofline")
+    except Exception:
+        return "0.1.0"
+
+
+@dataclass
+class ServerConfig:
+    host: str = "127.0.0.1"
+    port: int = 8000
+    served_model_name: Optional[str] = None  # default: derived from the model
+    api_key: Optional[str] = None
+    max_request_body_bytes: int = DEFAULT_MAX_BODY_BYTES
+    shutdown_timeout: float = 30.0  # seconds in-flight requests get to finish on SIGINT/SIGTERM
+    retry_after: int = 1  # seconds, in 503 queue-full answers
+    log_stats_interval: float = 10.0  # 0 disables the periodic log line
+    uvicorn_log_level: str = "info"
+    access_log: bool = True
+
+
+def model_names(model_config: Any, override: Optional[str] = None) -> list[str]:
+    """Names a request's `model` may use: the served name first (what /v1/models lists), then
+    aliases (the model argument as given, its base name; the HF id of the default model)."""
+    if override:
+        return [override]
+    names: list[str] = []
+    served = getattr(model_config, "served_model_name", None)
+    model = getattr(model_config, "model", None)
+    if served:
+        names.append(served)
+    if not model:
+        names += [DEFAULT_MODEL_NAME, *DEFAULT_MODEL_ALIASES]
+    else:
+        base = os.path.basename(os.path.normpath(str(model)))
+        if base.endswith(".gguf"):
+            base = base[: -len(".gguf")]
+        names += [base, str(model)]
+    out: list[str] = []
+    for n in names:
+        if n and n not in out:
+            out.append(n)
+    return out
+
+
+def _vocab_size(engine: AsyncLLM, tokenizer: Any) -> Optional[int]:
+    hf = getattr(engine.model_config, "hf_config", None)
+    size = getattr(hf, "vocab_size", None)
+    if size:
+        return int(size)
+    try:
+        return len(tokenizer)
+    except Exception:
+        return None
+
+
+def build_app(engine: AsyncLLM, config: Optional[ServerConfig] = None, *, shutdown_engine: bool = True) -> FastAPI:
+    config = config or ServerConfig()
+    names = model_names(engine.model_config, config.served_model_name)
+    model_name = names[0]
+    max_model_len = int(engine.model_config.max_model_len)
+    tokenizer = server_tokenizer(engine.tokenizer)
+    vocab_size = _vocab_size(engine, tokenizer)
+    metrics = PrometheusStatLogger(model_name)
+    engine.stat_loggers.append(metrics)
+    completions = OpenAIServingCompletion(engine, tokenizer, model_name, max_model_len)
+    chat = OpenAIServingChat(engine, tokenizer, model_name, max_model_len)
+    limit = config.max_request_body_bytes
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI):
+        yield
+        if metrics in engine.stat_loggers:
+            engine.stat_loggers.remove(metrics)
+        if shutdown_engine:
+            await asyncio.to_thread(engine.shutdown)
+
+    app = FastAPI(title="roofline", version=roofline_version(), lifespan=lifespan)
+    app.state.engine = engine
+    app.state.metrics = metrics
+    app.state.config = config
+    app.state.model_names = names
+
+    # ------------------------------------------------------------------ errors
+    def error_response(e: APIError) -> JSONResponse:
+        return JSONResponse(e.to_response().model_dump(mode="json"), status_code=e.status, headers=e.headers)
+
+    @app.exception_handler(APIError)
+    async def _api_error(request: Request, e: APIError) -> JSONResponse:
+        return error_response(e)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request: Request, e: StarletteHTTPException) -> JSONResponse:
+        kind = {404: "not_found_error", 405: "invalid_request_error"}.get(e.status_code, "invalid_request_error")
+        return error_response(APIError(e.status_code, str(e.detail), kind, headers=getattr(e, "headers", None)))
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation_error(request: Request, e: RequestValidationError) -> JSONResponse:
+        errs = e.errors()
+        param = ".".join(str(p) for p in errs[0]["loc"][1:]) if errs else None
+        return error_response(bad_request(f"invalid request: {errs[0]['msg'] if errs else e}", param=param))
+
+    @app.exception_handler(Exception)
+    async def _internal_error(request: Request, e: Exception) -> JSONResponse:
+        logger.exception("unhandled error for %s %s", request.method, request.url.path)
+        return error_response(APIError(500, f"internal error: {type(e).__name__}: {e}", "internal_server_error"))
+
+    # ------------------------------------------------------------------ helpers
+    async def check_api_key(request: Request) -> None:
+        if config.api_key is None:
+            return
+        auth = request.headers.get("authorization", "")
+        scheme, _, token = auth.partition(" ")
+        if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), config.api_key.encode()):
+            raise APIError(401, "invalid or missing API key: send 'Authorization: Bearer <key>'",
+                           "invalid_request_error", None, "invalid_api_key",
+                           headers={"WWW-Authenticate": "Bearer"})
+
+    def check_model(model: Optional[str]) -> None:
+        if model is not None and model not in names:
+            raise APIError(404, f"The model `{model}` does not exist. Available: {model_name}",
+                           "invalid_request_error", "model", "model_not_found")
+
+    async def run_cancellable(request: Request, coro: Any) -> Any:
+        """Run a non-streaming handler, cancelling it (and so aborting its requests) if the client
+        disconnects before the answer is ready."""
+        task = asyncio.ensure_future(coro)
+
+        async def disconnected() -> None:
+            while True:
+                message = await request.receive()
+                if message["type"] == "http.disconnect":
+                    return
+
+        watcher = asyncio.ensure_future(disconnected())
+        try:
+            await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            watcher.cancel()
+        if not task.done():
+            task.cancel()
+            with contextlib.suppress(BaseException):
+                await task
+            return Response(status_code=499)
+        return task.result()
+
+    def respond(result: Any) -> Response:
+        if isinstance(result, Response):
+            return result
+        if isinstance(result, SSEStream):
+            return _SSEResponse(result)
+        return JSONResponse(result.model_dump(mode="json"))
+
+    # ------------------------------------------------------------------ /v1
+    v1 = APIRouter(prefix="/v1", dependencies=[Depends(check_api_key)])
+
+    @v1.get("/models")
+    async def list_models() -> Any:
+        return ModelList(data=[ModelCard(id=model_name, root=str(engine.model_config.model or model_name),
+                                         max_model_len=max_model_len, vocab_size=vocab_size)]).model_dump()
+
+    @v1.get("/models/{model_id:path}")
+    async def get_model(model_id: str) -> Any:
+        check_model(model_id)
+        return ModelCard(id=model_name, root=str(engine.model_config.model or model_name),
+                         max_model_len=max_model_len, vocab_size=vocab_size).model_dump()
+
+    @v1.post("/completions")
+    async def create_completion(request: Request) -> Response:
+        req = parse_model(CompletionRequest, await read_json_body(request, limit))
+        check_model(req.model)
+        if req.stream:
+            return respond(await completions.create(req))
+        return respond(await run_cancellable(request, completions.create(req)))
+
+    @v1.post("/chat/completions")
+    async def create_chat_completion(request: Request) -> Response:
+        req = parse_model(ChatCompletionRequest, await read_json_body(request, limit))
+        check_model(req.model)
+        if req.stream:
+            return respond(await chat.create(req))
+        return respond(await run_cancellable(request, chat.create(req)))
+
+    app.include_router(v1)
+
+    # ------------------------------------------------------------------ operational routes
+    @app.get("/health")
+    async def health() -> Response:
+        if engine.is_healthy:
+            return JSONResponse({"status": "ok"})
+        err = engine.dead_error
+        return JSONResponse({"status": "unhealthy", "error": str(err) if err else "engine stopped"},
+                            status_code=503)
+
+    @app.get("/version")
+    async def version() -> Any:
+        return {"version": roofline_version()}
+
+    @app.get("/metrics")
+    async def prometheus_metrics() -> Response:
+        return Response(metrics.render(), media_type=metrics.content_type)
+
+    @app.post("/tokenize")
+    async def tokenize(request: Request) -> Any:
+        req = parse_model(TokenizeRequest, await read_json_body(request, limit))
+        check_model(req.model)
+        if tokenizer is None:
+            raise bad_request("this model has no tokenizer")
+        if (req.prompt is None) == (req.messages is None):
+            raise bad_request("give exactly one of 'prompt' or 'messages'", param="prompt")
+        if req.messages is not None:
+            _, ids = apply_chat_template(tokenizer, req.messages, add_generation_prompt=req.add_generation_prompt)
+        else:
+            ids = tokenizer.encode(req.prompt, add_special_tokens=req.add_special_tokens)
+        strs = tokenizer.convert_ids_to_tokens(ids) if req.return_token_strs else None
+        return TokenizeResponse(count=len(ids), max_model_len=max_model_len, tokens=ids, token_strs=strs).model_dump(
+            exclude_none=True)
+
+    @app.post("/detokenize")
+    async def detokenize(request: Request) -> Any:
+        req = parse_model(DetokenizeRequest, await read_json_body(request, limit))
+        check_model(req.model)
+        if tokenizer is None:
+            raise bad_request("this model has no tokenizer")
+        if vocab_size is not None:
+            bad = [t for t in req.tokens if not 0 <= t < vocab_size]
+            if bad:
+                raise bad_request(f"token ids out of range [0, {vocab_size}): {bad[:5]}", param="tokens")
+        try:
+            text = tokenizer.decode(req.tokens)
+        except Exception as e:
+            raise bad_request(f"cannot decode tokens: {e}", param="tokens")
+        return DetokenizeResponse(prompt=text).model_dump()
+
+    return app
+
+
+class _SSEResponse(StreamingResponse):
+    """Server-sent events; however the response ends (done, client gone, cancelled), the engine
+    requests behind it are aborted if still running."""
+
+    def __init__(self, stream: SSEStream) -> None:
+        super().__init__(stream, media_type="text/event-stream",
+                         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        self.stream = stream
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            await self.stream.aclose()
+
+
+# --------------------------------------------------------------------------- running it
+class _Server(uvicorn.Server):
+    """uvicorn's Server without re-raising the caught signal after a graceful shutdown, so that
+    SIGINT/SIGTERM end the process with exit status 0."""
+
+    @contextlib.contextmanager
+    def capture_signals(self):
+        if threading.current_thread() is not threading.main_thread():
+            yield
+            return
+        previous = {sig: signal.signal(sig, self._on_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
+        try:
+            yield
+        finally:
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
+
+    def _on_signal(self, sig: int, frame: Any) -> None:
+        if not self.should_exit:
+            logger.info("received %s: no new connections; finishing in-flight requests",
+                        signal.Signals(sig).name)
+        self.handle_exit(sig, frame)
+
+
+def bind_socket(host: str, port: int) -> socket.socket:
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((host, port))
+    sock.listen(2048)
+    sock.set_inheritable(True)
+    return sock
+
+
+def _uvicorn_config(app: FastAPI, config: ServerConfig) -> uvicorn.Config:
+    return uvicorn.Config(app, log_level=config.uvicorn_log_level, access_log=config.access_log,
+                          timeout_graceful_shutdown=config.shutdown_timeout, lifespan="on",
+                          timeout_keep_alive=5)
+
+
+def run_server(engine_args: Any, config: ServerConfig) -> int:
+    """Load the engine, serve until SIGINT/SIGTERM, shut down gracefully. Returns the exit status."""
+    sock = bind_socket(config.host, config.port)  # fail fast on a busy port, before loading the model
+    t0 = time.monotonic()
+    engine = AsyncLLM.from_engine_args(engine_args, retry_after=config.retry_after)
+    if config.log_stats_interval > 0:
+        engine.stat_loggers.append(LoggingStatLogger(config.log_stats_interval))
+    app = build_app(engine, config)
+    host, port = sock.getsockname()[:2]
+    logger.info("engine ready in %.1f s; serving model %r on http://%s:%d (OpenAI API under /v1)",
+                time.monotonic() - t0, app.state.model_names[0], host, port)
+    server = _Server(_uvicorn_config(app, config))
+    try:
+        server.run(sockets=[sock])
+    finally:
+        engine.shutdown()
+        sock.close()
+    logger.info("server stopped")
+    return 0
+
+
+class ServerThread:
+    """Serve an app from a background thread on a loopback port (port 0: a free one)."""
+
+    def __init__(self, app: FastAPI, host: str = "127.0.0.1", port: int = 0,
+                 config: Optional[ServerConfig] = None) -> None:
+        self.config = config or ServerConfig(uvicorn_log_level="warning", access_log=False, shutdown_timeout=5.0)
+        self.sock = bind_socket(host, port)
+        self.host, self.port = self.sock.getsockname()[:2]
+        self.server = _Server(_uvicorn_config(app, self.config))
+        self.thread = threading.Thread(target=self._run, name="roofline-uvicorn", daemon=True)
+        self.error: Optional[BaseException] = None
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+    def _run(self) -> None:
+        try:
+            self.server.run(sockets=[self.sock])
+        except BaseException as e:  # pragma: no cover - surfaced by start()
+            self.error = e
+
+    def start(self, timeout: float = 60.0) -> "ServerThread":
+        self.thread.start()
+        deadline = time.monotonic() + timeout
+        while not self.server.started:
+            if self.error is not None or not self.thread.is_alive():
+                raise RuntimeError(f"server failed to start: {self.error}")
+            if time.monotonic() > deadline:
+                raise TimeoutError("server did not start in time")
+            time.sleep(0.02)
+        return self
+
+    def stop(self, timeout: float = 30.0) -> None:
+        self.server.should_exit = True
+        self.thread.join(timeout)
+        self.sock.close()
+
+    def __enter__(self) -> "ServerThread":
+        return self.start()
+
+    def __exit__(self, *exc: Any) -> None:
+        self.stop()

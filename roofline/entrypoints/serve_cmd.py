@@ -1,0 +1,87 @@
+"""`roofline serve [MODEL] [engine flags]`: the OpenAI-compatible HTTP server."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+
+from roofline.config import env_flag
+from roofline.entrypoints.engine_flags import add_engine_args, engine_args_from
+from roofline.entrypoints.openai.serving_engine import DEFAULT_MAX_BODY_BYTES
+
+
+def add_server_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("model_tag", nargs="?", default=None, metavar="MODEL",
+                        help="HF model directory or .gguf file (same as --model; default: the embedded "
+                             "SmolLM2-135M-Instruct)")
+    group = parser.add_argument_group("server")
+    group.add_argument("--host", default="127.0.0.1", help="address to listen on (default: 127.0.0.1)")
+    group.add_argument("--port", type=int, default=8000, help="port to listen on; 0 picks a free one (default: 8000)")
+    group.add_argument("--api-key", default=None,
+                       help="require 'Authorization: Bearer KEY' on every /v1 route (default: "
+                            "$ROOFLINE_API_KEY, else no key)")
+    group.add_argument("--max-request-body-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES,
+                       help=f"larger request bodies get 413 (default: {DEFAULT_MAX_BODY_BYTES})")
+    group.add_argument("--shutdown-timeout", type=float, default=30.0,
+                       help="on SIGINT/SIGTERM, seconds in-flight requests get to finish before they "
+                            "are aborted (default: 30)")
+    group.add_argument("--retry-after", type=int, default=1,
+                       help="Retry-After seconds in 503 answers when the queue is full (default: 1)")
+    group.add_argument("--log-stats-interval", type=float, default=10.0,
+                       help="seconds between throughput log lines while busy; 0 disables (default: 10)")
+    group.add_argument("--uvicorn-log-level", default="info",
+                       choices=["critical", "error", "warning", "info", "debug", "trace"])
+    group.add_argument("--disable-access-log", action="store_true", help="do not log each HTTP request")
+    add_engine_args(parser)
+
+
+def run(args: argparse.Namespace) -> int:
+    from roofline.entrypoints.openai.server import ServerConfig, run_server
+
+    if args.model_tag is not None:
+        if args.model is not None and args.model != args.model_tag:
+            raise SystemExit(f"roofline serve: MODEL {args.model_tag!r} and --model {args.model!r} disagree")
+        args.model = args.model_tag
+    engine_args = engine_args_from(args)
+    api_key = args.api_key if args.api_key is not None else (env_flag("ROOFLINE_API_KEY") or None)
+    config = ServerConfig(
+        host=args.host,
+        port=args.port,
+        served_model_name=engine_args.served_model_name,
+        api_key=api_key,
+        max_request_body_bytes=args.max_request_body_bytes,
+        shutdown_timeout=args.shutdown_timeout,
+        retry_after=args.retry_after,
+        log_stats_interval=args.log_stats_interval,
+        uvicorn_log_level=args.uvicorn_log_level,
+        access_log=not args.disable_access_log,
+    )
+    return run_server(engine_args, config)
+
+
+def register(subparsers) -> None:
+    parser = subparsers.add_parser(
+        "serve", help="start the OpenAI-compatible HTTP server",
+        description="Serve a model over an OpenAI-compatible HTTP API (/v1/completions, "
+                    "/v1/chat/completions, /v1/models, /health, /metrics, ...).")
+    add_server_args(parser)
+    parser.set_defaults(func=run)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m roofline.entrypoints.serve_cmd ...` (same as `roofline serve ...`)."""
+    parser = argparse.ArgumentParser(prog="roofline")
+    parser.add_argument("--log-level", default="INFO")
+    sub = parser.add_subparsers(dest="command")
+    register(sub)
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] != "serve":
+        argv = ["serve", *argv]
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    return int(args.func(args) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

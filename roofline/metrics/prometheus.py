@@ -1,0 +1,139 @@
+"""Prometheus export of serving metrics, all named `roofline:<name>`.
+
+Each server gets its own `CollectorRegistry` (never the process-global one), so several servers or
+tests in one process do not clash. `PrometheusStatLogger.record` is called from the engine thread;
+prometheus_client metrics are thread-safe, and `/metrics` renders the registry from the event loop.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+from roofline.metrics.stats import IterationStats, stat
+
+PREFIX = "roofline:"
+
+TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5,
+                10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
+ITL_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5,
+               5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
+REQUEST_BUCKETS = (0.01, 0.05, 0.1, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0,
+                   50.0, 60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
+
+FINISH_REASONS = ("stop", "length", "abort", "error")
+
+
+class PrometheusStatLogger:
+    def __init__(self, model_name: str, registry: Optional[CollectorRegistry] = None) -> None:
+        self.registry = registry if registry is not None else CollectorRegistry()
+        self.model_name = model_name
+        labels = ["model_name"]
+        reg = self.registry
+
+        def hist(name: str, doc: str, buckets) -> Any:
+            return Histogram(PREFIX + name, doc, labels, registry=reg, buckets=buckets).labels(model_name)
+
+        def gauge(name: str, doc: str) -> Any:
+            return Gauge(PREFIX + name, doc, labels, registry=reg).labels(model_name)
+
+        def counter(name: str, doc: str) -> Any:
+            return Counter(PREFIX + name, doc, labels, registry=reg).labels(model_name)
+
+        self.ttft = hist("time_to_first_token_seconds", "Time to first token, seconds.", TTFT_BUCKETS)
+        self.itl = hist("inter_token_latency_seconds", "Time between consecutive output tokens, seconds.",
+                        ITL_BUCKETS)
+        self.e2e = hist("e2e_request_latency_seconds", "Request latency from arrival to finish, seconds.",
+                        REQUEST_BUCKETS)
+        self.queue_time = hist("request_queue_time_seconds",
+                               "Time from arrival to first scheduling, seconds.", REQUEST_BUCKETS)
+
+        self.num_running = gauge("num_requests_running", "Requests in the running batch.")
+        self.num_waiting = gauge("num_requests_waiting", "Requests waiting to be scheduled.")
+        self.kv_usage = gauge("kv_cache_usage_perc", "Fraction (0..1) of KV blocks held by requests.")
+        self.num_total_blocks = gauge("kv_cache_num_blocks", "Total KV blocks in the pool.")
+        self.num_free_blocks = gauge("kv_cache_num_free_blocks", "KV blocks not held by any request.")
+        self.num_cached_blocks = gauge("kv_cache_num_cached_blocks",
+                                       "Free KV blocks that still hold a reusable cached prefix.")
+
+        self.prefix_queries = counter("prefix_cache_queries", "Prompt tokens looked up in the prefix cache.")
+        self.prefix_hits = counter("prefix_cache_hits", "Prompt tokens found in the prefix cache.")
+        self.preemptions = counter("num_preemptions", "Requests preempted to free KV blocks.")
+        self.prompt_tokens = counter("prompt_tokens", "Prompt tokens processed (prefilled).")
+        self.generation_tokens = counter("generation_tokens", "Tokens generated.")
+        success = Counter(PREFIX + "request_success", "Requests that left the engine, by finish reason.",
+                          ["model_name", "finish_reason"], registry=reg)
+        self.request_success = {r: success.labels(model_name, r) for r in FINISH_REASONS}
+        self._success = success
+        # Cumulative engine counters already exported, so each record() adds only the difference.
+        self._last: dict[str, float] = {}
+
+    def _inc_from_cumulative(self, counter: Any, engine_stats: Any, field: str) -> None:
+        value = stat(engine_stats, field)
+        delta = value - self._last.get(field, 0)
+        if delta > 0:
+            counter.inc(delta)
+        self._last[field] = value
+
+    def record(self, stats: IterationStats) -> None:
+        for v in stats.ttfts:
+            self.ttft.observe(v)
+        for v in stats.itls:
+            self.itl.observe(v)
+        for f in stats.finished:
+            self.e2e.observe(f.e2e_latency)
+            if f.queue_time is not None:
+                self.queue_time.observe(f.queue_time)
+            child = self.request_success.get(f.finish_reason)
+            if child is None:
+                child = self.request_success[f.finish_reason] = self._success.labels(self.model_name,
+                                                                                     f.finish_reason)
+            child.inc()
+        e = stats.engine
+        if e is None:
+            return
+        self.num_running.set(stat(e, "num_running"))
+        self.num_waiting.set(stat(e, "num_waiting"))
+        self.kv_usage.set(stat(e, "kv_cache_usage"))
+        self.num_total_blocks.set(stat(e, "num_total_blocks"))
+        self.num_free_blocks.set(stat(e, "num_free_blocks"))
+        self.num_cached_blocks.set(stat(e, "num_cached_blocks"))
+        self._inc_from_cumulative(self.prefix_queries, e, "prefix_cache_queries")
+        self._inc_from_cumulative(self.prefix_hits, e, "prefix_cache_hits")
+        self._inc_from_cumulative(self.preemptions, e, "num_preemptions")
+        self._inc_from_cumulative(self.prompt_tokens, e, "prompt_tokens")
+        self._inc_from_cumulative(self.generation_tokens, e, "generation_tokens")
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
+
+    content_type = CONTENT_TYPE_LATEST
+
+
+def parse_metrics(text: str) -> dict[str, float]:
+    """Parse Prometheus text exposition into {"name{labels}": value} (for tests and the benchmark)."""
+    out: dict[str, float] = {}
+    for line in text.splitlines():
+        line = line.strip()
+        if not line or line.startswith("#"):
+            continue
+        name, _, value = line.rpartition(" ")
+        try:
+            out[name] = float(value)
+        except ValueError:
+            continue
+    return out
+
+
+def metric_value(metrics: dict[str, float], name: str, **labels: str) -> float:
+    """Sum of the samples of `name` whose labels include `labels` (0 if none)."""
+    total, found = 0.0, False
+    for key, value in metrics.items():
+        base, _, rest = key.partition("{")
+        if base != name:
+            continue
+        if all(f'{k}="{v}"' in rest for k, v in labels.items()):
+            total += value
+            found = True
+    return total if found else 0.0

@@ -1,0 +1,91 @@
+"""Prometheus export: names, per-app registries, counters fed from cumulative engine stats."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+from roofline.metrics.prometheus import PrometheusStatLogger, metric_value, parse_metrics
+from roofline.metrics.stats import FinishedRequestStats, IterationStats, LoggingStatLogger
+
+
+@dataclass
+class Snap:
+    num_running: int = 2
+    num_waiting: int = 1
+    kv_cache_usage: float = 0.25
+    num_total_blocks: int = 100
+    num_free_blocks: int = 75
+    num_cached_blocks: int = 10
+    prefix_cache_queries: int = 100
+    prefix_cache_hits: int = 40
+    num_preemptions: int = 1
+    prompt_tokens: int = 100
+    generation_tokens: int = 20
+
+
+REQUIRED = [
+    "roofline:time_to_first_token_seconds_bucket",
+    "roofline:inter_token_latency_seconds_bucket",
+    "roofline:e2e_request_latency_seconds_bucket",
+    "roofline:request_queue_time_seconds_bucket",
+    "roofline:num_requests_running",
+    "roofline:num_requests_waiting",
+    "roofline:kv_cache_usage_perc",
+    "roofline:prefix_cache_queries_total",
+    "roofline:prefix_cache_hits_total",
+    "roofline:num_preemptions_total",
+    "roofline:prompt_tokens_total",
+    "roofline:generation_tokens_total",
+    "roofline:request_success_total",
+]
+
+
+def test_all_metrics_exported_with_values():
+    p = PrometheusStatLogger("m")
+    p.record(IterationStats(
+        timestamp=1.0, engine=Snap(), ttfts=[0.05], itls=[0.01, 0.02],
+        finished=[FinishedRequestStats("length", 1.5, 0.1, 0.05, 10, 5),
+                  FinishedRequestStats("stop", 0.5, None, 0.04, 10, 3)]))
+    m = parse_metrics(p.render().decode())
+    for name in REQUIRED:
+        assert any(k.split("{")[0] == name for k in m), name
+    assert metric_value(m, "roofline:num_requests_running", model_name="m") == 2
+    assert metric_value(m, "roofline:num_requests_waiting") == 1
+    assert metric_value(m, "roofline:kv_cache_usage_perc") == 0.25
+    assert metric_value(m, "roofline:prefix_cache_hits_total") == 40
+    assert metric_value(m, "roofline:generation_tokens_total") == 20
+    assert metric_value(m, "roofline:request_success_total", finish_reason="length") == 1
+    assert metric_value(m, "roofline:request_success_total", finish_reason="stop") == 1
+    assert metric_value(m, "roofline:request_success_total", finish_reason="abort") == 0
+    assert metric_value(m, "roofline:time_to_first_token_seconds_count") == 1
+    assert metric_value(m, "roofline:inter_token_latency_seconds_count") == 2
+    assert metric_value(m, "roofline:e2e_request_latency_seconds_count") == 2
+    assert metric_value(m, "roofline:request_queue_time_seconds_count") == 1
+
+
+def test_counters_follow_cumulative_engine_stats():
+    p = PrometheusStatLogger("m")
+    p.record(IterationStats(timestamp=1.0, engine=Snap(generation_tokens=20)))
+    p.record(IterationStats(timestamp=2.0, engine=Snap(generation_tokens=20)))
+    p.record(IterationStats(timestamp=3.0, engine=Snap(generation_tokens=35, num_running=0)))
+    m = parse_metrics(p.render().decode())
+    assert metric_value(m, "roofline:generation_tokens_total") == 35
+    assert metric_value(m, "roofline:num_requests_running") == 0
+
+
+def test_registries_are_per_logger():
+    a, b = PrometheusStatLogger("a"), PrometheusStatLogger("b")  # no "duplicated timeseries" error
+    a.record(IterationStats(timestamp=1.0, engine=Snap(num_running=7)))
+    mb = parse_metrics(b.render().decode())
+    assert metric_value(mb, "roofline:num_requests_running") == 0
+    assert 'model_name="a"' not in b.render().decode()
+
+
+def test_logging_stat_logger_logs_periodically(caplog):
+    log = LoggingStatLogger(interval=0.0)
+    with caplog.at_level(logging.INFO, logger="roofline.metrics.stats"):
+        log.record(IterationStats(timestamp=log._last_time + 1.0, engine=Snap(),
+                                  num_new_prompt_tokens=10, num_new_generation_tokens=5))
+    assert "generation throughput" in caplog.text
+    assert "running 2" in caplog.text
