@@ -1,7 +1,7 @@
 """Reference attention backend in plain torch (CPU and CUDA): the correctness baseline.
 
-Decodes are batched: their K/V are gathered through the block tables into a padded
-[R_d x S_max] view and masked by length.  Each prefill chunk is computed on its own with a causal
+Decodes are batched: sorted by context length into up to 8 buckets, each bucket's K/V gathered
+through the block tables into a padded [n x S_bucket] view and masked by length.  Each prefill chunk is computed on its own with a causal
 mask offset by its cached prefix ([C x (S+C)] scores).
 """
 
@@ -57,24 +57,33 @@ class TorchAttentionBackend(AttentionBackend):
 
     @staticmethod
     def _decode_plan(meta: AttentionMetadata, block_size: int, device):
-        """Block index and length mask for the batched decodes; built once per step, shared by layers."""
+        """Decodes sorted by context length and cut into up to 8 buckets, so the padded gather of
+        each bucket wastes little; built once per step and shared by every layer."""
         plan = getattr(meta, "_torch_decode_plan", None)
         if plan is None:
             nd = meta.num_decodes
-            nblocks = (max(meta.seq_lens_cpu[:nd]) + block_size - 1) // block_size
-            table = meta.block_tables[:nd, :nblocks].long()  # [R_d, nb]
-            mask = torch.arange(nblocks * block_size, device=device)[None, :] < meta.seq_lens[:nd, None]
-            plan = (table, mask[:, None, None, :], nblocks)  # mask [R_d, 1, 1, S]
+            lens = meta.seq_lens_cpu[:nd]
+            order = sorted(range(nd), key=lens.__getitem__)
+            nbuckets = max(1, min(8, nd // 8))
+            size = -(-nd // nbuckets)
+            plan = []
+            for b in range(0, nd, size):
+                rows = order[b : b + size]
+                nblocks = -(-lens[rows[-1]] // block_size)
+                rows_t = torch.tensor(rows, device=device)
+                table = meta.block_tables[rows_t, :nblocks].reshape(-1).long()  # [n * nb]
+                mask = torch.arange(nblocks * block_size, device=device)[None, :] < meta.seq_lens[rows_t, None]
+                plan.append((rows_t, table, mask[:, None, None, :], nblocks))  # mask [n, 1, 1, S]
             meta._torch_decode_plan = plan
         return plan
 
     def _decode(self, query, kv_cache, meta, scale, out, gqa) -> None:
-        nd = meta.num_decodes
-        block_size = kv_cache.shape[2]
-        table, mask, nblocks = self._decode_plan(meta, block_size, query.device)
-        hk, d = kv_cache.shape[3], kv_cache.shape[4]
-        k = kv_cache[0][table].reshape(nd, nblocks * block_size, hk, d).transpose(1, 2)  # [R_d, H_kv, S, D]
-        v = kv_cache[1][table].reshape(nd, nblocks * block_size, hk, d).transpose(1, 2)
-        q = query.unsqueeze(2)  # [R_d, H, 1, D]
-        o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=gqa)
-        out.copy_(o.squeeze(2).to(out.dtype))
+        block_size, hk, d = kv_cache.shape[2], kv_cache.shape[3], kv_cache.shape[4]
+        for rows, table, mask, nblocks in self._decode_plan(meta, block_size, query.device):
+            n = rows.shape[0]
+            # [n, S, H_kv, D] -> [n, H_kv, S, D]
+            k = torch.index_select(kv_cache[0], 0, table).view(n, nblocks * block_size, hk, d).transpose(1, 2)
+            v = torch.index_select(kv_cache[1], 0, table).view(n, nblocks * block_size, hk, d).transpose(1, 2)
+            q = query[rows].unsqueeze(2)  # [n, H, 1, D]
+            o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=gqa)
+            out[rows] = o.squeeze(2).to(out.dtype)
