@@ -1,0 +1,63 @@
+"""Model resolution and loading: unknown architectures, missing paths, dummy weights."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from roofline import LLM, SamplingParams
+from roofline.model_executor.loader.source import default_model_file, resolve_source
+from tests.reference.hf_models import tiny_config
+
+
+def test_default_model_is_the_packaged_gguf():
+    src = resolve_source(None)
+    assert src.fmt == "gguf" and src.gguf_file.endswith(".gguf")
+    assert default_model_file().endswith(".gguf")
+
+
+def test_missing_path_is_a_clear_error(tmp_path):
+    with pytest.raises(ValueError, match="not a local path"):
+        resolve_source(str(tmp_path / "nope"))
+    with pytest.raises(ValueError, match="no loadable weights"):
+        resolve_source(str(tmp_path))
+
+
+def test_unknown_architecture_lists_supported(tmp_path):
+    cfg = tiny_config("llama").to_dict()
+    cfg["architectures"] = ["GPT2LMHeadModel"]
+    cfg["model_type"] = "llama"
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ValueError) as e:
+        LLM(str(tmp_path), load_format="dummy", device="cpu", num_kv_blocks=8, show_progress=False)
+    msg = str(e.value)
+    assert "GPT2LMHeadModel" in msg and "LlamaForCausalLM" in msg and "Qwen3ForCausalLM" in msg
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
+def test_dummy_weights_for_any_config(tmp_path, arch):
+    cfg = tiny_config(arch).to_dict()
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    llm = LLM(str(tmp_path), load_format="dummy", device="cpu", num_kv_blocks=16, show_progress=False)
+    out = llm.generate({"prompt_token_ids": [5, 6, 7]}, SamplingParams(temperature=0, max_tokens=5, ignore_eos=True),
+                       use_tqdm=False)[0]
+    assert len(out.outputs[0].token_ids) == 5
+    with pytest.raises(ValueError, match="no tokenizer"):
+        llm.generate("text needs a tokenizer", use_tqdm=False)
+
+
+def test_rope_scaling_llama3_matches_hf():
+    import torch
+    from transformers import LlamaConfig
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    from roofline.model_executor.layers.rotary import _inv_freq, rope_parameters
+
+    cfg = LlamaConfig(hidden_size=128, num_attention_heads=2, max_position_embeddings=131072,
+                      rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                    "high_freq_factor": 4.0, "original_max_position_embeddings": 8192},
+                      rope_theta=500000.0)
+    ours, _ = _inv_freq(rope_parameters(cfg), 64, 131072)
+    ref, _ = ROPE_INIT_FUNCTIONS["llama3"](cfg, "cpu")
+    assert torch.allclose(ours, ref.float(), rtol=1e-6, atol=0)
