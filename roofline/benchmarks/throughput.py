@@ -200,24 +200,6 @@ def w4(args) -> dict:
 
 
 # ---- W5 ---------------------------------------------------------------------------------------
-def measure_bandwidth(device: str = "cpu", nbytes: int = 1 << 29, repeats: int = 5) -> float:
-    """Memory bandwidth from a large tensor copy (bytes read + bytes written) / time; best of repeats."""
-    import torch
-
-    src = torch.ones(nbytes // 4, dtype=torch.float32, device=device)
-    dst = torch.empty_like(src)
-    best = float("inf")
-    for _ in range(repeats):
-        if device.startswith("cuda"):
-            torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        dst.copy_(src)
-        if device.startswith("cuda"):
-            torch.cuda.synchronize()
-        best = min(best, time.perf_counter() - t0)
-    return 2 * nbytes / best
-
-
 def weight_bytes(model) -> int:
     seen, total = set(), 0
     for p in model.parameters():
@@ -229,6 +211,7 @@ def weight_bytes(model) -> int:
 
 def w5(args) -> dict:
     from roofline import SamplingParams
+    from roofline.planner.measure import measure_bandwidth
 
     llm = _make_llm(args)
     _warmup(llm)
@@ -239,7 +222,7 @@ def w5(args) -> dict:
     tpot = (m.finished_time - m.first_token_time) / (len(out.outputs[0].token_ids) - 1)
     model = llm.llm_engine.executor.worker.model
     wb = weight_bytes(model)
-    bw = measure_bandwidth(str(llm.llm_engine.executor.worker.device))
+    bw = measure_bandwidth(str(llm.llm_engine.executor.worker.device))  # same run, same machine
     bound = wb / bw
     return {"workload": "W5", "tpot_ms": 1000 * tpot, "weight_bytes": wb, "bandwidth_gb_s": bw / 1e9,
             "bound_ms": 1000 * bound, "ratio": tpot / bound}

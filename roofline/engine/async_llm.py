@@ -149,6 +149,7 @@ class AsyncLLM:
         self._dead: Optional[BaseException] = None
         self._states: dict[str, _ReqState] = {}  # engine thread only
         self._has_work = False  # engine thread only
+        self.idle_health_interval = 1.0  # seconds between worker health checks while idle
         self._added_since_stats = 0  # engine thread only
         self._last_stats: Any = None
         self._refresh_stats()
@@ -287,9 +288,12 @@ class AsyncLLM:
     def _run(self) -> None:
         try:
             while True:
+                idle_check = False
                 with self._cond:
                     while not self._commands and not self._stopping and not self._has_work:
-                        self._cond.wait()
+                        if not self._cond.wait(timeout=self.idle_health_interval):
+                            idle_check = True  # idle: look at the workers once a second
+                            break
                     commands, self._commands = self._commands, []
                     stopping = self._stopping
                     if stopping:
@@ -299,6 +303,11 @@ class AsyncLLM:
                     self._abort_all(RequestAbortedError("the server is shutting down"))
                     self._shutdown_core()
                     return
+                if idle_check and not commands:
+                    check = getattr(self.core, "check_health", None)
+                    if check is not None:
+                        check()  # a dead tensor-parallel rank makes the server unhealthy while idle
+                    continue
                 it = IterationStats(timestamp=0.0)
                 self._process_commands(commands, it)
                 outputs: list[RequestOutput] = []

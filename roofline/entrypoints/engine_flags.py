@@ -17,6 +17,12 @@ _HELP = {
     "preemption_mode": "recompute | swap",
     "scheduling_policy": "fcfs | priority",
     "attention_backend": "auto | torch | triton",
+    "tensor_parallel_size": "ranks (processes, one device each) to split every layer over, across all nodes",
+    "nnodes": "machines taking part (torchrun-style); each runs tensor_parallel_size/nnodes ranks",
+    "node_rank": "this machine's index in [0, nnodes); node 0 runs the engine, others `roofline worker`",
+    "master_addr": "address of node 0, where rank 0 hosts the rendezvous",
+    "master_port": "rendezvous port on node 0 (a free one on one node; 29500 when unset with nnodes > 1)",
+    "distributed_backend": "gloo | nccl for the model's collectives (gloo on CPU, nccl on CUDA when unset)",
 }
 
 

@@ -363,3 +363,26 @@ def test_aborted_request_counts_as_abort(engine):
     assert eventually(lambda: any(it.finished for it in rec.items))
     reasons = [f.finish_reason for it in rec.items for f in it.finished]
     assert reasons == ["abort"]
+
+
+def test_idle_engine_notices_dead_workers():
+    """A worker (tensor-parallel rank) that dies while nothing runs turns the engine unhealthy."""
+    core = FakeCore()
+    broken = {"now": False}
+
+    def check_health():
+        if broken["now"]:
+            raise RuntimeError("tensor-parallel worker rank 1 died")
+
+    core.check_health = check_health
+    eng = AsyncLLM(core)
+    eng.idle_health_interval = 0.05
+    run(collect(eng, "r", [1], params(max_tokens=2)))
+    assert eng.is_healthy
+    broken["now"] = True
+    deadline = time.monotonic() + 5
+    while eng.is_healthy and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert not eng.is_healthy
+    assert "rank 1" in str(eng.dead_error)
+    eng.shutdown()

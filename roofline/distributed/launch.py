@@ -1,0 +1,340 @@
+"""Starting and watching this node's ranks; torchrun-style multi-node layout.
+
+World = tensor_parallel_size ranks over `nnodes` nodes, tp/nnodes ranks per node; node k holds
+global ranks [k*tp/nnodes, (k+1)*tp/nnodes) and node 0's rank 0 hosts the rendezvous store at
+master_addr:master_port.  Node 0 runs the engine (`roofline serve`, `LLM(...)`): its executor starts
+node 0's ranks.  Every other node runs `roofline worker --node-rank K` (run_worker_node below),
+which starts that node's ranks and waits for them; they take their configuration from rank 0.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import socket
+import time
+from dataclasses import dataclass
+from multiprocessing.connection import wait
+from typing import Optional
+
+from roofline.config import EngineArgs, ParallelConfig, env_flag
+from roofline.distributed.protocol import (
+    DEFAULT_WORKER_CLS,
+    Failure,
+    LocalProcess,
+    Ready,
+    WorkerSpec,
+    describe_exit,
+    reply_decoder,
+    start_worker_process,
+)
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_MULTINODE_PORT = 29500  # as torchrun
+
+
+def dist_timeout_s() -> float:
+    """Model-collective and rendezvous timeout (a dead peer is noticed at once regardless)."""
+    return float(env_flag("ROOFLINE_DIST_TIMEOUT", "600"))
+
+
+def free_port(addr: str = "127.0.0.1") -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((addr, 0))
+        return s.getsockname()[1]
+
+
+@dataclass
+class NodeLayout:
+    world_size: int
+    nnodes: int
+    node_rank: int
+    nproc_per_node: int
+    master_addr: str
+    master_port: int
+    backend: str
+    device: str  # cpu | cuda
+
+    @property
+    def ranks(self) -> range:
+        return range(self.node_rank * self.nproc_per_node, (self.node_rank + 1) * self.nproc_per_node)
+
+    @property
+    def init_method(self) -> str:
+        host = f"[{self.master_addr}]" if ":" in self.master_addr else self.master_addr
+        return f"tcp://{host}:{self.master_port}"
+
+
+def node_layout(pc: ParallelConfig, device: str) -> NodeLayout:
+    tp, nnodes, node_rank = pc.tensor_parallel_size, pc.nnodes, pc.node_rank
+    if nnodes < 1:
+        raise ValueError(f"nnodes must be >= 1, got {nnodes}")
+    if tp % nnodes:
+        raise ValueError(f"tensor_parallel_size ({tp}) must be a multiple of nnodes ({nnodes}): "
+                         f"each node runs tensor_parallel_size/nnodes ranks")
+    if not 0 <= node_rank < nnodes:
+        raise ValueError(f"node_rank must be in [0, {nnodes}), got {node_rank}")
+    dev = device.split(":")[0]
+    backend = pc.distributed_backend or ("nccl" if dev == "cuda" else "gloo")
+    if backend not in ("gloo", "nccl"):
+        raise ValueError(f"distributed_backend must be 'gloo' or 'nccl', got {backend!r}")
+    if backend == "nccl" and dev != "cuda":
+        raise ValueError("distributed_backend='nccl' needs device='cuda'")
+    port = pc.master_port
+    if port is None:
+        port = DEFAULT_MULTINODE_PORT if nnodes > 1 else free_port(pc.master_addr)
+    nproc = tp // nnodes
+    if dev == "cuda":
+        import torch
+
+        have = torch.cuda.device_count()
+        if have < nproc:
+            raise ValueError(f"{nproc} ranks per node need {nproc} GPUs on this node, found {have}")
+    return NodeLayout(tp, nnodes, node_rank, nproc, pc.master_addr, port, backend, dev)
+
+
+def threads_per_rank(nproc: int) -> int:
+    forced = env_flag("ROOFLINE_WORKER_THREADS")
+    if forced:
+        return max(1, int(forced))
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except AttributeError:  # pragma: no cover - not Linux
+        cores = os.cpu_count() or 1
+    return max(1, cores // nproc)
+
+
+class RankFailure(RuntimeError):
+    """A rank failed or died; the message says which and why."""
+
+
+_PEER_LOSS = ("closed by peer", "connection reset", "broken pipe", "timed out", "timeout")
+
+
+def order_failures(failures: list) -> str:
+    """One message from several ranks' reports: root causes first.
+
+    A rank that raised reports its own error; its peers then fail in the next collective with
+    "connection closed by peer" (or die). So: errors that are not peer losses, then peer losses,
+    then bare deaths; rank order within each.
+    """
+
+    def key(m):
+        if isinstance(m, Failure):
+            lost = any(k in m.message.lower() for k in _PEER_LOSS)
+            return (1 if lost else 0, m.rank)
+        return (2, 0)
+
+    texts: list[str] = []
+    for m in sorted(failures, key=key):
+        t = m.message if isinstance(m, Failure) else str(m)
+        if t not in texts:
+            texts.append(t)
+    return "; ".join(texts)
+
+
+class LocalRanks:
+    """The worker processes of this node: start, wait for readiness, watch, stop."""
+
+    def __init__(self, layout: NodeLayout, *, bootstrap: Optional[bytes] = None, show_progress: bool = False,
+                 worker_cls: str = DEFAULT_WORKER_CLS, model_override: Optional[str] = None) -> None:
+        self.layout = layout
+        self.procs: list[LocalProcess] = []
+        threads = threads_per_rank(layout.nproc_per_node)
+        level = logging.getLogger().getEffectiveLevel()
+        try:
+            for local_rank, rank in enumerate(layout.ranks):
+                spec = WorkerSpec(
+                    rank=rank, world_size=layout.world_size, local_rank=local_rank, node_rank=layout.node_rank,
+                    nnodes=layout.nnodes, init_method=layout.init_method, backend=layout.backend,
+                    device=layout.device, timeout_s=dist_timeout_s(), num_threads=threads, log_level=level,
+                    show_progress=show_progress, worker_cls=worker_cls,
+                    bootstrap=bootstrap if rank == 0 else None, model_override=model_override,
+                )
+                self.procs.append(start_worker_process(spec))
+        except BaseException:
+            self.kill()
+            raise
+
+    def by_rank(self, rank: int) -> LocalProcess:
+        for p in self.procs:
+            if p.rank == rank:
+                return p
+        raise KeyError(rank)
+
+    # ---- receiving -------------------------------------------------------------------------------
+    def _read(self, p: LocalProcess):
+        """The next message from p, or RankFailure if it died (with its last words if it left any)."""
+        try:
+            return reply_decoder.decode(p.conn.recv_bytes())
+        except (EOFError, OSError):
+            try:
+                p.proc.wait(timeout=5)
+            except Exception:
+                pass
+            raise RankFailure(f"tensor-parallel worker {p.describe()} {describe_exit(p.proc)}") from None
+
+    def recv(self, want_rank: int, timeout: Optional[float]):
+        """Wait for the next message of `want_rank`; any other rank's message or death is a failure."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        conns = {p.conn: p for p in self.procs}
+        while True:
+            left = None if deadline is None else max(0.0, deadline - time.monotonic())
+            ready = wait(list(conns), left)
+            if not ready:
+                raise RankFailure(f"no reply from tensor-parallel rank {want_rank} within {timeout:.0f} s")
+            # a failure elsewhere explains a stuck rank better than the rank's own error: read all
+            msgs = []
+            for c in ready:
+                p = conns[c]
+                try:
+                    msgs.append((p, self._read(p)))
+                except RankFailure as e:
+                    msgs.append((p, e))
+            for p, m in msgs:
+                if p.rank == want_rank and not isinstance(m, (Failure, RankFailure)):
+                    others = [x for q, x in msgs if q is not p]
+                    if others:
+                        raise self._explain(others)
+                    return m
+            raise self._explain([m for _, m in msgs])
+
+    def _explain(self, msgs) -> RankFailure:
+        """Combine failures, waiting briefly for the other ranks' own reports (the root cause)."""
+        failures = list(msgs)
+        deadline = time.monotonic() + 2.0
+        seen = set()
+        for m in failures:
+            if isinstance(m, Failure):
+                seen.add(m.rank)
+        pending = {p.conn: p for p in self.procs if p.rank not in seen}
+        while pending and time.monotonic() < deadline:
+            ready = wait(list(pending), max(0.0, deadline - time.monotonic()))
+            if not ready:
+                break
+            for c in ready:
+                p = pending.pop(c)
+                try:
+                    m = self._read(p)
+                except RankFailure as e:
+                    m = e
+                if isinstance(m, (Failure, RankFailure)):
+                    failures.append(m)
+        return RankFailure(order_failures(failures))
+
+    def wait_ready(self, timeout: Optional[float]) -> list[str]:
+        """Block until every local rank is ready; RankFailure with the failing rank's error otherwise."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        pending = {p.conn: p for p in self.procs}
+        infos = []
+        while pending:
+            left = None if deadline is None else max(0.0, deadline - time.monotonic())
+            ready = wait(list(pending), left)
+            if not ready:
+                raise RankFailure(f"tensor-parallel ranks {sorted(p.rank for p in pending.values())} "
+                                  f"not ready within {timeout:.0f} s")
+            for c in ready:
+                p = pending[c]
+                try:
+                    m = self._read(p)
+                except RankFailure as e:
+                    raise self._explain([e]) from None
+                if isinstance(m, Failure):
+                    raise self._explain([m])
+                if isinstance(m, Ready):
+                    infos.append(m.info)
+                    del pending[c]
+        return infos
+
+    # ---- liveness and teardown -------------------------------------------------------------------
+    def dead(self) -> Optional[str]:
+        """A description of the first local rank that has exited, or None (no I/O, thread-safe)."""
+        for p in self.procs:
+            if p.proc.poll() is not None:
+                return f"tensor-parallel worker {p.describe()} {describe_exit(p.proc)}"
+        return None
+
+    def join(self, timeout: float) -> bool:
+        deadline = time.monotonic() + timeout
+        for p in self.procs:
+            try:
+                p.proc.wait(timeout=max(0.0, deadline - time.monotonic()))
+            except Exception:
+                return False
+        return True
+
+    def kill(self, grace: float = 0.0) -> None:
+        if grace > 0:
+            self.join(grace)
+        for p in self.procs:
+            if p.proc.poll() is None:
+                p.proc.kill()
+        for p in self.procs:
+            try:
+                p.proc.wait(timeout=10)
+            except Exception:
+                logger.warning("tensor-parallel worker %s did not exit", p.describe())
+            try:
+                p.conn.close()
+            except Exception:
+                pass
+
+
+def startup_timeout_s() -> float:
+    return float(env_flag("ROOFLINE_WORKER_STARTUP_TIMEOUT", "3600"))
+
+
+def run_worker_node(args: EngineArgs) -> int:
+    """`roofline worker`: run node `args.node_rank` (>= 1) of a multi-node engine until it shuts down.
+
+    Only the distributed flags (tensor_parallel_size, nnodes, node_rank, master_addr, master_port,
+    distributed_backend, device) and an optional local --model path are used here; everything else
+    comes from node 0.
+    """
+    config = args.create_engine_config()
+    pc = config.parallel_config
+    if pc.nnodes < 2 or pc.node_rank < 1:
+        raise ValueError("`roofline worker` runs the nodes with --node-rank >= 1 of an --nnodes >= 2 engine; "
+                         "node 0 runs the engine itself (roofline serve / LLM)")
+    layout = node_layout(pc, config.device_config.device)
+    logger.info("node %d/%d: ranks %s, rendezvous at %s", pc.node_rank, pc.nnodes, list(layout.ranks),
+                layout.init_method)
+    def on_sigterm(signum, frame):
+        raise KeyboardInterrupt
+
+    try:
+        signal.signal(signal.SIGTERM, on_sigterm)  # stop our ranks too, like Ctrl-C
+    except ValueError:  # not the main thread
+        pass
+    ranks = LocalRanks(layout, model_override=args.model)
+    try:
+        ranks.wait_ready(startup_timeout_s())
+        logger.info("node %d ready; serving until node 0 shuts down", pc.node_rank)
+        # serve: the only thing a rank ever tells us now is that it failed
+        while True:
+            alive = [p for p in ranks.procs if p.proc.poll() is None]
+            if not alive:
+                break
+            ready = wait([p.conn for p in alive], 1.0)
+            for c in ready:
+                p = next(q for q in alive if q.conn is c)
+                try:
+                    m = ranks._read(p)
+                except RankFailure:
+                    continue  # exited; its return code tells below
+                if isinstance(m, Failure):
+                    raise RankFailure(m.message)
+        bad = [p for p in ranks.procs if p.proc.returncode != 0]
+        if bad:
+            raise RankFailure("; ".join(f"{p.describe()} {describe_exit(p.proc)}" for p in bad))
+        logger.info("node %d: all ranks finished", pc.node_rank)
+        return 0
+    except RankFailure as e:
+        logger.error("%s", e)
+        return 1
+    except KeyboardInterrupt:
+        return 130
+    finally:
+        ranks.kill(grace=5.0)

@@ -1,0 +1,170 @@
+"""Messages between the engine, the worker processes and their launchers.
+
+All msgspec Structs sent as msgpack bytes (over a local socket pair between a process and the
+worker processes it started, and over the gloo control group between ranks); never pickle.
+
+    engine ──Execute / Call / Shutdown──▶ rank 0 ──(same bytes, control broadcast)──▶ ranks 1..N-1
+    engine ◀──Output / Result / Failure── rank 0           every rank ──Ready / Failure──▶ its parent
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+from dataclasses import dataclass, replace
+from typing import Any, Optional, Union
+
+import msgspec
+
+from roofline.config import EngineConfig
+from roofline.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
+
+DEFAULT_WORKER_CLS = "roofline.worker.worker:Worker"
+
+
+class WorkerSpec(msgspec.Struct):
+    """Everything a worker process needs before it joins the world (sent first on its socket)."""
+
+    rank: int
+    world_size: int
+    local_rank: int
+    node_rank: int
+    nnodes: int
+    init_method: str  # tcp://master_addr:master_port
+    backend: str  # gloo | nccl (model collectives)
+    device: str  # this node's device type: cpu | cuda
+    timeout_s: float  # model-collective and rendezvous timeout
+    num_threads: int
+    log_level: int = 20
+    show_progress: bool = False
+    worker_cls: str = DEFAULT_WORKER_CLS  # "module:Class"
+    bootstrap: Optional[bytes] = None  # rank 0 only: the encoded Bootstrap it broadcasts
+    model_override: Optional[str] = None  # this node's path to the checkpoint (multi-node)
+
+
+class Bootstrap(msgspec.Struct):
+    """Rank 0 -> all ranks after rendezvous: the engine's (already finalized) configuration."""
+
+    config: EngineConfig  # model_config.hf_config is None here; it travels as JSON below
+    model: Optional[str]  # the model argument as the user gave it; each rank resolves it locally
+    hf_config_json: str  # the engine's HF config (transformers' own JSON form), so ranks need not parse it again
+
+
+class RankStatus(msgspec.Struct):
+    rank: int
+    host: str
+    pid: int
+    error: Optional[str]
+
+
+# ---- engine -> rank 0 -> every rank ----------------------------------------------------------------
+class Execute(msgspec.Struct, tag="x", array_like=True):
+    out: SchedulerOutput
+
+
+class Call(msgspec.Struct, tag="c", array_like=True):
+    method: str
+    args: list[Any] = []
+
+
+class Shutdown(msgspec.Struct, tag="s", array_like=True):
+    pass
+
+
+# ---- a worker -> its parent ------------------------------------------------------------------------
+class Ready(msgspec.Struct, tag="ready", array_like=True):
+    rank: int
+    info: str
+
+
+class Output(msgspec.Struct, tag="o", array_like=True):
+    out: ModelRunnerOutput
+
+
+class Result(msgspec.Struct, tag="r", array_like=True):
+    value: Any
+
+
+class Failure(msgspec.Struct, tag="f", array_like=True):
+    rank: int
+    message: str
+    startup: bool
+
+
+Request = Union[Execute, Call, Shutdown]
+Reply = Union[Ready, Output, Result, Failure]
+
+encoder = msgspec.msgpack.Encoder()
+request_decoder = msgspec.msgpack.Decoder(Request)
+reply_decoder = msgspec.msgpack.Decoder(Reply)
+spec_decoder = msgspec.msgpack.Decoder(WorkerSpec)
+bootstrap_decoder = msgspec.msgpack.Decoder(Bootstrap)
+status_decoder = msgspec.msgpack.Decoder(RankStatus)
+
+
+def encode_bootstrap(config: EngineConfig) -> bytes:
+    mc = replace(config.model_config, hf_config=None)
+    hf_json = config.model_config.hf_config.to_json_string(use_diff=False)
+    return encoder.encode(Bootstrap(config=replace(config, model_config=mc), model=mc.model, hf_config_json=hf_json))
+
+
+def decode_hf_config(hf_config_json: str):
+    import json
+
+    from transformers import AutoConfig
+
+    d = json.loads(hf_config_json)
+    return AutoConfig.for_model(d.pop("model_type"), **d)
+
+
+# ---- starting worker processes ---------------------------------------------------------------------
+@dataclass
+class LocalProcess:
+    """One worker process started by this process, and the socket to it."""
+
+    rank: int
+    proc: subprocess.Popen
+    conn: Any  # multiprocessing.connection.Connection over a socket pair (send_bytes/recv_bytes only)
+
+    def describe(self) -> str:
+        return f"rank {self.rank} (pid {self.proc.pid})"
+
+
+def start_worker_process(spec: WorkerSpec) -> LocalProcess:
+    """Start `python -m roofline.worker.worker_process` with one end of a socket pair as its link.
+
+    A fresh interpreter (not multiprocessing's spawn) so that the user's main module is never
+    re-imported in the worker and nothing is pickled; the child's end of the socket closes when it
+    exits, which is how the parent notices a dead worker.
+    """
+    from multiprocessing.connection import Connection
+
+    ours, theirs = socket.socketpair()
+    child_fd = theirs.detach()
+    try:
+        os.set_inheritable(child_fd, True)
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "roofline.worker.worker_process", "--fd", str(child_fd)],
+            pass_fds=(child_fd,), close_fds=True,
+        )
+    finally:
+        os.close(child_fd)
+    conn = Connection(ours.detach())
+    conn.send_bytes(encoder.encode(spec))
+    return LocalProcess(spec.rank, proc, conn)
+
+
+def describe_exit(proc: subprocess.Popen) -> str:
+    code = proc.poll()
+    if code is None:
+        return "closed its connection"
+    if code < 0:
+        import signal
+
+        try:
+            return f"was killed by {signal.Signals(-code).name}"
+        except ValueError:
+            return f"was killed by signal {-code}"
+    return f"exited with code {code}"

@@ -1,0 +1,206 @@
+"""Multi-process executor: one worker process per tensor-parallel rank.
+
+The engine process holds no model.  It starts this node's ranks (node 0; other nodes run
+`roofline worker`), sends every SchedulerOutput to rank 0 as msgpack bytes over a local socket, and
+rank 0 broadcasts the same bytes to the other ranks over a gloo control group.  Every rank runs its
+shard (the model's all-reduces and all-gathers keep them in lock step) and samples; rank 0 returns
+the sampled tokens.
+
+Faults: every receive is bounded, and the engine watches all of its ranks: a rank that dies or fails
+turns the executor dead at once — execute() and check_health() raise a RuntimeError naming the rank
+and its error, and the other ranks are stopped.  A rank that fails at start-up fails the launch with
+that rank's error.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import weakref
+from typing import Any, Optional
+
+from roofline.config import EngineConfig, env_flag
+from roofline.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
+from roofline.distributed.launch import LocalRanks, RankFailure, node_layout, startup_timeout_s
+from roofline.distributed.protocol import (
+    DEFAULT_WORKER_CLS,
+    Call,
+    Execute,
+    Output,
+    Result,
+    Shutdown,
+    encode_bootstrap,
+    encoder,
+)
+from roofline.executor.base import Executor
+from roofline.model_executor.loader.source import ModelSource
+
+logger = logging.getLogger(__name__)
+
+
+class WorkerDeadError(RuntimeError):
+    """A tensor-parallel rank died or failed; the engine cannot continue."""
+
+
+def execute_timeout_s() -> float:
+    return float(env_flag("ROOFLINE_EXECUTE_TIMEOUT", "600"))
+
+
+def check_tensor_parallel_split(config: EngineConfig) -> None:
+    """Build the model on the meta device as the first and last rank, before any process starts:
+    a split the layers refuse (heads not divisible, ...) fails at once with the layers' own message."""
+    import torch
+
+    from roofline.attention.torch_backend import TorchAttentionBackend
+    from roofline.distributed.parallel_state import tp_group_as
+    from roofline.model_executor.models.registry import resolve_architecture
+
+    hf_config = config.model_config.hf_config
+    tp = config.parallel_config.tensor_parallel_size
+    if hf_config is None:
+        return
+    arch, cls = resolve_architecture(hf_config)
+    for rank in sorted({0, tp - 1}):
+        try:
+            with tp_group_as(rank, tp), torch.device("meta"):
+                cls(hf_config, TorchAttentionBackend())
+        except ValueError as e:
+            raise ValueError(f"tensor_parallel_size={tp} cannot split {arch}: {e}") from None
+        except Exception:  # not a split problem; the ranks will report whatever it is
+            logger.debug("meta-device build of %s failed", arch, exc_info=True)
+            return
+
+
+def _stop(ranks: LocalRanks, graceful: bool) -> None:
+    if graceful:
+        try:
+            ranks.by_rank(0).conn.send_bytes(encoder.encode(Shutdown()))
+        except Exception:
+            graceful = False
+    ranks.kill(grace=10.0 if graceful else 0.0)
+
+
+class MultiprocExecutor(Executor):
+    def __init__(self, config: EngineConfig, source: ModelSource, show_progress: bool = True,
+                 worker_cls: str = DEFAULT_WORKER_CLS) -> None:
+        pc = config.parallel_config
+        if pc.node_rank != 0:
+            raise ValueError(
+                f"the engine runs on node 0; on node {pc.node_rank} run `roofline worker --node-rank "
+                f"{pc.node_rank}` with the same --nnodes/--master-addr/--master-port/-tp flags"
+            )
+        self.layout = node_layout(pc, config.device_config.device)
+        check_tensor_parallel_split(config)
+        self.world_size = self.layout.world_size
+        self._dead: Optional[str] = None
+        self._closed = False
+        self._lock = threading.Lock()  # one request in flight at a time
+        logger.info("starting %d tensor-parallel ranks on %d node(s) (%s), rendezvous at %s",
+                    self.world_size, self.layout.nnodes, self.layout.backend, self.layout.init_method)
+        self.ranks = LocalRanks(self.layout, bootstrap=encode_bootstrap(config), show_progress=show_progress,
+                                worker_cls=worker_cls)
+        # never leave orphans, even without shutdown()
+        self._finalizer = weakref.finalize(self, _stop, self.ranks, False)
+        try:
+            infos = self.ranks.wait_ready(startup_timeout_s())
+        except RankFailure as e:
+            self._finalizer()
+            raise RuntimeError(f"tensor-parallel start-up failed: {e}") from None
+        except BaseException:
+            self._finalizer()
+            raise
+        logger.debug("ranks ready: %s", infos)
+        self.driver = self.ranks.by_rank(0)
+
+    # ---- plumbing ------------------------------------------------------------------------------
+    def _fail(self, message: str) -> WorkerDeadError:
+        if self._dead is None:
+            self._dead = message
+            logger.error("tensor-parallel executor failed: %s", message)
+            self._finalizer()  # stop the surviving ranks: they may be stuck in a collective
+        return WorkerDeadError(self._dead)
+
+    def _ensure_usable(self) -> None:
+        if self._dead is not None:
+            raise WorkerDeadError(self._dead)
+        if self._closed:
+            raise RuntimeError("the executor was shut down")
+        problem = self.ranks.dead()
+        if problem:
+            raise self._fail(problem)
+
+    def _request(self, msg, timeout: Optional[float]) -> Any:
+        with self._lock:
+            self._ensure_usable()
+            try:
+                self.driver.conn.send_bytes(encoder.encode(msg))
+                reply = self.ranks.recv(0, timeout)
+            except RankFailure as e:
+                raise self._fail(str(e)) from None
+            except OSError as e:  # rank 0's socket is gone
+                raise self._fail(self.ranks.dead() or f"lost the connection to tensor-parallel rank 0: {e}") from None
+            except KeyboardInterrupt:
+                # the ranks ignore SIGINT and finish the step: collect its reply so the world stays
+                # consistent, then let the interrupt through
+                try:
+                    self.ranks.recv(0, 30.0)
+                except BaseException:
+                    self._fail("interrupted while the tensor-parallel ranks were running a request")
+                raise
+            return reply
+
+    def _call(self, method: str, *args, timeout: Optional[float] = None) -> Any:
+        reply = self._request(Call(method, list(args)), timeout if timeout is not None else execute_timeout_s())
+        if not isinstance(reply, Result):
+            raise self._fail(f"unexpected reply {type(reply).__name__} from rank 0 to {method}")
+        return reply.value
+
+    # ---- Executor --------------------------------------------------------------------------------
+    def determine_num_blocks(self) -> int:
+        # the minimum over all ranks: every rank holds the same block table
+        return int(self._call("determine_num_blocks", timeout=startup_timeout_s()))
+
+    def block_bytes(self) -> int:
+        """Bytes of one block on one rank (each rank holds only its KV heads)."""
+        return int(self._call("block_bytes"))
+
+    def init_kv_cache(self, num_blocks: int, num_swap_blocks: int) -> None:
+        self._call("init_kv_cache", num_blocks, num_swap_blocks, timeout=startup_timeout_s())
+
+    def execute(self, out: SchedulerOutput) -> ModelRunnerOutput:
+        reply = self._request(Execute(out), execute_timeout_s())
+        if not isinstance(reply, Output):
+            raise self._fail(f"unexpected reply {type(reply).__name__} from rank 0 to execute")
+        return reply.out
+
+    def check_health(self) -> None:
+        if self._dead is not None:
+            raise WorkerDeadError(self._dead)
+        if self._closed:
+            raise RuntimeError("the executor was shut down")
+        problem = self.ranks.dead()
+        if problem:
+            # no socket I/O here: another thread may be inside execute()
+            self._dead = problem
+            threading.Thread(target=self._finalizer, daemon=True).start()
+            raise WorkerDeadError(problem)
+
+    def shutdown(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        if self._finalizer.alive:
+            self._finalizer.detach()
+            _stop(self.ranks, graceful=self._dead is None)
+
+    # ---- introspection (tests, tools) ------------------------------------------------------------
+    def collective_counts(self) -> list[list[int]]:
+        """[[all_reduces, all_gathers] per rank] issued by the model since the last reset."""
+        return self._call("collective_counts")
+
+    def reset_collective_counts(self) -> None:
+        self._call("reset_collective_counts")
+
+    def rank_info(self) -> list[list[Any]]:
+        """[[rank, host, pid] per rank], all nodes."""
+        return self._call("rank_info")

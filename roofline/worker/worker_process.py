@@ -1,0 +1,261 @@
+"""The main loop of one tensor-parallel rank (a process of its own).
+
+Started by MultiprocExecutor (node 0) or by `roofline worker` (other nodes) as
+`python -m roofline.worker.worker_process --fd N`, where N is this process's end of a socket pair
+to its parent.  The life of a rank:
+
+1. read its WorkerSpec from the parent; join the world (torch.distributed TCP rendezvous);
+2. receive the engine configuration from rank 0 (control broadcast), load its shard of the model;
+3. exchange start-up status with every rank: if any rank failed, every rank fails with that rank's
+   error (so the engine reports the real cause, whichever node it happened on);
+4. loop: rank 0 reads the next request from the engine and broadcasts its bytes to all ranks; every
+   rank runs it (the model's collectives keep them in lock step); rank 0 sends the reply back.
+
+Any error after start-up is sent to the parent as a Failure and the process exits: a tensor-parallel
+world cannot continue without one of its ranks.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import logging
+import os
+import signal
+import socket
+import sys
+import threading
+from typing import Any, Optional
+
+import msgspec
+import torch
+
+from roofline.distributed import comm
+from roofline.distributed.parallel_state import (
+    collective_counts,
+    destroy_distributed,
+    init_distributed,
+    reset_collective_counts,
+)
+from roofline.distributed.protocol import (
+    Bootstrap,
+    Call,
+    Execute,
+    Failure,
+    Output,
+    RankStatus,
+    Ready,
+    Result,
+    Shutdown,
+    WorkerSpec,
+    bootstrap_decoder,
+    decode_hf_config,
+    encoder,
+    request_decoder,
+    spec_decoder,
+    status_decoder,
+)
+
+logger = logging.getLogger("roofline.worker")
+
+
+class StartupFailed(RuntimeError):
+    """Some rank failed before serving; the message names the rank(s) and the error."""
+
+
+def _error_line(e: BaseException) -> str:
+    return f"{type(e).__name__}: {e}"
+
+
+def _combine_errors(statuses: list[RankStatus]) -> Optional[str]:
+    """One message for the whole world, ranks with the same error grouped."""
+    by_error: dict[str, list[RankStatus]] = {}
+    for s in statuses:
+        if s.error:
+            by_error.setdefault(s.error, []).append(s)
+    if by_error:
+        parts = []
+        for err, ss in by_error.items():
+            who = ", ".join(str(s.rank) for s in ss)
+            hosts = sorted({s.host for s in ss})
+            parts.append(f"rank{'s' if len(ss) > 1 else ''} {who} (on {', '.join(hosts)}) failed at start-up: {err}")
+        return "; ".join(parts)
+    return None
+
+
+def _load_class(path: str):
+    module, _, name = path.partition(":")
+    return getattr(importlib.import_module(module), name)
+
+
+class WorkerProc:
+    def __init__(self, spec: WorkerSpec, conn) -> None:
+        self.spec = spec
+        self.rank = spec.rank
+        self.conn = conn
+        self.worker: Any = None
+        self.config = None
+
+    # ---- start-up ------------------------------------------------------------------------------
+    def startup(self) -> None:
+        spec = self.spec
+        if spec.device.startswith("cuda"):
+            torch.cuda.set_device(spec.local_rank)
+        init_distributed(spec.rank, spec.world_size, spec.init_method, spec.backend, spec.timeout_s)
+        boot: Bootstrap = bootstrap_decoder.decode(comm.broadcast_bytes(spec.bootstrap if self.rank == 0 else None, 0))
+        error = None
+        try:
+            self._build(boot)
+        except Exception as e:
+            logger.exception("rank %d failed to start", self.rank)
+            error = _error_line(e)
+        status = RankStatus(self.rank, socket.gethostname(), os.getpid(), error)
+        statuses = [status_decoder.decode(b) for b in comm.all_gather_bytes(encoder.encode(status))]
+        problem = _combine_errors(statuses)
+        if problem:
+            raise StartupFailed(problem)
+        self._send(Ready(self.rank, f"rank {self.rank} on {status.host} pid {status.pid}"))
+
+    def _build(self, boot: Bootstrap) -> None:
+        from roofline.model_executor.loader.source import resolve_source
+
+        config = boot.config
+        pc, mc = config.parallel_config, config.model_config
+        if (pc.tensor_parallel_size, pc.nnodes) != (self.spec.world_size, self.spec.nnodes):
+            raise ValueError(
+                f"node {self.spec.node_rank} was started with tensor_parallel_size={self.spec.world_size}, "
+                f"nnodes={self.spec.nnodes} but node 0 with tensor_parallel_size={pc.tensor_parallel_size}, "
+                f"nnodes={pc.nnodes}"
+            )
+        model = self.spec.model_override if self.spec.model_override is not None else boot.model
+        source = resolve_source(model, mc.load_format)
+        mc.model_path, mc.gguf_file = source.path, source.gguf_file
+        mc.hf_config = decode_hf_config(boot.hf_config_json)
+        dev = config.device_config.device
+        if dev.startswith("cuda"):
+            config.device_config.device = f"cuda:{self.spec.local_rank}"
+        elif self.spec.device != dev.split(":")[0]:
+            raise ValueError(f"node {self.spec.node_rank} uses device {self.spec.device!r} but node 0 uses {dev!r}")
+        cls = _load_class(self.spec.worker_cls)
+        self.config = config
+        self.worker = cls(config, source, rank=self.rank, show_progress=self.spec.show_progress and self.rank == 0)
+
+    # ---- serving -------------------------------------------------------------------------------
+    def _send(self, msg) -> None:
+        self.conn.send_bytes(encoder.encode(msg))
+
+    def serve(self) -> None:
+        shutdown_bytes = encoder.encode(Shutdown())
+        while True:
+            data = None
+            if self.rank == 0:
+                try:
+                    data = self.conn.recv_bytes()
+                except (EOFError, OSError):  # the engine is gone: take every rank down with us
+                    logger.warning("rank 0 lost its engine connection; shutting down the world")
+                    data = shutdown_bytes
+            data = comm.broadcast_bytes(data, 0)
+            msg = request_decoder.decode(data)
+            if isinstance(msg, Shutdown):
+                return
+            if isinstance(msg, Execute):
+                out = self.worker.execute(msg.out)
+                if self.rank == 0:
+                    self._send(Output(out))
+            elif isinstance(msg, Call):
+                fn = getattr(self, "rpc_" + msg.method, None)
+                if fn is None:
+                    raise ValueError(f"unknown worker call {msg.method!r}")
+                value = fn(*msg.args)
+                if self.rank == 0:
+                    self._send(Result(value))
+
+    # ---- calls (run on every rank; rank 0's value is returned) ----------------------------------
+    def rpc_determine_num_blocks(self) -> int:
+        # every rank must be able to hold the pool: the smallest one decides
+        return comm.all_reduce_min(int(self.worker.determine_num_blocks()))
+
+    def rpc_block_bytes(self) -> int:
+        return int(self.worker.block_bytes())
+
+    def rpc_init_kv_cache(self, num_blocks: int, num_swap_blocks: int) -> None:
+        self.worker.init_kv_cache(num_blocks, num_swap_blocks)
+
+    def rpc_collective_counts(self) -> list[list[int]]:
+        return comm.all_gather_ints(list(collective_counts()))
+
+    def rpc_reset_collective_counts(self) -> None:
+        reset_collective_counts()
+
+    def rpc_rank_info(self) -> list[list[Any]]:
+        info = msgspec.msgpack.encode([self.rank, socket.gethostname(), os.getpid()])
+        return [msgspec.msgpack.decode(b) for b in comm.all_gather_bytes(info)]
+
+
+def _exit_when_parent_goes(conn) -> None:
+    """Ranks other than 0 never hear from their parent after the spec: EOF means it is gone."""
+    try:
+        while True:
+            conn.recv_bytes()
+    except Exception:
+        pass
+    logger.error("lost the connection to the parent process; exiting")
+    logging.shutdown()
+    os._exit(1)
+
+
+def run_worker(spec: WorkerSpec, conn) -> int:
+    torch.set_num_threads(max(1, spec.num_threads))
+    logging.basicConfig(level=spec.log_level,
+                        format=f"%(asctime)s %(levelname)s [rank {spec.rank}] %(name)s: %(message)s")
+    if spec.rank != 0:  # rank 0 reads its socket itself (and stops the world when the engine is gone)
+        threading.Thread(target=_exit_when_parent_goes, args=(conn,), name="parent-watch", daemon=True).start()
+    proc = WorkerProc(spec, conn)
+    phase = "start-up"
+    try:
+        proc.startup()
+        phase = "serving"
+        proc.serve()
+    except BaseException as e:  # report, then leave at once: peers may be stuck in a collective
+        if isinstance(e, StartupFailed):
+            message = str(e)
+        elif phase == "start-up":
+            logger.exception("rank %d failed at start-up", spec.rank)
+            message = f"rank {spec.rank} (on {socket.gethostname()}) failed at start-up: {_error_line(e)}"
+        else:
+            logger.exception("rank %d failed", spec.rank)
+            err = _error_line(e)
+            if "closed by peer" in err.lower() or "connection reset" in err.lower():
+                err = f"lost its connection to another rank, which died or failed (see its node's log): {err}"
+            message = f"rank {spec.rank} (on {socket.gethostname()}) failed: {err}"
+        try:
+            conn.send_bytes(encoder.encode(Failure(spec.rank, message, phase == "start-up")))
+        except Exception:
+            pass
+        logging.shutdown()
+        os._exit(1)
+    destroy_distributed()
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)  # skip interpreter teardown: nothing is left to clean up, and it is slow
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    from multiprocessing.connection import Connection
+
+    parser = argparse.ArgumentParser(description="one tensor-parallel rank (started by roofline, not by hand)")
+    parser.add_argument("--fd", type=int, required=True, help="this process's end of the socket to its parent")
+    args = parser.parse_args(argv)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent decides when we stop (Ctrl-C reaches it too)
+    conn = Connection(args.fd)
+    try:
+        spec = spec_decoder.decode(conn.recv_bytes())
+    except (EOFError, OSError, msgspec.DecodeError) as e:
+        print(f"roofline worker: no valid spec from the parent: {e}", file=sys.stderr)
+        return 2
+    return run_worker(spec, conn)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

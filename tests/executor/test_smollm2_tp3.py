@@ -1,0 +1,29 @@
+"""The default SmolLM2-135M (9 query heads, 3 KV heads, GGUF) split over 3 ranks on CPU with gloo:
+greedy tokens identical to tp=1 (a flip only at a proven tie)."""
+
+from __future__ import annotations
+
+import pytest
+
+from roofline import LLM, SamplingParams
+from tests.executor.tp_helpers import assert_same_greedy
+
+CHATS = ["What is the capital of France?", "List three prime numbers.",
+         "Write a short poem about autumn leaves falling in a quiet park."]
+
+
+@pytest.mark.slow
+def test_smollm2_tp3_greedy_matches_tp1(default_llm):
+    tok = default_llm.get_tokenizer()
+    texts = [tok.apply_chat_template([{"role": "user", "content": c}], tokenize=False, add_generation_prompt=True)
+             for c in CHATS]
+    prompts = [{"prompt_token_ids": tok.encode(t, add_special_tokens=False)} for t in texts]
+    sp = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=2)
+    ref = default_llm.generate(prompts, sp, use_tqdm=False)
+    llm = LLM(tensor_parallel_size=3, dtype="float32", device="cpu", num_kv_blocks=64, show_progress=False)
+    try:
+        attn_heads = llm.llm_engine.model_config.hf_config.num_attention_heads
+        assert attn_heads == 9 and llm.llm_engine.model_config.hf_config.num_key_value_heads == 3
+        assert_same_greedy(ref, llm.generate(prompts, sp, use_tqdm=False))
+    finally:
+        llm.llm_engine.shutdown()

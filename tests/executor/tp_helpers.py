@@ -1,0 +1,39 @@
+"""Helpers for the tensor-parallel tests (also imported inside worker processes: keep it light)."""
+
+from __future__ import annotations
+
+from roofline.worker.worker import Worker
+
+TIE = 1e-4  # a logit gap below this is a tie: summation order may flip the argmax
+
+
+class FailOnRank1Worker(Worker):
+    """Fails to load on rank 1 only (a start-up failure of one rank among healthy ones)."""
+
+    def __init__(self, config, source, rank: int = 0, show_progress: bool = True) -> None:
+        if rank == 1:
+            raise MemoryError("rank 1 could not allocate its shard (injected)")
+        super().__init__(config, source, rank=rank, show_progress=show_progress)
+
+
+def assert_same_greedy(ref_outputs, outputs, lp_tol: float = 1e-3) -> int:
+    """Greedy tokens identical to the reference; a divergence is accepted only where the reference's
+    top two logits are tied (gap < TIE) and the other run took the other tied token.  Returns the
+    number of tie flips.  Both runs must have asked for logprobs >= 2."""
+    flips = 0
+    for ref, out in zip(ref_outputs, outputs):
+        a, b = ref.outputs[0], out.outputs[0]
+        assert len(a.token_ids) == len(b.token_ids)
+        for i, (ta, tb) in enumerate(zip(a.token_ids, b.token_ids)):
+            la, lb = a.logprobs[i], b.logprobs[i]
+            if ta != tb:
+                ranked = sorted(la.items(), key=lambda kv: -kv[1].logprob)
+                gap = ranked[0][1].logprob - ranked[1][1].logprob
+                assert gap < TIE and tb in la, (
+                    f"prompt {ref.prompt_token_ids[:8]}...: position {i} differs ({ta} vs {tb}) with a "
+                    f"logit gap of {gap:.3g} >= {TIE}: not a tie"
+                )
+                flips += 1
+                break  # the continuations legitimately differ after a tie flip
+            assert abs(la[ta].logprob - lb[tb].logprob) < lp_tol, (i, la[ta].logprob, lb[tb].logprob)
+    return flips
