@@ -23,6 +23,8 @@ from roofline.core.scheduler_output import (
     ScheduledRequest,
     SchedulerOutput,
 )
+from roofline.model_executor.layers import gpu_sampler
+from roofline.model_executor.layers.gpu_sampler import GpuSampler
 from roofline.model_executor.layers.sampler import Sampler, SamplingState, prompt_logprobs_rows
 
 logger = logging.getLogger(__name__)
@@ -36,7 +38,10 @@ class ModelRunner:
         self.swap_caches = swap_caches
         self.block_size = block_size
         self.device = device
-        self.sampler = Sampler()
+        on_gpu = device.type == "cuda"
+        self.sampler = GpuSampler() if on_gpu else Sampler()  # same tokens; GpuSampler: one sync per step
+        self.prompt_logprobs_rows = gpu_sampler.prompt_logprobs_rows if on_gpu else prompt_logprobs_rows
+        self.graph_runner = None  # CudaGraphRunner for decode-only steps, set by the Worker (CUDA)
         self.states: dict[str, SamplingState] = {}
 
     # ---- block movement ----------------------------------------------------------------------
@@ -119,13 +124,18 @@ class ModelRunner:
             return result
         # decodes first (stable order otherwise)
         items = sorted(out.scheduled, key=lambda s: len(s.token_ids) != 1)
-        input_ids, positions, meta = self._prepare(items)
-        hidden = self.model(input_ids, positions, self.kv_caches, meta)  # [N, d]
+        graph_out = self.graph_runner.run(items) if self.graph_runner is not None else None
+        if graph_out is not None:  # decode-only batch replayed in a CUDA graph, logits included
+            hidden, qsl = graph_out.hidden, graph_out.query_start_loc_cpu
+        else:
+            input_ids, positions, meta = self._prepare(items)
+            hidden = self.model(input_ids, positions, self.kv_caches, meta)  # [N, d]
+            qsl = meta.query_start_loc_cpu
 
         sample_rows, sample_reqs = [], []
         prompt_lp_jobs = []  # (req_id, first row, rows, next tokens, k)
         for r, s in enumerate(items):
-            q0, q1 = meta.query_start_loc_cpu[r], meta.query_start_loc_cpu[r + 1]
+            q0, q1 = qsl[r], qsl[r + 1]
             st = self.states[s.req_id]
             if st.spec.prompt_logprobs is not None and s.num_computed_tokens < len(st.prompt_token_ids):
                 # row at position p predicts prompt token p+1
@@ -141,9 +151,10 @@ class ModelRunner:
                 sample_reqs.append(s.req_id)
         for rid, row0, count, next_tokens, k in prompt_lp_jobs:
             logits = self.model.compute_logits(hidden[row0 : row0 + count])
-            result.prompt_logprobs[rid] = prompt_logprobs_rows(logits, next_tokens, k)
+            result.prompt_logprobs[rid] = self.prompt_logprobs_rows(logits, next_tokens, k)
         if sample_rows:
-            logits = self.model.compute_logits(hidden[torch.tensor(sample_rows, device=hidden.device)])
+            rows = torch.tensor(sample_rows, device=hidden.device)
+            logits = graph_out.logits[rows] if graph_out is not None else self.model.compute_logits(hidden[rows])
             states = [self.states[rid] for rid in sample_reqs]
             tokens, lps = self.sampler(logits, states)
             for rid, st, tok in zip(sample_reqs, states, tokens):

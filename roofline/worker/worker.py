@@ -148,6 +148,10 @@ class Worker:
                                 pin_memory=self.device.type == "cuda") for _ in self.model.model.layers]
         self.num_blocks = num_blocks
         self.runner = ModelRunner(self.model, caches, bs, self.device, swap)
+        from roofline.worker.cuda_graph import create_graph_runner
+
+        # CUDA, not enforce_eager, triton attention, tp=1: decode steps replay captured graphs
+        self.runner.graph_runner = create_graph_runner(self.model, caches, self.config, self.device)
         total = num_blocks * self.block_bytes()
         logger.info("KV cache: %d blocks x %d tokens = %d tokens, %.3f GiB", num_blocks, bs, num_blocks * bs, total / GiB)
 

@@ -7,6 +7,8 @@ from typing import Optional
 import torch
 from torch import nn
 
+from roofline.model_executor.layers import fused_ops
+
 
 class RMSNorm(nn.Module):
     def __init__(self, hidden_size: int, eps: float = 1e-6, dtype=None):
@@ -22,6 +24,8 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor, residual: Optional[torch.Tensor] = None):
         """Without residual: norm(x).  With residual: (norm(x + residual), x + residual)."""
+        if fused_ops.active(x):  # CUDA: one Triton kernel (triton_ops.rms_norm), same contract
+            return fused_ops.rms_norm(x, self.weight, self.eps, residual)
         if residual is None:
             return self._norm(x)
         x = x + residual

@@ -12,6 +12,8 @@ from typing import Optional
 import torch
 from torch import nn
 
+from roofline.model_executor.layers import fused_ops
+
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "dynamic", "yarn")
 
 
@@ -108,6 +110,8 @@ class RotaryEmbedding(nn.Module):
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos_sin=None):
         """q [N, H, D], k [N, H_kv, D] rotated at their positions [N]."""
         cos, sin = cos_sin if cos_sin is not None else self.cos_sin(positions, q.dtype)
+        if fused_ops.active(q) and fused_ops.can_rope(q, k, cos):
+            return fused_ops.rotary_embedding(q, k, cos, sin)  # CUDA: one Triton kernel, rotates q, k in place
         r = self.rotary_dim
         if r == self.head_dim:
             return q * cos + self._rotate_half(q) * sin, k * cos + self._rotate_half(k) * sin

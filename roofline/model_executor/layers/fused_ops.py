@@ -1,0 +1,106 @@
+"""The switch between the torch layers and the fused Triton kernels of triton_ops.
+
+The layers (RMSNorm, SiluAndMul, RotaryEmbedding) ask `active(x)` at the top of forward and, when it
+says yes, return the fused result instead of running their torch code:
+
+    if fused_ops.active(x):
+        return fused_ops.rms_norm(x, self.weight, self.eps, residual)
+
+active(x) is True only for CUDA tensors, and only while the switch is on: the torch code stays the
+reference on CPU (and is what every CPU test checks).  The switch is on by default; it is turned off by
+ROOFLINE_FUSED_OPS=0 in the environment or, at run time, by use_fused_ops(False) (use_fused_ops(None)
+goes back to the environment's setting).  If triton cannot be imported the switch stays off.
+
+This module does not import triton: triton_ops is imported on the first fused call (CUDA only), so
+importing the layers costs nothing on CPU-only installs.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Optional
+
+import torch
+
+from roofline.config import env_flag
+
+ENV_VAR = "ROOFLINE_FUSED_OPS"
+
+_override: Optional[bool] = None  # set by use_fused_ops
+_from_env: Optional[bool] = None  # resolved once
+_ops = None  # the triton_ops module once imported
+
+
+def _env_default() -> bool:
+    global _from_env
+    if _from_env is None:
+        on = env_flag(ENV_VAR, "1").strip().lower() not in ("0", "false", "no", "off", "")
+        if on:
+            try:
+                import triton  # noqa: F401
+            except Exception:  # pragma: no cover - triton is installed wherever CUDA is used
+                on = False
+        _from_env = on
+    return _from_env
+
+
+def enabled() -> bool:
+    """Whether CUDA tensors go through the fused kernels."""
+    return _override if _override is not None else _env_default()
+
+
+def active(x: torch.Tensor) -> bool:
+    """The test the layers make: a CUDA tensor and the switch on."""
+    return x.is_cuda and enabled()
+
+
+def use_fused_ops(enabled: Optional[bool] = True) -> None:
+    """Turn the fused kernels on (True) or off (False) for the whole process; None = the env default.
+    Takes effect at the next forward (not inside an already captured CUDA graph)."""
+    global _override
+    _override = enabled
+
+
+@contextlib.contextmanager
+def forced(enabled: bool):
+    """Temporarily force the switch (benchmarks, A/B checks)."""
+    global _override
+    saved = _override
+    _override = enabled
+    try:
+        yield
+    finally:
+        _override = saved
+
+
+def _triton_ops():
+    global _ops
+    if _ops is None:
+        from roofline.model_executor.layers import triton_ops
+
+        _ops = triton_ops
+    return _ops
+
+
+# ---- the fused calls (same contracts as the torch layers) ------------------------------------
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: Optional[torch.Tensor] = None):
+    """RMSNorm.forward: norm(x), or (norm(x + residual), x + residual)."""
+    return _triton_ops().rms_norm(x, weight, eps, residual)
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """SiluAndMul.forward: silu(x[..., :d]) * x[..., d:]."""
+    return _triton_ops().silu_and_mul(x)
+
+
+def can_rope(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor) -> bool:
+    """The fused rope handles this call (otherwise the torch code runs): same dtypes (cos_sin casts
+    the tables to q's), unit-stride head dim."""
+    return q.dtype == k.dtype == cos.dtype and q.stride(-1) == 1 and k.stride(-1) == 1 and q.dim() == 3
+
+
+def rotary_embedding(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+    """RotaryEmbedding.forward on (q, k), rotating them IN PLACE; returns (q, k)."""
+    return _triton_ops().rotary_embedding_(q, k, cos, sin)
