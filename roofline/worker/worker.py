@@ -40,6 +40,25 @@ def kv_bytes_per_block(hf_config, model: torch.nn.Module, block_size: int, dtype
     return per_token * block_size * len(model.model.layers)
 
 
+def relayout_for_cpu(model: torch.nn.Module) -> None:
+    """Store every projection and the LM head [in x out]-major (weight.t() contiguous).
+
+    x @ W^T then runs as a plain GEMM over W^T, which on CPU reads weights about 1.3x (layers)
+    to 2x (a 49k-row LM head) faster than over row-major W at decode batch sizes (measured:
+    `roofline bench throughput --workload w5`).  Shapes and values are unchanged; only strides.
+    """
+    from roofline.model_executor.layers.linear import LinearBase
+    from roofline.model_executor.layers.vocab_embedding import VocabParallelEmbedding
+
+    seen: set[int] = set()
+    for module in model.modules():
+        if isinstance(module, (LinearBase, VocabParallelEmbedding)):
+            w = module.weight
+            if id(w) not in seen and w.dim() == 2:
+                seen.add(id(w))
+                w.data = w.data.t().contiguous().t()
+
+
 class Worker:
     def __init__(self, config: EngineConfig, source: ModelSource, rank: int = 0, show_progress: bool = True) -> None:
         self.config = config
@@ -82,6 +101,8 @@ class Worker:
             if missing:
                 raise ValueError(f"checkpoint is missing tensors: {sorted(missing)[:8]}{' ...' if len(missing) > 8 else ''}")
         model.eval()
+        if self.device.type == "cpu":
+            relayout_for_cpu(model)
         logger.info("loaded %s (%s, %s) on %s", arch, source.fmt, self.dtype, self.device)
         return model
 
