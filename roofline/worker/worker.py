@@ -5,6 +5,7 @@ sizes and allocates the paged KV cache, executes SchedulerOutputs.
 from __future__ import annotations
 
 import logging
+import os
 import time
 from typing import Optional
 
@@ -90,8 +91,6 @@ class Worker:
             init_dummy_weights(model, self.config.model_config.seed)
         else:
             if source.fmt == "gguf":
-                import os
-
                 weights = gguf_weights(os.path.join(source.path, source.gguf_file), self.hf_config, show_progress)
             else:
                 weights = safetensors_weights(source.path, show_progress)
