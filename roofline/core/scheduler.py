@@ -237,9 +237,10 @@ class Scheduler:
             if not self.config.enable_chunked_prefill and remaining > budget:
                 break
             n = min(remaining, budget)
-            if self.kv.allocate_slots(req, n, hits) is None:
-                if self._release_waiting_holder(req):
-                    continue
+            allocated = self.kv.allocate_slots(req, n, hits)
+            while allocated is None and self._release_waiting_holder(req):
+                allocated = self.kv.allocate_slots(req, n, hits)  # same lookup: count the query once
+            if allocated is None:
                 break
             self.waiting.pop(0)
             req.num_computed_tokens += num_hit
