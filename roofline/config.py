@@ -65,7 +65,7 @@ class ParallelConfig:
 @dataclass
 class DeviceConfig:
     device: str = "cpu"
-    attention_backend: str = "auto"  # auto | torch | triton
+    attention_backend: str = "auto"  # auto | torch | cpu | triton
     enforce_eager: bool = False
 
 

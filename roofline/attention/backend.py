@@ -61,10 +61,15 @@ def write_kv_torch(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tenso
 
 
 def get_attention_backend(name: str, device: str) -> AttentionBackend:
-    """Backend by config name: 'torch' (reference, CPU and CUDA), 'triton' (GPU kernels), 'auto'."""
+    """Backend by config name: 'torch' (reference, CPU and CUDA), 'cpu' (native CPU kernels),
+    'triton' (GPU kernels), 'auto' (triton on CUDA, cpu on CPU when each is usable, else torch)."""
     if name == "auto":
         name = "torch"
-        if device.startswith("cuda"):
+        if device.startswith("cpu"):
+            from roofline.model_executor.layers import cpu_ops
+
+            name = "cpu" if cpu_ops.available() else "torch"
+        elif device.startswith("cuda"):
             try:
                 import triton  # noqa: F401
 
@@ -75,8 +80,19 @@ def get_attention_backend(name: str, device: str) -> AttentionBackend:
         from roofline.attention.torch_backend import TorchAttentionBackend
 
         return TorchAttentionBackend()
+    if name == "cpu":
+        from roofline.model_executor.layers import cpu_ops
+
+        if not device.startswith("cpu"):
+            raise ValueError(f"attention backend 'cpu' runs on the CPU only, not on {device!r}")
+        if not cpu_ops.available():
+            raise ValueError("attention backend 'cpu' needs the native CPU kernels, which did not load "
+                             "(no C compiler, or ROOFLINE_CPU_KERNELS=0); use 'torch'")
+        from roofline.attention.cpu_backend import CpuAttentionBackend
+
+        return CpuAttentionBackend()
     if name == "triton":
         from roofline.attention.triton.backend import TritonAttentionBackend
 
         return TritonAttentionBackend()
-    raise ValueError(f"unknown attention backend {name!r}; choose one of: auto, torch, triton")
+    raise ValueError(f"unknown attention backend {name!r}; choose one of: auto, torch, cpu, triton")

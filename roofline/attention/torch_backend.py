@@ -30,7 +30,7 @@ class TorchAttentionBackend(AttentionBackend):
         write_kv_torch(key, value, kv_cache, slot_mapping)
 
     def forward(self, query, kv_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
-        out = torch.empty_like(query)
+        out = torch.empty(query.shape, dtype=query.dtype, device=query.device)  # contiguous
         num_heads, num_kv_heads = query.shape[1], kv_cache.shape[3]
         gqa = num_heads != num_kv_heads
         qsl, lens = meta.query_start_loc_cpu, meta.seq_lens_cpu
@@ -41,8 +41,9 @@ class TorchAttentionBackend(AttentionBackend):
             q0, q1, s = qsl[r], qsl[r + 1], lens[r]
             c = q1 - q0
             k, v = _gather_context(kv_cache, meta.block_tables[r], s)
-            q = query[q0:q1].transpose(0, 1)  # [H, C, D]
-            k, v = k.transpose(0, 1), v.transpose(0, 1)  # [H_kv, S+C, D]
+            # 4-D [1, H, C, D]: SDPA's fused CPU kernel takes batched input only (3-D runs the math path)
+            q = query[q0:q1].transpose(0, 1).unsqueeze(0)
+            k, v = k.transpose(0, 1).unsqueeze(0), v.transpose(0, 1).unsqueeze(0)  # [1, H_kv, S, D]
             if c == s:
                 o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=gqa)
             else:
@@ -52,7 +53,7 @@ class TorchAttentionBackend(AttentionBackend):
                 o = F.scaled_dot_product_attention(
                     q, k, v, attn_mask=kpos <= qpos, scale=scale, enable_gqa=gqa
                 )
-            out[q0:q1] = o.transpose(0, 1).to(out.dtype)
+            out[q0:q1] = o[0].transpose(0, 1).to(out.dtype)
         return out
 
     @staticmethod

@@ -16,7 +16,7 @@ _HELP = {
     "num_kv_blocks": "force the number of KV blocks",
     "preemption_mode": "recompute | swap",
     "scheduling_policy": "fcfs | priority",
-    "attention_backend": "auto | torch | triton",
+    "attention_backend": "auto | torch | cpu | triton",
     "tensor_parallel_size": "ranks (processes, one device each) to split every layer over, across all nodes",
     "nnodes": "machines taking part (torchrun-style); each runs tensor_parallel_size/nnodes ranks",
     "node_rank": "this machine's index in [0, nnodes); node 0 runs the engine, others `roofline worker`",

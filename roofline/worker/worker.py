@@ -14,6 +14,7 @@ import torch
 from roofline.attention.backend import get_attention_backend
 from roofline.config import GiB, EngineConfig
 from roofline.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
+from roofline.model_executor.layers import cpu_gemm
 from roofline.model_executor.loader.source import ModelSource
 from roofline.model_executor.loader.weights import gguf_weights, init_dummy_weights, safetensors_weights
 from roofline.model_executor.models.registry import resolve_architecture
@@ -102,6 +103,7 @@ class Worker:
         model.eval()
         if self.device.type == "cpu":
             relayout_for_cpu(model)
+            cpu_gemm.pack_model(model)
         logger.info("loaded %s (%s, %s) on %s", arch, source.fmt, self.dtype, self.device)
         return model
 

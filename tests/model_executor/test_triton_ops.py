@@ -21,7 +21,7 @@ if not torch.cuda.is_available():
         importlib.reload(_mod)
 pytest.importorskip("triton")
 
-from roofline.model_executor.layers import fused_ops, triton_ops  # noqa: E402
+from roofline.model_executor.layers import cpu_ops, fused_ops, triton_ops  # noqa: E402
 from roofline.model_executor.layers.activation import SiluAndMul  # noqa: E402
 from roofline.model_executor.layers.norm import RMSNorm  # noqa: E402
 from roofline.model_executor.layers.rotary import RotaryEmbedding  # noqa: E402
@@ -168,11 +168,13 @@ def test_rope_strided_leaves_v_alone():
 # ---- the switch -----------------------------------------------------------------------------
 
 
-def test_switch_never_fuses_cpu_tensors():
+def test_switch_never_sends_cpu_tensors_to_triton():
+    """CPU tensors follow the native-CPU-kernel switch only, never the Triton one."""
     x = torch.randn(3, 8)
-    assert not fused_ops.active(x)
-    with fused_ops.forced(True):
-        assert fused_ops.enabled() and not fused_ops.active(x)
+    with cpu_ops.forced(False):
+        assert not fused_ops.active(x)
+        with fused_ops.forced(True):
+            assert fused_ops.enabled() and not fused_ops.active(x)
     with fused_ops.forced(False):
         assert not fused_ops.enabled()
 
@@ -206,23 +208,23 @@ def test_llama_forward_with_fused_layers_matches_torch(monkeypatch):
             block_tables=torch.tensor([[0, 1]], dtype=torch.int32), slot_mapping=torch.arange(n_tok),
             max_query_len=n_tok, max_seq_len=n_tok, query_start_loc_cpu=[0, n_tok], seq_lens_cpu=[n_tok],
         )  # fmt: skip
-        with torch.inference_mode():
+        with torch.inference_mode(), cpu_ops.forced(False):  # torch layers, or the Triton patches below
             return model.compute_logits(model(ids, pos, caches, meta))
 
     expected = run()
 
     def norm_forward(self, x, residual=None):
-        return fused_ops.rms_norm(x, self.weight, self.eps, residual)
+        return triton_ops.rms_norm(x, self.weight, self.eps, residual)
 
     def act_forward(self, x):
-        return fused_ops.silu_and_mul(x)
+        return triton_ops.silu_and_mul(x)
 
     orig_rope = RotaryEmbedding.forward
 
     def rope_forward(self, positions, q, k, cos_sin=None):
         cos, sin = cos_sin if cos_sin is not None else self.cos_sin(positions, q.dtype)
-        if fused_ops.can_rope(q, k, cos):
-            return fused_ops.rotary_embedding(q, k, cos, sin)
+        if q.dtype == k.dtype == cos.dtype and q.stride(-1) == 1 and k.stride(-1) == 1:
+            return triton_ops.rotary_embedding_(q, k, cos, sin)
         return orig_rope(self, positions, q, k, (cos, sin))
 
     monkeypatch.setattr(RMSNorm, "forward", norm_forward)

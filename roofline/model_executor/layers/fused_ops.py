@@ -1,4 +1,5 @@
-"""The switch between the torch layers and the fused Triton kernels of triton_ops.
+"""The switch between the torch layers and fused kernels: Triton (triton_ops) on CUDA, native C
+(cpu_ops) on CPU.
 
 The layers (RMSNorm, SiluAndMul, RotaryEmbedding) ask `active(x)` at the top of forward and, when it
 says yes, return the fused result instead of running their torch code:
@@ -6,10 +7,11 @@ says yes, return the fused result instead of running their torch code:
     if fused_ops.active(x):
         return fused_ops.rms_norm(x, self.weight, self.eps, residual)
 
-active(x) is True only for CUDA tensors, and only while the switch is on: the torch code stays the
-reference on CPU (and is what every CPU test checks).  The switch is on by default; it is turned off by
-ROOFLINE_FUSED_OPS=0 in the environment or, at run time, by use_fused_ops(False) (use_fused_ops(None)
-goes back to the environment's setting).  If triton cannot be imported the switch stays off.
+For CUDA tensors active(x) follows this module's switch: on by default, off with ROOFLINE_FUSED_OPS=0
+in the environment or, at run time, use_fused_ops(False) (use_fused_ops(None) goes back to the
+environment's setting); it stays off if triton cannot be imported.  For CPU tensors it follows
+cpu_ops's switch (ROOFLINE_CPU_KERNELS, cpu_ops.use_cpu_kernels) and holds for fp32 only.  The torch
+code stays the reference both kernel sets are tested against.
 
 This module does not import triton: triton_ops is imported on the first fused call (CUDA only), so
 importing the layers costs nothing on CPU-only installs.
@@ -23,6 +25,7 @@ from typing import Optional
 import torch
 
 from roofline.config import env_flag
+from roofline.model_executor.layers import cpu_ops
 
 ENV_VAR = "ROOFLINE_FUSED_OPS"
 
@@ -50,8 +53,11 @@ def enabled() -> bool:
 
 
 def active(x: torch.Tensor) -> bool:
-    """The test the layers make: a CUDA tensor and the switch on."""
-    return x.is_cuda and enabled()
+    """The test the layers make: a CUDA tensor and the switch on, or an fp32 CPU tensor and the
+    native CPU kernels loaded."""
+    if x.is_cuda:
+        return enabled()
+    return x.dtype == torch.float32 and x.device.type == "cpu" and cpu_ops.available()
 
 
 def use_fused_ops(enabled: Optional[bool] = True) -> None:
@@ -87,20 +93,28 @@ def _triton_ops():
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: Optional[torch.Tensor] = None):
     """RMSNorm.forward: norm(x), or (norm(x + residual), x + residual)."""
+    if not x.is_cuda:
+        return cpu_ops.rms_norm(x, weight, eps, residual)
     return _triton_ops().rms_norm(x, weight, eps, residual)
 
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     """SiluAndMul.forward: silu(x[..., :d]) * x[..., d:]."""
+    if not x.is_cuda:
+        return cpu_ops.silu_and_mul(x)
     return _triton_ops().silu_and_mul(x)
 
 
 def can_rope(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor) -> bool:
     """The fused rope handles this call (otherwise the torch code runs): same dtypes (cos_sin casts
     the tables to q's), unit-stride head dim."""
+    if not q.is_cuda:
+        return cpu_ops.can_rotary(q, k, cos)
     return q.dtype == k.dtype == cos.dtype and q.stride(-1) == 1 and k.stride(-1) == 1 and q.dim() == 3
 
 
 def rotary_embedding(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
     """RotaryEmbedding.forward on (q, k), rotating them IN PLACE; returns (q, k)."""
+    if not q.is_cuda:
+        return cpu_ops.rotary_(q, k, cos, sin)
     return _triton_ops().rotary_embedding_(q, k, cos, sin)

@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from roofline.distributed.parallel_state import get_tp_rank, get_tp_size, tp_all_reduce
+from roofline.model_executor.layers.cpu_gemm import packed_linear, use_packed
 
 
 def _divide(n: int, d: int, what: str) -> int:
@@ -27,9 +28,16 @@ class LinearBase(nn.Module):
         super().__init__()
         self.weight = nn.Parameter(torch.empty(out_features, in_features, dtype=dtype), requires_grad=False)
         self.bias = nn.Parameter(torch.empty(out_features, dtype=dtype), requires_grad=False) if bias else None
+        self.cpu_packed: Optional[torch.Tensor] = None  # set by cpu_gemm.pack_model after loading (CPU)
+
+    def matmul(self, x: torch.Tensor, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """x W^T (+ bias), through the pre-packed CPU weight when there is one."""
+        if self.cpu_packed is not None and use_packed(x) and x.dtype == torch.float32 and x.device.type == "cpu":
+            return packed_linear(x, self.cpu_packed, bias)
+        return F.linear(x, self.weight, bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        return self.matmul(x, self.bias)
 
 
 class ReplicatedLinear(LinearBase):
@@ -113,7 +121,7 @@ class RowParallelLinear(LinearBase):
         param.data.copy_(loaded.narrow(1, self.tp_rank * n, n))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = F.linear(x, self.weight)
+        y = self.matmul(x)
         if self.reduce_results:
             y = tp_all_reduce(y)
         if self.bias is not None:

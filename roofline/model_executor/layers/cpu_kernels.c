@@ -1,0 +1,291 @@
+/* Native CPU kernels for the decode hot path (fp32), called through ctypes by cpu_ops.py.
+ *
+ * Plain C, no torch headers: it compiles in well under a second on first use.  Parallel loops use
+ * OpenMP; loaded into a process that already holds torch's libgomp.so.1, the loader reuses that
+ * runtime, so torch and these kernels share one thread pool.  Every kernel takes the thread count
+ * from the caller (torch.get_num_threads()).
+ *
+ * Built with -ffp-contract=off so products and sums round like torch's separate mul/add kernels.
+ */
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+/* out[r] = w * (x[r] (+ res[r]) / rms);  with res: res_out[r] = x[r] + res[r]. */
+void rms_norm_f32(const float *x, const float *res, const float *w, float *out, float *res_out,
+                  int64_t rows, int64_t hidden, int64_t x_stride, float eps, int nthreads) {
+#pragma omp parallel for num_threads(nthreads) schedule(static) if (rows > 4)
+    for (int64_t r = 0; r < rows; r++) {
+        const float *xr = x + r * x_stride;
+        float *o = out + r * hidden;
+        const float *src = xr;
+        if (res) {
+            const float *rr = res + r * hidden;
+            float *ro = res_out + r * hidden;
+#pragma omp simd
+            for (int64_t i = 0; i < hidden; i++) ro[i] = xr[i] + rr[i];
+            src = ro;
+        }
+        float ss = 0.f;
+#pragma omp simd reduction(+ : ss)
+        for (int64_t i = 0; i < hidden; i++) ss += src[i] * src[i];
+        float inv = 1.0f / sqrtf(ss / (float)hidden + eps);
+#pragma omp simd
+        for (int64_t i = 0; i < hidden; i++) o[i] = w[i] * (src[i] * inv);
+    }
+}
+
+/* Rotate-half rope, in place, on heads [0, nheads) of each row (q heads then k heads when the
+ * caller passes them as one span), cos/sin rows [rot] per token (both halves stored). */
+static void rope_rows(float *x, int64_t rows, int64_t row_stride, int64_t nheads, int64_t head_stride,
+                      int64_t rot, const float *cos, const float *sin, int nthreads) {
+    const int64_t half = rot / 2;
+#pragma omp parallel for num_threads(nthreads) schedule(static) if (rows > 4)
+    for (int64_t r = 0; r < rows; r++) {
+        const float *c = cos + r * rot, *s = sin + r * rot;
+        for (int64_t h = 0; h < nheads; h++) {
+            float *v = x + r * row_stride + h * head_stride;
+#pragma omp simd
+            for (int64_t i = 0; i < half; i++) {
+                float x1 = v[i], x2 = v[i + half];
+                float a = x1 * c[i], b = (-x2) * s[i];
+                float d = x2 * c[i + half], e = x1 * s[i + half];
+                v[i] = a + b;
+                v[i + half] = d + e;
+            }
+        }
+    }
+}
+
+void rotary_f32(float *q, int64_t q_row_stride, int64_t nq, float *k, int64_t k_row_stride, int64_t nk,
+                int64_t head_dim, int64_t rot, int64_t rows, const float *cos, const float *sin, int nthreads) {
+    rope_rows(q, rows, q_row_stride, nq, head_dim, rot, cos, sin, nthreads);
+    rope_rows(k, rows, k_row_stride, nk, head_dim, rot, cos, sin, nthreads);
+}
+
+/* kv_cache[0][slot] = k[r], kv_cache[1][slot] = v[r]; width = H_kv * D floats per token. */
+void write_kv_f32(const float *k, int64_t k_row_stride, const float *v, int64_t v_row_stride, float *key_cache,
+                  float *value_cache, const int64_t *slots, int64_t rows, int64_t width) {
+    for (int64_t r = 0; r < rows; r++) {
+        int64_t s = slots[r];
+        memcpy(key_cache + s * width, k + r * k_row_stride, (size_t)width * sizeof(float));
+        memcpy(value_cache + s * width, v + r * v_row_stride, (size_t)width * sizeof(float));
+    }
+}
+
+/* out[r, i] = silu(x[r, i]) * x[r, d + i]. */
+void silu_and_mul_f32(const float *x, float *out, int64_t rows, int64_t d, int nthreads) {
+#pragma omp parallel for num_threads(nthreads) schedule(static) if (rows * d > 32768)
+    for (int64_t r = 0; r < rows; r++) {
+        const float *g = x + r * 2 * d, *u = g + d;
+        float *o = out + r * d;
+        for (int64_t i = 0; i < d; i++) {
+            float s = g[i] / (1.0f + expf(-g[i]));
+            o[i] = s * u[i];
+        }
+    }
+}
+
+/* exp(x) for x <= 0 (softmax after subtracting the max): Cephes' expf polynomial on
+ * x = n ln2 + r, |r| <= ln2/2, times 2^n built in the exponent bits; within 2 ulp of expf. */
+#define EXP_LOG2E 1.44269504088896341f
+#define EXP_C1 0.693359375f
+#define EXP_C2 -2.12194440e-4f
+#define EXP_P0 1.9875691500e-4f
+#define EXP_P1 1.3981999507e-3f
+#define EXP_P2 8.3334519073e-3f
+#define EXP_P3 4.1665795894e-2f
+#define EXP_P4 1.6666665459e-1f
+#define EXP_P5 5.0000001201e-1f
+
+static inline float exp_nonpos(float x) {
+    x = x < -87.0f ? -87.0f : x;
+    const float n = floorf(x * EXP_LOG2E + 0.5f);
+    float r = x - n * EXP_C1;
+    r = r - n * EXP_C2;
+    float p = EXP_P0;
+    p = p * r + EXP_P1;
+    p = p * r + EXP_P2;
+    p = p * r + EXP_P3;
+    p = p * r + EXP_P4;
+    p = p * r + EXP_P5;
+    const float y = p * (r * r) + r + 1.0f;
+    union { int32_t i; float f; } scale;
+    scale.i = ((int32_t)n + 127) << 23;
+    return y * scale.f;
+}
+
+#if defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+#define HAVE_AVX2 1
+
+static inline __m256 exp256_nonpos(__m256 x) {
+    x = _mm256_max_ps(x, _mm256_set1_ps(-87.0f));
+    const __m256 n = _mm256_floor_ps(_mm256_add_ps(_mm256_mul_ps(x, _mm256_set1_ps(EXP_LOG2E)), _mm256_set1_ps(0.5f)));
+    __m256 r = _mm256_sub_ps(x, _mm256_mul_ps(n, _mm256_set1_ps(EXP_C1)));
+    r = _mm256_sub_ps(r, _mm256_mul_ps(n, _mm256_set1_ps(EXP_C2)));
+    __m256 p = _mm256_set1_ps(EXP_P0);
+    p = _mm256_add_ps(_mm256_mul_ps(p, r), _mm256_set1_ps(EXP_P1));
+    p = _mm256_add_ps(_mm256_mul_ps(p, r), _mm256_set1_ps(EXP_P2));
+    p = _mm256_add_ps(_mm256_mul_ps(p, r), _mm256_set1_ps(EXP_P3));
+    p = _mm256_add_ps(_mm256_mul_ps(p, r), _mm256_set1_ps(EXP_P4));
+    p = _mm256_add_ps(_mm256_mul_ps(p, r), _mm256_set1_ps(EXP_P5));
+    __m256 y = _mm256_add_ps(_mm256_add_ps(_mm256_mul_ps(p, _mm256_mul_ps(r, r)), r), _mm256_set1_ps(1.0f));
+    const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+    return _mm256_mul_ps(y, _mm256_castsi256_ps(e));
+}
+
+static inline float hsum256(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+}
+#endif
+
+/* scores[g * S + t] = scale * q_g . k_t for the nt tokens of one block; returns nothing, tracks max. */
+static inline void block_scores(const float *qs, const float *kb, int64_t tok_stride, int64_t nt, int64_t G,
+                                int64_t D, float scale, float *scores, int64_t S, int64_t t0, float *mx) {
+#ifdef HAVE_AVX2
+    if ((D & 7) == 0) {
+        for (int64_t j = 0; j < nt; j++) {
+            const float *kp = kb + j * tok_stride;
+            for (int64_t g = 0; g < G; g++) {
+                const float *qg = qs + g * D;
+                __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps();
+                int64_t i = 0;
+                for (; i + 16 <= D; i += 16) {
+                    a0 = _mm256_fmadd_ps(_mm256_loadu_ps(qg + i), _mm256_loadu_ps(kp + i), a0);
+                    a1 = _mm256_fmadd_ps(_mm256_loadu_ps(qg + i + 8), _mm256_loadu_ps(kp + i + 8), a1);
+                }
+                if (i < D) a0 = _mm256_fmadd_ps(_mm256_loadu_ps(qg + i), _mm256_loadu_ps(kp + i), a0);
+                const float dot = hsum256(_mm256_add_ps(a0, a1)) * scale;
+                scores[g * S + t0 + j] = dot;
+                mx[g] = dot > mx[g] ? dot : mx[g];
+            }
+        }
+        return;
+    }
+#endif
+    for (int64_t j = 0; j < nt; j++) {
+        const float *kp = kb + j * tok_stride;
+        for (int64_t g = 0; g < G; g++) {
+            const float *qg = qs + g * D;
+            float dot = 0.f;
+            for (int64_t i = 0; i < D; i++) dot = fmaf(qg[i], kp[i], dot);
+            dot *= scale;
+            scores[g * S + t0 + j] = dot;
+            mx[g] = dot > mx[g] ? dot : mx[g];
+        }
+    }
+}
+
+/* sg[t] = exp(sg[t] - m) for t < S; returns their sum. */
+static inline float softmax_numerators(float *sg, int64_t S, float m) {
+    float s = 0.f;
+    int64_t t = 0;
+#ifdef HAVE_AVX2
+    __m256 acc = _mm256_setzero_ps();
+    const __m256 mv = _mm256_set1_ps(m);
+    for (; t + 8 <= S; t += 8) {
+        const __m256 e = exp256_nonpos(_mm256_sub_ps(_mm256_loadu_ps(sg + t), mv));
+        _mm256_storeu_ps(sg + t, e);
+        acc = _mm256_add_ps(acc, e);
+    }
+    s = hsum256(acc);
+#endif
+    for (; t < S; t++) {
+        const float e = exp_nonpos(sg[t] - m);
+        sg[t] = e;
+        s += e;
+    }
+    return s;
+}
+
+/* acc_g += p_{g,t} v_t for the nt tokens of one block. */
+static inline void block_values(const float *scores, const float *vb, int64_t tok_stride, int64_t nt, int64_t G,
+                                int64_t D, int64_t S, int64_t t0, float *acc) {
+#ifdef HAVE_AVX2
+    if ((D & 7) == 0) {
+        for (int64_t j = 0; j < nt; j++) {
+            const float *vp = vb + j * tok_stride;
+            for (int64_t g = 0; g < G; g++) {
+                const __m256 p = _mm256_set1_ps(scores[g * S + t0 + j]);
+                float *a = acc + g * D;
+                for (int64_t i = 0; i < D; i += 8)
+                    _mm256_storeu_ps(a + i, _mm256_fmadd_ps(p, _mm256_loadu_ps(vp + i), _mm256_loadu_ps(a + i)));
+            }
+        }
+        return;
+    }
+#endif
+    for (int64_t j = 0; j < nt; j++) {
+        const float *vp = vb + j * tok_stride;
+        for (int64_t g = 0; g < G; g++) {
+            const float p = scores[g * S + t0 + j];
+            float *a = acc + g * D;
+            for (int64_t i = 0; i < D; i++) a[i] = fmaf(p, vp[i], a[i]);
+        }
+    }
+}
+
+/* Decode attention over the paged cache: one query row per sequence, every head.
+ *   q    [num_seqs] rows of [H, D] (row stride q_row_stride);  out [num_seqs, H, D] contiguous
+ *   key_cache / value_cache [num_blocks, block_size, H_kv, D];  block_tables [num_seqs, bt_stride]
+ *   seq_lens [num_seqs]: keys 0 .. seq_len-1 are attended.
+ * One work item = (sequence, kv head) with its G = H / H_kv query heads: K and V are read once from
+ * the cache, block by block (no gather, no GQA expansion).  Exact softmax in two passes over a
+ * score buffer [G, S]. */
+void paged_decode_attention_f32(const float *q, int64_t q_row_stride, float *out, const float *key_cache,
+                                const float *value_cache, const int32_t *block_tables, int64_t bt_stride,
+                                const int32_t *seq_lens, int64_t num_seqs, int64_t num_heads, int64_t num_kv_heads,
+                                int64_t head_dim, int64_t block_size, float scale, int nthreads) {
+    const int64_t G = num_heads / num_kv_heads;
+    const int64_t D = head_dim;
+    const int64_t tok_stride = num_kv_heads * D;
+    const int64_t items = num_seqs * num_kv_heads;
+    /* a thread takes all KV heads of a sequence together when there are enough sequences: its
+     * token rows then come from DRAM once and from L2 for the other heads */
+    const int64_t chunk = num_seqs >= 4 * (int64_t)nthreads ? num_kv_heads : 1;
+#pragma omp parallel num_threads(nthreads) if (items > 1)
+    {
+        int64_t cap = 0;
+        float *scores = NULL;
+        float *acc = (float *)malloc((size_t)(G * D) * sizeof(float));
+#pragma omp for schedule(dynamic, chunk)
+        for (int64_t it = 0; it < items; it++) {
+            const int64_t sq = it / num_kv_heads, kvh = it % num_kv_heads;
+            const int64_t S = seq_lens[sq];
+            if (S * G > cap) {
+                cap = S * G;
+                free(scores);
+                scores = (float *)malloc((size_t)cap * sizeof(float));
+            }
+            const int32_t *bt = block_tables + sq * bt_stride;
+            const float *qs = q + sq * q_row_stride + kvh * G * D;
+            float mx[64], sum[64];
+            for (int64_t g = 0; g < G; g++) mx[g] = -INFINITY;
+            for (int64_t b = 0, t0 = 0; t0 < S; b++, t0 += block_size) {  /* pass 1: scores */
+                const int64_t nt = S - t0 < block_size ? S - t0 : block_size;
+                const float *kb = key_cache + (int64_t)bt[b] * block_size * tok_stride + kvh * D;
+                block_scores(qs, kb, tok_stride, nt, G, D, scale, scores, S, t0, mx);
+            }
+            for (int64_t g = 0; g < G; g++) sum[g] = softmax_numerators(scores + g * S, S, mx[g]);  /* pass 2 */
+            memset(acc, 0, (size_t)(G * D) * sizeof(float));
+            for (int64_t b = 0, t0 = 0; t0 < S; b++, t0 += block_size) {  /* pass 3: weighted values */
+                const int64_t nt = S - t0 < block_size ? S - t0 : block_size;
+                const float *vb = value_cache + (int64_t)bt[b] * block_size * tok_stride + kvh * D;
+                block_values(scores, vb, tok_stride, nt, G, D, S, t0, acc);
+            }
+            for (int64_t g = 0; g < G; g++) {
+                float *o = out + (sq * num_heads + kvh * G + g) * D;
+                const float inv = 1.0f / sum[g];
+                const float *a = acc + g * D;
+                for (int64_t i = 0; i < D; i++) o[i] = a[i] * inv;
+            }
+        }
+        free(scores);
+        free(acc);
+    }
+}

@@ -1,0 +1,248 @@
+"""Native CPU kernels (cpu_kernels.c) for the fp32 decode hot path, called through ctypes.
+
+At batch 1 a CPU decode step is a string of tiny ops (norms, rope, cache writes, gating, attention)
+whose dispatch cost rivals the weight reads; at large batches decode attention dominates what is
+not a matmul, because the torch path must gather K/V through the block tables before SDPA.  These
+kernels do each of those in one call and read K/V straight from the paged cache.
+
+The C file is compiled on first use with the system C compiler (`cc`, or $CC) into
+$XDG_CACHE_HOME/roofline (default ~/.cache/roofline), keyed by the source's hash and the CPU's
+flags; that takes well under a second and happens once per machine.  Without a compiler (or with
+ROOFLINE_CPU_KERNELS=0) `available()` is False and every caller keeps its torch code, which stays
+the reference the kernels are tested against.
+
+Contracts (all tensors fp32 on CPU, unit stride in the last dim):
+    rms_norm(x, w, eps, residual)          same as RMSNorm.forward
+    silu_and_mul(x)                        same as SiluAndMul.forward
+    rotary_(q, k, cos, sin)                rotate-half rope of q [N,H,D], k [N,Hk,D] IN PLACE
+    write_kv(k, v, kv_cache, slots)        same as attention.backend.write_kv_torch
+    paged_decode_attention(q, kv_cache, block_tables, seq_lens, scale) -> [n, H, D]
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+import threading
+from pathlib import Path
+from typing import Optional
+
+import torch
+
+from roofline.config import env_flag
+
+logger = logging.getLogger(__name__)
+
+ENV_VAR = "ROOFLINE_CPU_KERNELS"
+SOURCE = Path(__file__).with_name("cpu_kernels.c")
+MAX_GQA_GROUP = 64  # query heads per KV head the attention kernel handles (stack arrays in C)
+
+_lock = threading.Lock()
+_lib: Optional[ctypes.CDLL] = None
+_tried = False
+_override: Optional[bool] = None
+
+_P = ctypes.c_void_p
+_I = ctypes.c_int64
+_F = ctypes.c_float
+_SIGNATURES = {
+    "rms_norm_f32": [_P, _P, _P, _P, _P, _I, _I, _I, _F, ctypes.c_int],
+    "rotary_f32": [_P, _I, _I, _P, _I, _I, _I, _I, _I, _P, _P, ctypes.c_int],
+    "write_kv_f32": [_P, _I, _P, _I, _P, _P, _P, _I, _I],
+    "silu_and_mul_f32": [_P, _P, _I, _I, ctypes.c_int],
+    "paged_decode_attention_f32": [_P, _I, _P, _P, _P, _P, _I, _P, _I, _I, _I, _I, _I, _F, ctypes.c_int],
+}
+
+
+def _cpu_flags() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                return line
+    except OSError:
+        pass
+    return platform.processor()
+
+
+def _cache_dir() -> Path:
+    base = env_flag("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "roofline"
+
+
+def _compile(src: Path, out: Path) -> None:
+    cc = env_flag("CC") or shutil.which("cc") or shutil.which("gcc") or shutil.which("clang")
+    if cc is None:
+        raise RuntimeError("no C compiler found (cc, gcc or clang; or set CC)")
+    base = [cc, "-O3", "-fPIC", "-shared", "-fopenmp", "-ffp-contract=off", "-std=c11"]
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
+    os.close(fd)
+    errors = []
+    try:
+        for arch in (["-march=native"], []):  # -march=native for AVX2/AVX-512 code; plain as a fallback
+            r = subprocess.run(base + arch + [str(src), "-o", tmp, "-lm"], capture_output=True, text=True)
+            if r.returncode == 0:
+                os.replace(tmp, out)  # atomic: concurrent processes never load a half-written file
+                return
+            errors.append(r.stderr.strip()[-500:])
+        raise RuntimeError("compiling cpu_kernels.c failed: " + " | ".join(errors))
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+
+
+def _load() -> Optional[ctypes.CDLL]:
+    global _lib, _tried
+    with _lock:
+        if _tried:
+            return _lib
+        _tried = True
+        try:
+            source = SOURCE.read_bytes()
+            key = hashlib.sha256(source + _cpu_flags().encode() + platform.machine().encode()).hexdigest()[:16]
+            path = _cache_dir() / f"cpu_kernels-{key}.so"
+            if not path.exists():
+                _compile(SOURCE, path)
+            torch.get_num_threads()  # torch (and its libgomp) is loaded first: one OpenMP runtime
+            lib = ctypes.CDLL(str(path))
+            for name, argtypes in _SIGNATURES.items():
+                fn = getattr(lib, name)
+                fn.argtypes, fn.restype = argtypes, None
+            _lib = lib
+        except Exception as e:  # no compiler, read-only cache, ...: the torch code runs instead
+            logger.warning("native CPU kernels unavailable, using torch ops (%s)", e)
+            _lib = None
+        return _lib
+
+
+_env_on: Optional[bool] = None
+
+
+def available() -> bool:
+    """Whether the kernels are switched on and loaded (compiles them on the first call)."""
+    global _env_on
+    on = _override
+    if on is None:
+        if _env_on is None:
+            _env_on = env_flag(ENV_VAR, "1").strip().lower() not in ("0", "false", "no", "off", "")
+        on = _env_on
+    if not on:
+        return False
+    return _lib is not None if _tried else _load() is not None
+
+
+def use_cpu_kernels(enabled: Optional[bool]) -> None:
+    """Force the kernels on (True, if they load) or off (False) for the process; None = the env default."""
+    global _override
+    _override = enabled
+
+
+def _need() -> ctypes.CDLL:
+    lib = _lib if _tried else _load()
+    if lib is None:
+        raise RuntimeError("native CPU kernels are not available (see the warning logged when they failed to load)")
+    return lib
+
+
+@contextlib.contextmanager
+def forced(enabled: bool):
+    """Temporarily force the switch (tests, A/B benchmarks)."""
+    saved = _override
+    use_cpu_kernels(enabled)
+    try:
+        yield
+    finally:
+        use_cpu_kernels(saved)
+
+
+def accepts(x: torch.Tensor) -> bool:
+    """A tensor the kernels handle: fp32 on CPU with unit stride in its last dim."""
+    return x.device.type == "cpu" and x.dtype == torch.float32 and x.stride(-1) == 1
+
+
+def _ptr(t: Optional[torch.Tensor]):
+    return None if t is None else t.data_ptr()
+
+
+# ---- the kernels ---------------------------------------------------------------------------------
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: Optional[torch.Tensor] = None):
+    shape, hidden = x.shape, x.shape[-1]
+    x2 = x.reshape(-1, hidden)  # a view unless the rows are unevenly strided (then a copy)
+    if x2.stride(-1) != 1:
+        x2 = x2.contiguous()
+    out = torch.empty(shape, dtype=x.dtype)
+    res_out = None
+    if residual is not None:
+        residual = residual.contiguous()
+        res_out = torch.empty(shape, dtype=x.dtype)
+    _need().rms_norm_f32(x2.data_ptr(), _ptr(residual), weight.contiguous().data_ptr(), out.data_ptr(),
+                      _ptr(res_out), x2.shape[0], hidden, x2.stride(0), eps, torch.get_num_threads())
+    return out if res_out is None else (out, res_out)
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    x = x.contiguous()
+    d = x.shape[-1] // 2
+    out = torch.empty((*x.shape[:-1], d), dtype=x.dtype)
+    _need().silu_and_mul_f32(x.data_ptr(), out.data_ptr(), x.numel() // (2 * d) if d else 0, d, torch.get_num_threads())
+    return out
+
+
+def can_rotary(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor) -> bool:
+    return (
+        q.dim() == 3 and k.dim() == 3 and accepts(q) and accepts(k) and cos.dtype == torch.float32
+        and q.stride(1) == q.shape[2] and k.stride(1) == k.shape[2]
+    )
+
+
+def rotary_(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+    """q [N, H, D], k [N, Hk, D] (rows may be strided views of one qkv buffer); cos/sin [N, 1, rot]."""
+    n, h, d = q.shape
+    rot = cos.shape[-1]
+    cos = cos.reshape(n, rot).contiguous()
+    sin = sin.reshape(n, rot).contiguous()
+    _need().rotary_f32(q.data_ptr(), q.stride(0), h, k.data_ptr(), k.stride(0), k.shape[1], d, rot, n,
+                    cos.data_ptr(), sin.data_ptr(), torch.get_num_threads())
+    return q, k
+
+
+def write_kv(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    n = key.shape[0]
+    width = kv_cache.shape[3] * kv_cache.shape[4]
+    slots = slot_mapping.to(torch.int64).contiguous()
+    _need().write_kv_f32(key.data_ptr(), key.stride(0), value.data_ptr(), value.stride(0),
+                      kv_cache[0].data_ptr(), kv_cache[1].data_ptr(), slots.data_ptr(), n, width)
+
+
+def can_write_kv(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor) -> bool:
+    return (
+        accepts(key) and accepts(value) and kv_cache.dtype == torch.float32 and kv_cache.is_contiguous()
+        and key.dim() == 3 and key.stride(1) == key.shape[2] and value.stride(1) == value.shape[2]
+    )
+
+
+def paged_decode_attention(query: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor,
+                           seq_lens: torch.Tensor, scale: float, out: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """query [n, H, D] (one row per sequence) -> [n, H, D] attending to seq_lens[i] cached tokens."""
+    n, h, d = query.shape
+    hk, block_size = kv_cache.shape[3], kv_cache.shape[2]
+    if h % hk or h // hk > MAX_GQA_GROUP:
+        raise ValueError(f"num_heads {h} must be a multiple of num_kv_heads {hk} with at most {MAX_GQA_GROUP} per group")
+    if out is None or not out.is_contiguous():
+        out = torch.empty((n, h, d), dtype=torch.float32)
+    tables = block_tables if block_tables.dtype == torch.int32 and block_tables.stride(-1) == 1 else (
+        block_tables.to(torch.int32).contiguous())
+    lens = seq_lens.to(torch.int32).contiguous()
+    _need().paged_decode_attention_f32(query.data_ptr(), query.stride(0), out.data_ptr(), kv_cache[0].data_ptr(),
+                                    kv_cache[1].data_ptr(), tables.data_ptr(), tables.stride(0), lens.data_ptr(),
+                                    n, h, hk, d, block_size, scale, torch.get_num_threads())
+    return out

@@ -1,0 +1,159 @@
+"""Native CPU kernels (cpu_ops) against the torch layers they replace, and the switch around them."""
+
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from roofline.attention.backend import get_attention_backend, write_kv_torch
+from roofline.attention.cpu_backend import CpuAttentionBackend
+from roofline.model_executor.layers import cpu_ops, fused_ops
+from roofline.model_executor.layers.activation import SiluAndMul
+from roofline.model_executor.layers.norm import RMSNorm
+from roofline.model_executor.layers.rotary import RotaryEmbedding
+from tests.attention.paged_batches import make_batch, run_both
+
+HAS_CC = bool(os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc") or shutil.which("clang"))
+pytestmark = pytest.mark.skipif(not HAS_CC, reason="no C compiler on this machine: the torch path is used")
+
+TOL = dict(atol=1e-5, rtol=1e-5)
+
+
+def test_kernels_load():
+    assert cpu_ops.available()
+    assert get_attention_backend("auto", "cpu").name == "cpu"
+
+
+@pytest.mark.parametrize("residual", [False, True])
+@pytest.mark.parametrize("shape", [(1, 576), (37, 64), (5, 3, 32)])
+def test_rms_norm(residual, shape):
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(*shape, generator=g)
+    res = torch.randn(*shape, generator=g) if residual else None
+    norm = RMSNorm(shape[-1], eps=1e-5)
+    norm.weight.data = torch.randn(shape[-1], generator=g)
+    with cpu_ops.forced(False):
+        expected = norm(x, res) if residual else norm(x)
+    got = cpu_ops.rms_norm(x, norm.weight, 1e-5, res)
+    if residual:
+        torch.testing.assert_close(got[0], expected[0], **TOL)
+        assert torch.equal(got[1], expected[1])  # x + residual, bit for bit
+    else:
+        torch.testing.assert_close(got, expected, **TOL)
+
+
+def test_rms_norm_strided_rows():
+    """q heads of a qkv buffer (Qwen3's q_norm): rows of a strided view."""
+    qkv = torch.randn(6, 5 * 16)
+    q = qkv[:, : 3 * 16].view(6, 3, 16)
+    w = torch.randn(16)
+    expected = w * (q * torch.rsqrt(q.pow(2).mean(-1, keepdim=True) + 1e-6))
+    torch.testing.assert_close(cpu_ops.rms_norm(q, w, 1e-6), expected, **TOL)
+
+
+@pytest.mark.parametrize("rows,d", [(1, 1536), (64, 96), (3, 7)])
+def test_silu_and_mul(rows, d):
+    x = torch.randn(rows, 2 * d)
+    with cpu_ops.forced(False):
+        expected = SiluAndMul()(x)
+    torch.testing.assert_close(cpu_ops.silu_and_mul(x), expected, **TOL)
+
+
+@pytest.mark.parametrize("rot_factor", [1.0, 0.5])
+@pytest.mark.parametrize("h,hk,d", [(9, 3, 64), (4, 4, 32)])
+def test_rotary_in_place_on_qkv_views(rot_factor, h, hk, d):
+    n = 11
+    rope = RotaryEmbedding(d, 4096, {"rope_type": "default", "rope_theta": 10000.0}, rotary_dim=int(d * rot_factor))
+    positions = torch.randint(0, 4096, (n,))
+    qkv = torch.randn(n, (h + 2 * hk) * d)
+    q = qkv[:, : h * d].view(n, h, d)
+    k = qkv[:, h * d : (h + hk) * d].view(n, hk, d)
+    v_before = qkv[:, (h + hk) * d :].clone()
+    with cpu_ops.forced(False):
+        eq, ek = rope(positions, q.clone(), k.clone())
+    cos, sin = rope.cos_sin(positions, torch.float32)
+    assert cpu_ops.can_rotary(q, k, cos)
+    gq, gk = cpu_ops.rotary_(q, k, cos, sin)
+    assert gq.data_ptr() == q.data_ptr()  # in place
+    torch.testing.assert_close(gq, eq, **TOL)
+    torch.testing.assert_close(gk, ek, **TOL)
+    assert torch.equal(qkv[:, (h + hk) * d :], v_before)
+
+
+def test_write_kv_matches_torch():
+    n, hk, d, nb, bs = 9, 3, 16, 6, 4
+    qkv = torch.randn(n, 5 * hk * d)
+    k = qkv[:, 3 * hk * d : 4 * hk * d].view(n, hk, d)
+    v = qkv[:, 4 * hk * d :].view(n, hk, d)
+    slots = torch.randperm(nb * bs)[:n]
+    a, b = torch.zeros(2, nb, bs, hk, d), torch.zeros(2, nb, bs, hk, d)
+    write_kv_torch(k, v, a, slots)
+    assert cpu_ops.can_write_kv(k, v, b)
+    cpu_ops.write_kv(k, v, b, slots)
+    assert torch.equal(a, b)
+
+
+MIXED = [(20, 1), (47, 1), (5, 1), (0, 1), (33, 17), (0, 25)]  # decodes (one with no prefix), chunk, prefill
+
+
+@pytest.mark.parametrize("block_size", [1, 16, 32])
+@pytest.mark.parametrize("num_heads,num_kv_heads", [(2, 2), (9, 3), (8, 1)])
+@pytest.mark.parametrize("qkv_view", [False, True])
+def test_cpu_backend_mixed_batch(block_size, num_heads, num_kv_heads, qkv_view):
+    meta, q, k, v, cache, _ = make_batch(MIXED, block_size=block_size, num_heads=num_heads,
+                                         num_kv_heads=num_kv_heads, head_dim=64, qkv_view=qkv_view, seed=block_size)
+    got, expected = run_both(meta, q, k, v, cache, CpuAttentionBackend())
+    torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_decode_long_contexts_many_sequences(threads):
+    specs = [(s, 1) for s in (1, 300, 17, 1023, 64, 129, 2, 500)]
+    meta, q, k, v, cache, _ = make_batch(specs, block_size=16, num_heads=9, num_kv_heads=3, head_dim=64, seed=3)
+    saved = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        got, expected = run_both(meta, q, k, v, cache, CpuAttentionBackend())
+    finally:
+        torch.set_num_threads(saved)
+    torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
+
+
+def test_decode_never_reads_unused_blocks():
+    """Blocks outside the tables are filled with NaN: any read would poison the output."""
+    meta, q, k, v, cache, unused = make_batch([(40, 1), (3, 1), (70, 1)], block_size=16, num_heads=4,
+                                              num_kv_heads=2, head_dim=32, spare_blocks=4)
+    cache[:, unused] = float("nan")
+    backend = CpuAttentionBackend()
+    backend.write_kv(k, v, cache, meta.slot_mapping)
+    out = backend.forward(q, cache, meta, 32**-0.5)
+    assert torch.isfinite(out).all()
+
+
+def test_layers_take_the_kernels_only_when_on():
+    x = torch.randn(4, 8)
+    assert fused_ops.active(x)
+    assert not fused_ops.active(x.double())  # fp32 only
+    with cpu_ops.forced(False):
+        assert not fused_ops.active(x)
+        assert get_attention_backend("auto", "cpu").name == "torch"
+
+
+def test_without_a_compiler_everything_falls_back_to_torch(tmp_path):
+    """A fresh process with no usable compiler and an empty cache: a warning, the torch path, and
+    generation still works."""
+    code = (
+        "from roofline.model_executor.layers import cpu_ops\n"
+        "from roofline.attention.backend import get_attention_backend\n"
+        "assert not cpu_ops.available()\n"
+        "assert get_attention_backend('auto', 'cpu').name == 'torch'\n"
+        "print('fallback ok')\n"
+    )
+    env = dict(os.environ, CC=str(tmp_path / "no-such-cc"), XDG_CACHE_HOME=str(tmp_path / "cache"))
+    r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert "fallback ok" in r.stdout
+    assert "native CPU kernels unavailable" in r.stderr
