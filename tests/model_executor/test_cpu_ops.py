@@ -109,6 +109,24 @@ def test_cpu_backend_mixed_batch(block_size, num_heads, num_kv_heads, qkv_view):
     torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
 
 
+def test_silu_and_mul_extremes():
+    x = torch.tensor([[-200.0, -88.5, -20.0, -1e-3, 0.0, 1e-3, 20.0, 90.0, 200.0] * 2])
+    with cpu_ops.forced(False):
+        expected = SiluAndMul()(x)
+    got = cpu_ops.silu_and_mul(x)
+    assert torch.isfinite(got).all()
+    torch.testing.assert_close(got, expected, atol=1e-6, rtol=1e-6)
+
+
+@pytest.mark.parametrize("head_dim", [16, 12])  # 12: not a multiple of the SIMD width (scalar loops)
+def test_decode_large_gqa_group(head_dim):
+    """80 query heads on one KV head (beyond any fixed-size per-group buffer)."""
+    meta, q, k, v, cache, _ = make_batch([(50, 1), (9, 1), (130, 1), (1, 1)], block_size=16, num_heads=80,
+                                         num_kv_heads=1, head_dim=head_dim)
+    got, expected = run_both(meta, q, k, v, cache, CpuAttentionBackend())
+    torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
+
+
 @pytest.mark.parametrize("threads", [1, 2])
 def test_decode_long_contexts_many_sequences(threads):
     specs = [(s, 1) for s in (1, 300, 17, 1023, 64, 129, 2, 500)]

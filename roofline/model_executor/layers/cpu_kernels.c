@@ -74,20 +74,7 @@ void write_kv_f32(const float *k, int64_t k_row_stride, const float *v, int64_t 
     }
 }
 
-/* out[r, i] = silu(x[r, i]) * x[r, d + i]. */
-void silu_and_mul_f32(const float *x, float *out, int64_t rows, int64_t d, int nthreads) {
-#pragma omp parallel for num_threads(nthreads) schedule(static) if (rows * d > 32768)
-    for (int64_t r = 0; r < rows; r++) {
-        const float *g = x + r * 2 * d, *u = g + d;
-        float *o = out + r * d;
-        for (int64_t i = 0; i < d; i++) {
-            float s = g[i] / (1.0f + expf(-g[i]));
-            o[i] = s * u[i];
-        }
-    }
-}
-
-/* exp(x) for x <= 0 (softmax after subtracting the max): Cephes' expf polynomial on
+/* exp(x), x clamped to [-87, 88] (softmax numerators, SiLU): Cephes' expf polynomial on
  * x = n ln2 + r, |r| <= ln2/2, times 2^n built in the exponent bits; within 2 ulp of expf. */
 #define EXP_LOG2E 1.44269504088896341f
 #define EXP_C1 0.693359375f
@@ -99,8 +86,8 @@ void silu_and_mul_f32(const float *x, float *out, int64_t rows, int64_t d, int n
 #define EXP_P4 1.6666665459e-1f
 #define EXP_P5 5.0000001201e-1f
 
-static inline float exp_nonpos(float x) {
-    x = x < -87.0f ? -87.0f : x;
+static inline float exp_clamped(float x) {
+    x = x < -87.0f ? -87.0f : (x > 88.0f ? 88.0f : x);
     const float n = floorf(x * EXP_LOG2E + 0.5f);
     float r = x - n * EXP_C1;
     r = r - n * EXP_C2;
@@ -120,8 +107,8 @@ static inline float exp_nonpos(float x) {
 #include <immintrin.h>
 #define HAVE_AVX2 1
 
-static inline __m256 exp256_nonpos(__m256 x) {
-    x = _mm256_max_ps(x, _mm256_set1_ps(-87.0f));
+static inline __m256 exp256(__m256 x) {
+    x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.0f)), _mm256_set1_ps(88.0f));
     const __m256 n = _mm256_floor_ps(_mm256_add_ps(_mm256_mul_ps(x, _mm256_set1_ps(EXP_LOG2E)), _mm256_set1_ps(0.5f)));
     __m256 r = _mm256_sub_ps(x, _mm256_mul_ps(n, _mm256_set1_ps(EXP_C1)));
     r = _mm256_sub_ps(r, _mm256_mul_ps(n, _mm256_set1_ps(EXP_C2)));
@@ -144,15 +131,16 @@ static inline float hsum256(__m256 v) {
 }
 #endif
 
-/* scores[g * S + t] = scale * q_g . k_t for the nt tokens of one block; returns nothing, tracks max. */
-static inline void block_scores(const float *qs, const float *kb, int64_t tok_stride, int64_t nt, int64_t G,
-                                int64_t D, float scale, float *scores, int64_t S, int64_t t0, float *mx) {
+/* scores[g * S + t] = scale * q_g . k_t for query heads g < nh (kv head g / G) and the nt tokens of
+ * one block; tracks each head's max in mx. */
+static inline void block_scores(const float *qs, const float *kb, int64_t tok_stride, int64_t nt, int64_t nh,
+                                int64_t G, int64_t D, float scale, float *scores, int64_t S, int64_t t0, float *mx) {
 #ifdef HAVE_AVX2
     if ((D & 7) == 0) {
         for (int64_t j = 0; j < nt; j++) {
-            const float *kp = kb + j * tok_stride;
-            for (int64_t g = 0; g < G; g++) {
-                const float *qg = qs + g * D;
+            const float *row = kb + j * tok_stride;
+            for (int64_t g = 0; g < nh; g++) {
+                const float *qg = qs + g * D, *kp = row + (g / G) * D;
                 __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps();
                 int64_t i = 0;
                 for (; i + 16 <= D; i += 16) {
@@ -169,9 +157,9 @@ static inline void block_scores(const float *qs, const float *kb, int64_t tok_st
     }
 #endif
     for (int64_t j = 0; j < nt; j++) {
-        const float *kp = kb + j * tok_stride;
-        for (int64_t g = 0; g < G; g++) {
-            const float *qg = qs + g * D;
+        const float *row = kb + j * tok_stride;
+        for (int64_t g = 0; g < nh; g++) {
+            const float *qg = qs + g * D, *kp = row + (g / G) * D;
             float dot = 0.f;
             for (int64_t i = 0; i < D; i++) dot = fmaf(qg[i], kp[i], dot);
             dot *= scale;
@@ -189,28 +177,29 @@ static inline float softmax_numerators(float *sg, int64_t S, float m) {
     __m256 acc = _mm256_setzero_ps();
     const __m256 mv = _mm256_set1_ps(m);
     for (; t + 8 <= S; t += 8) {
-        const __m256 e = exp256_nonpos(_mm256_sub_ps(_mm256_loadu_ps(sg + t), mv));
+        const __m256 e = exp256(_mm256_sub_ps(_mm256_loadu_ps(sg + t), mv));
         _mm256_storeu_ps(sg + t, e);
         acc = _mm256_add_ps(acc, e);
     }
     s = hsum256(acc);
 #endif
     for (; t < S; t++) {
-        const float e = exp_nonpos(sg[t] - m);
+        const float e = exp_clamped(sg[t] - m);
         sg[t] = e;
         s += e;
     }
     return s;
 }
 
-/* acc_g += p_{g,t} v_t for the nt tokens of one block. */
-static inline void block_values(const float *scores, const float *vb, int64_t tok_stride, int64_t nt, int64_t G,
-                                int64_t D, int64_t S, int64_t t0, float *acc) {
+/* acc_g += p_{g,t} v_t for query heads g < nh (kv head g / G) and the nt tokens of one block. */
+static inline void block_values(const float *scores, const float *vb, int64_t tok_stride, int64_t nt, int64_t nh,
+                                int64_t G, int64_t D, int64_t S, int64_t t0, float *acc) {
 #ifdef HAVE_AVX2
     if ((D & 7) == 0) {
         for (int64_t j = 0; j < nt; j++) {
-            const float *vp = vb + j * tok_stride;
-            for (int64_t g = 0; g < G; g++) {
+            const float *row = vb + j * tok_stride;
+            for (int64_t g = 0; g < nh; g++) {
+                const float *vp = row + (g / G) * D;
                 const __m256 p = _mm256_set1_ps(scores[g * S + t0 + j]);
                 float *a = acc + g * D;
                 for (int64_t i = 0; i < D; i += 8)
@@ -221,8 +210,9 @@ static inline void block_values(const float *scores, const float *vb, int64_t to
     }
 #endif
     for (int64_t j = 0; j < nt; j++) {
-        const float *vp = vb + j * tok_stride;
-        for (int64_t g = 0; g < G; g++) {
+        const float *row = vb + j * tok_stride;
+        for (int64_t g = 0; g < nh; g++) {
+            const float *vp = row + (g / G) * D;
             const float p = scores[g * S + t0 + j];
             float *a = acc + g * D;
             for (int64_t i = 0; i < D; i++) a[i] = fmaf(p, vp[i], a[i]);
@@ -234,9 +224,11 @@ static inline void block_values(const float *scores, const float *vb, int64_t to
  *   q    [num_seqs] rows of [H, D] (row stride q_row_stride);  out [num_seqs, H, D] contiguous
  *   key_cache / value_cache [num_blocks, block_size, H_kv, D];  block_tables [num_seqs, bt_stride]
  *   seq_lens [num_seqs]: keys 0 .. seq_len-1 are attended.
- * One work item = (sequence, kv head) with its G = H / H_kv query heads: K and V are read once from
- * the cache, block by block (no gather, no GQA expansion).  Exact softmax in two passes over a
- * score buffer [G, S]. */
+ * One work item = a sequence and a span of its KV heads with their GQA groups of query heads: K and
+ * V are read straight from the cache, block by block, each token row once per item (no gather, no
+ * GQA expansion).  With enough sequences a span is all KV heads (whole contiguous token rows);
+ * otherwise one KV head, so a few long sequences still spread over the threads.  Exact softmax in
+ * two passes over a score buffer [heads, S]. */
 void paged_decode_attention_f32(const float *q, int64_t q_row_stride, float *out, const float *key_cache,
                                 const float *value_cache, const int32_t *block_tables, int64_t bt_stride,
                                 const int32_t *seq_lens, int64_t num_seqs, int64_t num_heads, int64_t num_kv_heads,
@@ -244,42 +236,43 @@ void paged_decode_attention_f32(const float *q, int64_t q_row_stride, float *out
     const int64_t G = num_heads / num_kv_heads;
     const int64_t D = head_dim;
     const int64_t tok_stride = num_kv_heads * D;
-    const int64_t items = num_seqs * num_kv_heads;
-    /* a thread takes all KV heads of a sequence together when there are enough sequences: its
-     * token rows then come from DRAM once and from L2 for the other heads */
-    const int64_t chunk = num_seqs >= 4 * (int64_t)nthreads ? num_kv_heads : 1;
+    const int64_t span = num_seqs >= 2 * (int64_t)nthreads ? num_kv_heads : 1;  /* KV heads per item */
+    const int64_t spans = num_kv_heads / span;
+    const int64_t items = num_seqs * spans;
+    const int64_t nh = span * G;  /* query heads per item */
 #pragma omp parallel num_threads(nthreads) if (items > 1)
     {
         int64_t cap = 0;
         float *scores = NULL;
-        float *acc = (float *)malloc((size_t)(G * D) * sizeof(float));
-#pragma omp for schedule(dynamic, chunk)
+        float *acc = (float *)malloc((size_t)(nh * D) * sizeof(float));
+        float *mx = (float *)malloc((size_t)nh * sizeof(float));
+        float *sum = (float *)malloc((size_t)nh * sizeof(float));
+#pragma omp for schedule(dynamic, 1)
         for (int64_t it = 0; it < items; it++) {
-            const int64_t sq = it / num_kv_heads, kvh = it % num_kv_heads;
+            const int64_t sq = it / spans, kv0 = (it % spans) * span;
             const int64_t S = seq_lens[sq];
-            if (S * G > cap) {
-                cap = S * G;
+            if (S * nh > cap) {
+                cap = S * nh;
                 free(scores);
                 scores = (float *)malloc((size_t)cap * sizeof(float));
             }
             const int32_t *bt = block_tables + sq * bt_stride;
-            const float *qs = q + sq * q_row_stride + kvh * G * D;
-            float mx[64], sum[64];
-            for (int64_t g = 0; g < G; g++) mx[g] = -INFINITY;
+            const float *qs = q + sq * q_row_stride + kv0 * G * D;
+            for (int64_t g = 0; g < nh; g++) mx[g] = -INFINITY;
             for (int64_t b = 0, t0 = 0; t0 < S; b++, t0 += block_size) {  /* pass 1: scores */
                 const int64_t nt = S - t0 < block_size ? S - t0 : block_size;
-                const float *kb = key_cache + (int64_t)bt[b] * block_size * tok_stride + kvh * D;
-                block_scores(qs, kb, tok_stride, nt, G, D, scale, scores, S, t0, mx);
+                const float *kb = key_cache + (int64_t)bt[b] * block_size * tok_stride + kv0 * D;
+                block_scores(qs, kb, tok_stride, nt, nh, G, D, scale, scores, S, t0, mx);
             }
-            for (int64_t g = 0; g < G; g++) sum[g] = softmax_numerators(scores + g * S, S, mx[g]);  /* pass 2 */
-            memset(acc, 0, (size_t)(G * D) * sizeof(float));
+            for (int64_t g = 0; g < nh; g++) sum[g] = softmax_numerators(scores + g * S, S, mx[g]);  /* pass 2 */
+            memset(acc, 0, (size_t)(nh * D) * sizeof(float));
             for (int64_t b = 0, t0 = 0; t0 < S; b++, t0 += block_size) {  /* pass 3: weighted values */
                 const int64_t nt = S - t0 < block_size ? S - t0 : block_size;
-                const float *vb = value_cache + (int64_t)bt[b] * block_size * tok_stride + kvh * D;
-                block_values(scores, vb, tok_stride, nt, G, D, S, t0, acc);
+                const float *vb = value_cache + (int64_t)bt[b] * block_size * tok_stride + kv0 * D;
+                block_values(scores, vb, tok_stride, nt, nh, G, D, S, t0, acc);
             }
-            for (int64_t g = 0; g < G; g++) {
-                float *o = out + (sq * num_heads + kvh * G + g) * D;
+            for (int64_t g = 0; g < nh; g++) {
+                float *o = out + (sq * num_heads + kv0 * G + g) * D;
                 const float inv = 1.0f / sum[g];
                 const float *a = acc + g * D;
                 for (int64_t i = 0; i < D; i++) o[i] = a[i] * inv;
@@ -287,5 +280,29 @@ void paged_decode_attention_f32(const float *q, int64_t q_row_stride, float *out
         }
         free(scores);
         free(acc);
+        free(mx);
+        free(sum);
+    }
+}
+
+/* out[r, i] = silu(x[r, i]) * x[r, d + i], silu(g) = g / (1 + exp(-g)). */
+void silu_and_mul_f32(const float *x, float *out, int64_t rows, int64_t d, int nthreads) {
+#pragma omp parallel for num_threads(nthreads) schedule(static) if (rows * d > 32768)
+    for (int64_t r = 0; r < rows; r++) {
+        const float *g = x + r * 2 * d, *u = g + d;
+        float *o = out + r * d;
+        int64_t i = 0;
+#ifdef HAVE_AVX2
+        const __m256 one = _mm256_set1_ps(1.0f), zero = _mm256_setzero_ps();
+        for (; i + 8 <= d; i += 8) {
+            const __m256 gv = _mm256_loadu_ps(g + i);
+            const __m256 s = _mm256_div_ps(gv, _mm256_add_ps(one, exp256(_mm256_sub_ps(zero, gv))));
+            _mm256_storeu_ps(o + i, _mm256_mul_ps(s, _mm256_loadu_ps(u + i)));
+        }
+#endif
+        for (; i < d; i++) {
+            const float s = g[i] / (1.0f + exp_clamped(-g[i]));
+            o[i] = s * u[i];
+        }
     }
 }
