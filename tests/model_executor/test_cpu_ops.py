@@ -7,6 +7,7 @@ import sys
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from roofline.attention.backend import get_attention_backend, write_kv_torch
 from roofline.attention.cpu_backend import CpuAttentionBackend
@@ -175,3 +176,20 @@ def test_without_a_compiler_everything_falls_back_to_torch(tmp_path):
     assert r.returncode == 0, r.stderr
     assert "fallback ok" in r.stdout
     assert "native CPU kernels unavailable" in r.stderr
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("k,n,bias", [(576, 960, False), (64, 3000, True), (7, 5, True), (1536, 2100, False)])
+def test_gemv_matches_linear(threads, k, n, bias):
+    g = torch.Generator().manual_seed(k + n)
+    weight = torch.randn(k, n, generator=g).t()  # [out x in] values, stored [in x out]-major
+    b = torch.randn(n, generator=g) if bias else None
+    x = torch.randn(1, k, generator=g)
+    assert cpu_ops.can_gemv(x, weight) and not cpu_ops.can_gemv(x, weight.contiguous())
+    saved = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        got = cpu_ops.gemv(x, weight, b)
+    finally:
+        torch.set_num_threads(saved)
+    torch.testing.assert_close(got, F.linear(x, weight, b), atol=1e-4, rtol=1e-5)

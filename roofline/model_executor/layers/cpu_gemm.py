@@ -1,4 +1,5 @@
-"""Pre-packed oneDNN weights for the fp32 GEMMs of a model running on the CPU.
+"""How the fp32 projections of a model on the CPU run: pre-packed oneDNN weights for batches,
+a threaded native GEMV for single rows, MKL for the rest.
 
 torch's default CPU GEMM (MKL) re-packs the weight matrix on every call; at decode batch sizes that
 packing is a large share of the work (an LM head of 49k rows runs at ~45 GFLOP/s at 37 rows on the
@@ -10,6 +11,11 @@ through it (use_packed), and loaders, tied embeddings and tests read it.  That d
 of the weights, which pays on the small models a CPU serves.  Packing needs a torch built with oneDNN
 (`torch.backends.mkldnn.is_available()`, true for the x86 and aarch64 wheels); without it nothing is
 packed and F.linear runs as before.
+
+A single row (one stream decoding) is a GEMV, bound by streaming the weights: MKL's runs on one
+thread whatever torch's thread count, so with more than one thread the native kernel
+(cpu_ops.gemv: output columns split among the threads) reads the dense [in x out] weight instead
+(2 threads on the reference machine: ~22 vs ~17 GB/s).
 """
 
 from __future__ import annotations
@@ -18,6 +24,9 @@ import logging
 from typing import Optional
 
 import torch
+import torch.nn.functional as F
+
+from roofline.model_executor.layers import cpu_ops
 
 logger = logging.getLogger(__name__)
 
@@ -50,6 +59,16 @@ def use_packed(x: torch.Tensor) -> bool:
 def packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
     """x [N x in] @ W^T (+ bias) with W pre-packed by pack()."""
     return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, packed: Optional[torch.Tensor],
+           bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """F.linear(x, weight, bias) for fp32 CPU input, by the fastest route this batch has."""
+    if packed is not None and use_packed(x):
+        return packed_linear(x, packed, bias)
+    if x.shape[0] == 1 and torch.get_num_threads() > 1 and cpu_ops.available() and cpu_ops.can_gemv(x, weight):
+        return cpu_ops.gemv(x, weight, bias)
+    return F.linear(x, weight, bias)
 
 
 def pack_model(model: torch.nn.Module) -> int:

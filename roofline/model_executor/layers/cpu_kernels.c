@@ -161,7 +161,7 @@ static inline void block_scores(const float *qs, const float *kb, int64_t tok_st
         for (int64_t g = 0; g < nh; g++) {
             const float *qg = qs + g * D, *kp = row + (g / G) * D;
             float dot = 0.f;
-            for (int64_t i = 0; i < D; i++) dot = fmaf(qg[i], kp[i], dot);
+            for (int64_t i = 0; i < D; i++) dot += qg[i] * kp[i];
             dot *= scale;
             scores[g * S + t0 + j] = dot;
             mx[g] = dot > mx[g] ? dot : mx[g];
@@ -215,7 +215,7 @@ static inline void block_values(const float *scores, const float *vb, int64_t to
             const float *vp = row + (g / G) * D;
             const float p = scores[g * S + t0 + j];
             float *a = acc + g * D;
-            for (int64_t i = 0; i < D; i++) a[i] = fmaf(p, vp[i], a[i]);
+            for (int64_t i = 0; i < D; i++) a[i] += p * vp[i];
         }
     }
 }
@@ -303,6 +303,44 @@ void silu_and_mul_f32(const float *x, float *out, int64_t rows, int64_t d, int n
         for (; i < d; i++) {
             const float s = g[i] / (1.0f + exp_clamped(-g[i]));
             o[i] = s * u[i];
+        }
+    }
+}
+
+/* y[N] = x[K] W (+ bias) for one row x and a weight stored [in x out]-major (row k of W at w + k * ldw):
+ * a single-stream decode step's projections.  The output columns are cut into chunks (at most 1024,
+ * so a chunk's accumulators stay in L1) shared out among the threads; each chunk streams its slice of
+ * every weight row.  (MKL's GEMV runs on one thread whatever the thread count.) */
+void gemv_f32(const float *x, const float *w, const float *bias, float *y, int64_t K, int64_t N, int64_t ldw,
+              int nthreads) {
+    const int64_t per = (N + 1024 * nthreads - 1) / (1024 * nthreads);  /* chunks per thread, balanced */
+    int64_t ch = (N + per * nthreads - 1) / (per * nthreads);
+    ch = (ch + 15) / 16 * 16;
+    if (ch > 1024) ch = 1024;
+    const int64_t nch = (N + ch - 1) / ch;
+#pragma omp parallel for num_threads(nthreads) schedule(dynamic, 1) if (nch > 1)
+    for (int64_t c = 0; c < nch; c++) {
+        const int64_t n0 = c * ch, n = N - n0 < ch ? N - n0 : ch;
+        float acc[1024];
+        for (int64_t j = 0; j < n; j++) acc[j] = 0.f;
+        int64_t k = 0;
+        for (; k + 4 <= K; k += 4) {  /* four weight rows per sweep of the accumulators */
+            const float x0 = x[k], x1 = x[k + 1], x2 = x[k + 2], x3 = x[k + 3];
+            const float *w0 = w + k * ldw + n0, *w1 = w0 + ldw, *w2 = w1 + ldw, *w3 = w2 + ldw;
+#pragma omp simd
+            for (int64_t j = 0; j < n; j++) acc[j] = (((acc[j] + x0 * w0[j]) + x1 * w1[j]) + x2 * w2[j]) + x3 * w3[j];
+        }
+        for (; k < K; k++) {
+            const float xk = x[k];
+            const float *wr = w + k * ldw + n0;
+#pragma omp simd
+            for (int64_t j = 0; j < n; j++) acc[j] += xk * wr[j];
+        }
+        float *yo = y + n0;
+        if (bias) {
+            for (int64_t j = 0; j < n; j++) yo[j] = acc[j] + bias[n0 + j];
+        } else {
+            for (int64_t j = 0; j < n; j++) yo[j] = acc[j];
         }
     }
 }

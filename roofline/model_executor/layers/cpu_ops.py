@@ -17,6 +17,7 @@ Contracts (all tensors fp32 on CPU, unit stride in the last dim):
     rotary_(q, k, cos, sin)                rotate-half rope of q [N,H,D], k [N,Hk,D] IN PLACE
     write_kv(k, v, kv_cache, slots)        same as attention.backend.write_kv_torch
     paged_decode_attention(q, kv_cache, block_tables, seq_lens, scale) -> [n, H, D]
+    gemv(x, weight, bias)                  F.linear for one row over an [in x out]-major weight
 """
 
 from __future__ import annotations
@@ -57,6 +58,7 @@ _SIGNATURES = {
     "write_kv_f32": [_P, _I, _P, _I, _P, _P, _P, _I, _I],
     "silu_and_mul_f32": [_P, _P, _I, _I, ctypes.c_int],
     "paged_decode_attention_f32": [_P, _I, _P, _P, _P, _P, _I, _P, _I, _I, _I, _I, _I, _F, ctypes.c_int],
+    "gemv_f32": [_P, _P, _P, _P, _I, _I, _I, ctypes.c_int],
 }
 
 
@@ -245,3 +247,21 @@ def paged_decode_attention(query: torch.Tensor, kv_cache: torch.Tensor, block_ta
                                     kv_cache[1].data_ptr(), tables.data_ptr(), tables.stride(0), lens.data_ptr(),
                                     n, h, hk, d, block_size, scale, torch.get_num_threads())
     return out
+
+
+def can_gemv(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """One contiguous fp32 row and a weight stored [in x out]-major (weight.t() contiguous)."""
+    return (
+        x.dim() == 2 and x.shape[0] == 1 and accepts(x) and x.is_contiguous() and weight.dtype == torch.float32
+        and weight.dim() == 2 and weight.stride(0) == 1 and weight.stride(1) == weight.shape[0]
+    )
+
+
+def gemv(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """x [1, in] @ weight[out, in]^T (+ bias) -> [1, out], threads splitting the output columns."""
+    n, k = weight.shape
+    y = torch.empty((1, n), dtype=torch.float32)
+    b = None if bias is None else bias.contiguous()
+    _need().gemv_f32(x.data_ptr(), weight.data_ptr(), _ptr(b), y.data_ptr(), k, n, weight.stride(1),
+                     torch.get_num_threads())
+    return y

@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from roofline.distributed.parallel_state import get_tp_rank, get_tp_size, tp_all_reduce
-from roofline.model_executor.layers.cpu_gemm import packed_linear, use_packed
+from roofline.model_executor.layers import cpu_gemm
 
 
 def _divide(n: int, d: int, what: str) -> int:
@@ -31,9 +31,9 @@ class LinearBase(nn.Module):
         self.cpu_packed: Optional[torch.Tensor] = None  # set by cpu_gemm.pack_model after loading (CPU)
 
     def matmul(self, x: torch.Tensor, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
-        """x W^T (+ bias), through the pre-packed CPU weight when there is one."""
-        if self.cpu_packed is not None and use_packed(x) and x.dtype == torch.float32 and x.device.type == "cpu":
-            return packed_linear(x, self.cpu_packed, bias)
+        """x W^T (+ bias); on CPU in fp32 by cpu_gemm's choice of kernel for this batch."""
+        if x.dtype == torch.float32 and x.device.type == "cpu":
+            return cpu_gemm.linear(x, self.weight, self.cpu_packed, bias)
         return F.linear(x, self.weight, bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

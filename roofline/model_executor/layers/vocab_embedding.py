@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from roofline.distributed.parallel_state import get_tp_rank, get_tp_size, tp_all_gather, tp_all_reduce
-from roofline.model_executor.layers.cpu_gemm import packed_linear, use_packed
+from roofline.model_executor.layers import cpu_gemm
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -42,8 +42,8 @@ class ParallelLMHead(VocabParallelEmbedding):
     cpu_packed = None  # set by cpu_gemm.pack_model after loading (CPU)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        if self.cpu_packed is not None and use_packed(hidden) and hidden.dtype == torch.float32 and hidden.device.type == "cpu":
-            logits = packed_linear(hidden, self.cpu_packed)  # [T, V/tp]
+        if hidden.dtype == torch.float32 and hidden.device.type == "cpu":
+            logits = cpu_gemm.linear(hidden, self.weight, self.cpu_packed)  # [T, V/tp]
         else:
             logits = F.linear(hidden, self.weight)  # [T, V/tp]
         if self.tp_size > 1:
