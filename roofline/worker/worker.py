@@ -4,8 +4,10 @@ sizes and allocates the paged KV cache, executes SchedulerOutputs.
 
 from __future__ import annotations
 
+import ctypes
 import logging
 import os
+import sys
 import time
 from typing import Optional
 
@@ -59,6 +61,29 @@ def relayout_for_cpu(model: torch.nn.Module) -> None:
             if id(w) not in seen and w.dim() == 2:
                 seen.add(id(w))
                 w.data = w.data.t().contiguous().t()
+
+
+_HUGE_PAGE = 2 << 20
+_MADV_HUGEPAGE = 14
+
+
+def zeros_on_huge_pages(shape, dtype: torch.dtype) -> torch.Tensor:
+    """A zeroed CPU tensor whose pages the kernel is asked to back with 2 MiB huge pages (Linux
+    MADV_HUGEPAGE, before the first touch), falling back to ordinary pages.  Decode attention reads
+    the KV pool block by block at scattered places: with 4 KiB pages nearly every block costs TLB
+    misses (measured: 1.5 -> 1.2 ms per layer for 64 sequences x 300 tokens, 2 threads)."""
+    t = torch.empty(shape, dtype=dtype)
+    nbytes = t.numel() * t.element_size()
+    if nbytes >= 2 * _HUGE_PAGE and sys.platform.startswith("linux"):
+        try:
+            start = -(-t.data_ptr() // _HUGE_PAGE) * _HUGE_PAGE
+            length = (t.data_ptr() + nbytes - start) // _HUGE_PAGE * _HUGE_PAGE
+            libc = ctypes.CDLL(None, use_errno=True)
+            libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+            libc.madvise(ctypes.c_void_p(start), ctypes.c_size_t(length), _MADV_HUGEPAGE)  # advisory only
+        except (OSError, AttributeError):
+            pass
+    return t.zero_()
 
 
 class Worker:
@@ -162,7 +187,10 @@ class Worker:
         bs = self.config.cache_config.block_size
         shape = (2, num_blocks, bs, attn.num_kv_heads, attn.head_dim)
         # zeros, not empty: masked-out (never written) slots must not hold NaN bit patterns
-        caches = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in self.model.model.layers]
+        if self.device.type == "cpu":
+            caches = [zeros_on_huge_pages(shape, self.dtype) for _ in self.model.model.layers]
+        else:
+            caches = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in self.model.model.layers]
         swap = None
         if num_swap_blocks:
             swap_shape = (2, num_swap_blocks, bs, attn.num_kv_heads, attn.head_dim)

@@ -137,21 +137,41 @@ static inline void block_scores(const float *qs, const float *kb, int64_t tok_st
                                 int64_t G, int64_t D, float scale, float *scores, int64_t S, int64_t t0, float *mx) {
 #ifdef HAVE_AVX2
     if ((D & 7) == 0) {
-        for (int64_t j = 0; j < nt; j++) {
-            const float *row = kb + j * tok_stride;
-            for (int64_t g = 0; g < nh; g++) {
-                const float *qg = qs + g * D, *kp = row + (g / G) * D;
-                __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps();
-                int64_t i = 0;
-                for (; i + 16 <= D; i += 16) {
-                    a0 = _mm256_fmadd_ps(_mm256_loadu_ps(qg + i), _mm256_loadu_ps(kp + i), a0);
-                    a1 = _mm256_fmadd_ps(_mm256_loadu_ps(qg + i + 8), _mm256_loadu_ps(kp + i + 8), a1);
+        /* per head, four tokens at a time: q is loaded once for the four, and one hadd tree reduces
+         * the four dot products together; the block's K rows stay in L1 across the heads */
+        const __m128 sc = _mm_set1_ps(scale);
+        for (int64_t g = 0; g < nh; g++) {
+            const float *qg = qs + g * D, *kg = kb + (g / G) * D;
+            float *sg = scores + g * S + t0;
+            float m = mx[g];
+            int64_t j = 0;
+            for (; j + 4 <= nt; j += 4) {
+                const float *k0 = kg + j * tok_stride, *k1 = k0 + tok_stride, *k2 = k1 + tok_stride, *k3 = k2 + tok_stride;
+                __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps(), a2 = _mm256_setzero_ps(), a3 = _mm256_setzero_ps();
+                for (int64_t i = 0; i < D; i += 8) {
+                    const __m256 qv = _mm256_loadu_ps(qg + i);
+                    a0 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k0 + i), a0);
+                    a1 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k1 + i), a1);
+                    a2 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k2 + i), a2);
+                    a3 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k3 + i), a3);
                 }
-                if (i < D) a0 = _mm256_fmadd_ps(_mm256_loadu_ps(qg + i), _mm256_loadu_ps(kp + i), a0);
-                const float dot = hsum256(_mm256_add_ps(a0, a1)) * scale;
-                scores[g * S + t0 + j] = dot;
-                mx[g] = dot > mx[g] ? dot : mx[g];
+                const __m256 h = _mm256_hadd_ps(_mm256_hadd_ps(a0, a1), _mm256_hadd_ps(a2, a3));
+                const __m128 d4 = _mm_mul_ps(_mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1)), sc);
+                _mm_storeu_ps(sg + j, d4);
+                __m128 mv = _mm_max_ps(d4, _mm_movehl_ps(d4, d4));
+                mv = _mm_max_ss(mv, _mm_movehdup_ps(mv));
+                const float m4 = _mm_cvtss_f32(mv);
+                m = m4 > m ? m4 : m;
             }
+            for (; j < nt; j++) {
+                const float *kp = kg + j * tok_stride;
+                __m256 a0 = _mm256_setzero_ps();
+                for (int64_t i = 0; i < D; i += 8) a0 = _mm256_fmadd_ps(_mm256_loadu_ps(qg + i), _mm256_loadu_ps(kp + i), a0);
+                const float dot = hsum256(a0) * scale;
+                sg[j] = dot;
+                m = dot > m ? dot : m;
+            }
+            mx[g] = m;
         }
         return;
     }
@@ -196,14 +216,37 @@ static inline void block_values(const float *scores, const float *vb, int64_t to
                                 int64_t G, int64_t D, int64_t S, int64_t t0, float *acc) {
 #ifdef HAVE_AVX2
     if ((D & 7) == 0) {
-        for (int64_t j = 0; j < nt; j++) {
-            const float *row = vb + j * tok_stride;
-            for (int64_t g = 0; g < nh; g++) {
-                const float *vp = row + (g / G) * D;
-                const __m256 p = _mm256_set1_ps(scores[g * S + t0 + j]);
-                float *a = acc + g * D;
-                for (int64_t i = 0; i < D; i += 8)
-                    _mm256_storeu_ps(a + i, _mm256_fmadd_ps(p, _mm256_loadu_ps(vp + i), _mm256_loadu_ps(a + i)));
+        /* per head and 64-wide slice of D: the accumulators live in registers over the block's
+         * tokens (V rows from L1), one load and store of acc per block instead of per token */
+        for (int64_t g = 0; g < nh; g++) {
+            const float *vg = vb + (g / G) * D, *pg = scores + g * S + t0;
+            float *a = acc + g * D;
+            int64_t i = 0;
+            for (; i + 64 <= D; i += 64) {
+                __m256 r0 = _mm256_loadu_ps(a + i), r1 = _mm256_loadu_ps(a + i + 8), r2 = _mm256_loadu_ps(a + i + 16),
+                       r3 = _mm256_loadu_ps(a + i + 24), r4 = _mm256_loadu_ps(a + i + 32), r5 = _mm256_loadu_ps(a + i + 40),
+                       r6 = _mm256_loadu_ps(a + i + 48), r7 = _mm256_loadu_ps(a + i + 56);
+                for (int64_t j = 0; j < nt; j++) {
+                    const __m256 p = _mm256_set1_ps(pg[j]);
+                    const float *vp = vg + j * tok_stride + i;
+                    r0 = _mm256_fmadd_ps(p, _mm256_loadu_ps(vp), r0);
+                    r1 = _mm256_fmadd_ps(p, _mm256_loadu_ps(vp + 8), r1);
+                    r2 = _mm256_fmadd_ps(p, _mm256_loadu_ps(vp + 16), r2);
+                    r3 = _mm256_fmadd_ps(p, _mm256_loadu_ps(vp + 24), r3);
+                    r4 = _mm256_fmadd_ps(p, _mm256_loadu_ps(vp + 32), r4);
+                    r5 = _mm256_fmadd_ps(p, _mm256_loadu_ps(vp + 40), r5);
+                    r6 = _mm256_fmadd_ps(p, _mm256_loadu_ps(vp + 48), r6);
+                    r7 = _mm256_fmadd_ps(p, _mm256_loadu_ps(vp + 56), r7);
+                }
+                _mm256_storeu_ps(a + i, r0); _mm256_storeu_ps(a + i + 8, r1); _mm256_storeu_ps(a + i + 16, r2);
+                _mm256_storeu_ps(a + i + 24, r3); _mm256_storeu_ps(a + i + 32, r4); _mm256_storeu_ps(a + i + 40, r5);
+                _mm256_storeu_ps(a + i + 48, r6); _mm256_storeu_ps(a + i + 56, r7);
+            }
+            for (; i < D; i += 8) {
+                __m256 r = _mm256_loadu_ps(a + i);
+                for (int64_t j = 0; j < nt; j++)
+                    r = _mm256_fmadd_ps(_mm256_set1_ps(pg[j]), _mm256_loadu_ps(vg + j * tok_stride + i), r);
+                _mm256_storeu_ps(a + i, r);
             }
         }
         return;
