@@ -74,3 +74,16 @@ def test_prompt_logprobs_match_hf(tiny_models):
         entry = out.prompt_logprobs[pos]
         assert abs(entry[prompt[pos]].logprob - ref[pos - 1, prompt[pos]].item()) < 1e-3
         assert set(ref[pos - 1].topk(3).indices.tolist()) <= set(entry)
+
+
+def test_parity_above_runs_the_cpu_fast_path(default_llm):
+    """The HF-parity tests check what users run: on CPU, the native-kernel attention backend and the
+    pre-packed projection weights (when this machine can build / pack them)."""
+    from roofline.model_executor.layers import cpu_gemm, cpu_ops
+
+    model = default_llm.llm_engine.executor.worker.model
+    attn = model.model.layers[0].self_attn
+    if cpu_ops.available():
+        assert attn.backend.name == "cpu"
+    if cpu_gemm.available():
+        assert attn.qkv_proj.cpu_packed is not None and model.lm_head.cpu_packed is not None
