@@ -6,6 +6,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 from dataclasses import dataclass, field
@@ -228,3 +229,35 @@ def finalize_lengths(config: EngineConfig, model_max_len: int) -> None:
 def env_flag(name: str, default: str = "") -> str:
     """The only place roofline reads environment variables."""
     return os.environ.get(name, default)
+
+
+class Switch:
+    """A process-wide on/off switch for an optional fast path: the environment variable's setting
+    (read once; "0", "false", "no", "off" or empty mean off), unless forced at run time."""
+
+    def __init__(self, env_var: str, default: str = "1") -> None:
+        self.env_var, self.default = env_var, default
+        self.override: Optional[bool] = None  # set(): True / False, or None for the environment's
+        self._from_env: Optional[bool] = None
+
+    def from_env(self) -> bool:
+        if self._from_env is None:
+            value = env_flag(self.env_var, self.default).strip().lower()
+            self._from_env = value not in ("0", "false", "no", "off", "")
+        return self._from_env
+
+    def on(self) -> bool:
+        return self.override if self.override is not None else self.from_env()
+
+    def set(self, value: Optional[bool]) -> None:
+        self.override = value
+
+    @contextlib.contextmanager
+    def forced(self, value: bool):
+        """Temporarily force the switch (tests, A/B benchmarks)."""
+        saved = self.override
+        self.override = value
+        try:
+            yield
+        finally:
+            self.override = saved

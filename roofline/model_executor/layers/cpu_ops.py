@@ -22,7 +22,6 @@ Contracts (all tensors fp32 on CPU, unit stride in the last dim):
 
 from __future__ import annotations
 
-import contextlib
 import ctypes
 import hashlib
 import logging
@@ -37,17 +36,18 @@ from typing import Optional
 
 import torch
 
-from roofline.config import env_flag
+from roofline.config import Switch, env_flag
 
 logger = logging.getLogger(__name__)
 
 ENV_VAR = "ROOFLINE_CPU_KERNELS"
 SOURCE = Path(__file__).with_name("cpu_kernels.c")
 
+SWITCH = Switch(ENV_VAR)
+
 _lock = threading.Lock()
 _lib: Optional[ctypes.CDLL] = None
 _tried = False
-_override: Optional[bool] = None
 
 _P = ctypes.c_void_p
 _I = ctypes.c_int64
@@ -123,26 +123,19 @@ def _load() -> Optional[ctypes.CDLL]:
         return _lib
 
 
-_env_on: Optional[bool] = None
-
-
 def available() -> bool:
     """Whether the kernels are switched on and loaded (compiles them on the first call)."""
-    global _env_on
-    on = _override
-    if on is None:
-        if _env_on is None:
-            _env_on = env_flag(ENV_VAR, "1").strip().lower() not in ("0", "false", "no", "off", "")
-        on = _env_on
-    if not on:
+    if not SWITCH.on():
         return False
     return _lib is not None if _tried else _load() is not None
 
 
 def use_cpu_kernels(enabled: Optional[bool]) -> None:
     """Force the kernels on (True, if they load) or off (False) for the process; None = the env default."""
-    global _override
-    _override = enabled
+    SWITCH.set(enabled)
+
+
+forced = SWITCH.forced  # temporarily force the switch (tests, A/B benchmarks)
 
 
 def _need() -> ctypes.CDLL:
@@ -150,17 +143,6 @@ def _need() -> ctypes.CDLL:
     if lib is None:
         raise RuntimeError("native CPU kernels are not available (see the warning logged when they failed to load)")
     return lib
-
-
-@contextlib.contextmanager
-def forced(enabled: bool):
-    """Temporarily force the switch (tests, A/B benchmarks)."""
-    saved = _override
-    use_cpu_kernels(enabled)
-    try:
-        yield
-    finally:
-        use_cpu_kernels(saved)
 
 
 def accepts(x: torch.Tensor) -> bool:

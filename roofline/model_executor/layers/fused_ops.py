@@ -19,37 +19,36 @@ importing the layers costs nothing on CPU-only installs.
 
 from __future__ import annotations
 
-import contextlib
 from typing import Optional
 
 import torch
 
-from roofline.config import env_flag
+from roofline.config import Switch
 from roofline.model_executor.layers import cpu_ops
 
 ENV_VAR = "ROOFLINE_FUSED_OPS"
+SWITCH = Switch(ENV_VAR)
 
-_override: Optional[bool] = None  # set by use_fused_ops
-_from_env: Optional[bool] = None  # resolved once
+_triton_importable: Optional[bool] = None
 _ops = None  # the triton_ops module once imported
 
 
-def _env_default() -> bool:
-    global _from_env
-    if _from_env is None:
-        on = env_flag(ENV_VAR, "1").strip().lower() not in ("0", "false", "no", "off", "")
-        if on:
-            try:
-                import triton  # noqa: F401
-            except Exception:  # pragma: no cover - triton is installed wherever CUDA is used
-                on = False
-        _from_env = on
-    return _from_env
-
-
 def enabled() -> bool:
-    """Whether CUDA tensors go through the fused kernels."""
-    return _override if _override is not None else _env_default()
+    """Whether CUDA tensors go through the fused kernels (the environment's default also needs
+    triton to import)."""
+    global _triton_importable
+    if SWITCH.override is not None:
+        return SWITCH.override
+    if not SWITCH.from_env():
+        return False
+    if _triton_importable is None:
+        try:
+            import triton  # noqa: F401
+
+            _triton_importable = True
+        except Exception:  # pragma: no cover - triton is installed wherever CUDA is used
+            _triton_importable = False
+    return _triton_importable
 
 
 def active(x: torch.Tensor) -> bool:
@@ -63,20 +62,10 @@ def active(x: torch.Tensor) -> bool:
 def use_fused_ops(enabled: Optional[bool] = True) -> None:
     """Turn the fused kernels on (True) or off (False) for the whole process; None = the env default.
     Takes effect at the next forward (not inside an already captured CUDA graph)."""
-    global _override
-    _override = enabled
+    SWITCH.set(enabled)
 
 
-@contextlib.contextmanager
-def forced(enabled: bool):
-    """Temporarily force the switch (benchmarks, A/B checks)."""
-    global _override
-    saved = _override
-    _override = enabled
-    try:
-        yield
-    finally:
-        _override = saved
+forced = SWITCH.forced  # temporarily force the switch (benchmarks, A/B checks)
 
 
 def _triton_ops():
