@@ -1,16 +1,13 @@
 """CPU attention backend: the torch backend with decodes and cache writes done by native kernels.
 
 Decode rows (one query each) go to cpu_ops.paged_decode_attention, which reads K/V straight from
-the paged cache through the block tables, one (sequence, KV head) pair per work item with its GQA
-group of query heads: no gather into a padded copy, no K/V repeat for GQA.  Cache writes are one
+the paged cache through the block tables (no gather into a padded copy, no K/V repeat for GQA).  Cache writes are one
 memcpy per token row.  Prefill chunks keep the torch backend's SDPA path (compute-bound, already
 fast).  Chosen by attention_backend="auto" on CPU whenever the kernels load; fp32 only (anything
 else falls back to the torch code).
 """
 
 from __future__ import annotations
-
-import torch
 
 from roofline.attention.backend import AttentionMetadata
 from roofline.attention.torch_backend import TorchAttentionBackend
@@ -31,10 +28,7 @@ class CpuAttentionBackend(TorchAttentionBackend):
             super().write_kv(key, value, kv_cache, slot_mapping)
 
     def _decode(self, query, kv_cache, meta: AttentionMetadata, scale, out, gqa) -> None:
-        nd = query.shape[0]
-        if not (cpu_ops.accepts(query) and query.stride(1) == query.shape[2] and kv_cache.dtype == torch.float32
-                and kv_cache.is_contiguous()):
+        if not cpu_ops.can_decode(query, kv_cache):
             return super()._decode(query, kv_cache, meta, scale, out, gqa)
-        cpu_ops.paged_decode_attention(
-            query, kv_cache, meta.block_tables[:nd], meta.seq_lens[:nd], scale, out=out
-        )
+        nd = query.shape[0]
+        cpu_ops.paged_decode_attention(query, kv_cache, meta.block_tables[:nd], meta.seq_lens[:nd], scale, out=out)

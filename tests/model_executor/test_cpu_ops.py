@@ -193,3 +193,11 @@ def test_gemv_matches_linear(threads, k, n, bias):
     finally:
         torch.set_num_threads(saved)
     torch.testing.assert_close(got, F.linear(x, weight, b), atol=1e-4, rtol=1e-5)
+
+
+def test_decode_out_must_be_contiguous():
+    meta, q, k, v, cache, _ = make_batch([(5, 1), (9, 1)], block_size=4, num_heads=2, num_kv_heads=1, head_dim=8)
+    assert cpu_ops.can_decode(q, cache) and not cpu_ops.can_decode(q.double(), cache)
+    with pytest.raises(ValueError, match="contiguous"):
+        cpu_ops.paged_decode_attention(q, cache, meta.block_tables, meta.seq_lens, 0.3,
+                                       out=torch.empty(2, 8, 2).transpose(1, 2))

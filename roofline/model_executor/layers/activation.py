@@ -11,7 +11,7 @@ from roofline.model_executor.layers import fused_ops
 
 class SiluAndMul(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if fused_ops.active(x):  # CUDA: one Triton kernel (triton_ops.silu_and_mul)
+        if fused_ops.active(x):  # one fused kernel (Triton on CUDA, native on CPU)
             return fused_ops.silu_and_mul(x)
         d = x.shape[-1] // 2
         return F.silu(x[..., :d]) * x[..., d:]

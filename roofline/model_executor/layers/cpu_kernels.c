@@ -36,8 +36,8 @@ void rms_norm_f32(const float *x, const float *res, const float *w, float *out, 
     }
 }
 
-/* Rotate-half rope, in place, on heads [0, nheads) of each row (q heads then k heads when the
- * caller passes them as one span), cos/sin rows [rot] per token (both halves stored). */
+/* Rotate-half rope, in place, on the first rot dims of heads [0, nheads) of each row; cos/sin rows
+ * [rot] per token (both halves stored). */
 static void rope_rows(float *x, int64_t rows, int64_t row_stride, int64_t nheads, int64_t head_stride,
                       int64_t rot, const float *cos, const float *sin, int nthreads) {
     const int64_t half = rot / 2;

@@ -213,15 +213,26 @@ def can_write_kv(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor)
     )
 
 
+def can_decode(query: torch.Tensor, kv_cache: torch.Tensor) -> bool:
+    """Query rows [n, H, D] with contiguous heads (a qkv view is fine) over a contiguous fp32 cache."""
+    return (
+        accepts(query) and query.dim() == 3 and query.stride(1) == query.shape[2]
+        and kv_cache.dtype == torch.float32 and kv_cache.is_contiguous()
+    )
+
+
 def paged_decode_attention(query: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor,
                            seq_lens: torch.Tensor, scale: float, out: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """query [n, H, D] (one row per sequence) -> [n, H, D] attending to seq_lens[i] cached tokens."""
+    """query [n, H, D] (one row per sequence) -> [n, H, D] attending to seq_lens[i] cached tokens,
+    written into `out` (contiguous) when given."""
     n, h, d = query.shape
     hk, block_size = kv_cache.shape[3], kv_cache.shape[2]
     if h % hk:
         raise ValueError(f"num_heads {h} must be a multiple of num_kv_heads {hk}")
-    if out is None or not out.is_contiguous():
+    if out is None:
         out = torch.empty((n, h, d), dtype=torch.float32)
+    elif not out.is_contiguous():
+        raise ValueError("paged_decode_attention writes into a contiguous `out` only")
     tables = block_tables if block_tables.dtype == torch.int32 and block_tables.stride(-1) == 1 else (
         block_tables.to(torch.int32).contiguous())
     lens = seq_lens.to(torch.int32).contiguous()

@@ -10,7 +10,6 @@ from __future__ import annotations
 from typing import Optional
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from roofline.distributed.parallel_state import get_tp_rank, get_tp_size, tp_all_reduce
@@ -30,14 +29,8 @@ class LinearBase(nn.Module):
         self.bias = nn.Parameter(torch.empty(out_features, dtype=dtype), requires_grad=False) if bias else None
         self.cpu_packed: Optional[torch.Tensor] = None  # set by cpu_gemm.pack_model after loading (CPU)
 
-    def matmul(self, x: torch.Tensor, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
-        """x W^T (+ bias); on CPU in fp32 by cpu_gemm's choice of kernel for this batch."""
-        if x.dtype == torch.float32 and x.device.type == "cpu":
-            return cpu_gemm.linear(x, self.weight, self.cpu_packed, bias)
-        return F.linear(x, self.weight, bias)
-
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.matmul(x, self.bias)
+        return cpu_gemm.linear(x, self.weight, self.cpu_packed, self.bias)
 
 
 class ReplicatedLinear(LinearBase):
@@ -121,7 +114,7 @@ class RowParallelLinear(LinearBase):
         param.data.copy_(loaded.narrow(1, self.tp_rank * n, n))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = self.matmul(x)
+        y = cpu_gemm.linear(x, self.weight, self.cpu_packed)
         if self.reduce_results:
             y = tp_all_reduce(y)
         if self.bias is not None:

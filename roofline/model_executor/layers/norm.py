@@ -24,7 +24,7 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor, residual: Optional[torch.Tensor] = None):
         """Without residual: norm(x).  With residual: (norm(x + residual), x + residual)."""
-        if fused_ops.active(x):  # CUDA: one Triton kernel (triton_ops.rms_norm), same contract
+        if fused_ops.active(x):  # one fused kernel (Triton on CUDA, native on CPU), same contract
             return fused_ops.rms_norm(x, self.weight, self.eps, residual)
         if residual is None:
             return self._norm(x)

@@ -111,7 +111,7 @@ class RotaryEmbedding(nn.Module):
         """q [N, H, D], k [N, H_kv, D] rotated at their positions [N]."""
         cos, sin = cos_sin if cos_sin is not None else self.cos_sin(positions, q.dtype)
         if fused_ops.active(q) and fused_ops.can_rope(q, k, cos):
-            return fused_ops.rotary_embedding(q, k, cos, sin)  # CUDA: one Triton kernel, rotates q, k in place
+            return fused_ops.rotary_embedding(q, k, cos, sin)  # one fused kernel, rotates q, k in place
         r = self.rotary_dim
         if r == self.head_dim:
             return q * cos + self._rotate_half(q) * sin, k * cos + self._rotate_half(k) * sin

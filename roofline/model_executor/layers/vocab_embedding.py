@@ -42,10 +42,7 @@ class ParallelLMHead(VocabParallelEmbedding):
     cpu_packed = None  # set by cpu_gemm.pack_model after loading (CPU)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        if hidden.dtype == torch.float32 and hidden.device.type == "cpu":
-            logits = cpu_gemm.linear(hidden, self.weight, self.cpu_packed)  # [T, V/tp]
-        else:
-            logits = F.linear(hidden, self.weight)  # [T, V/tp]
+        logits = cpu_gemm.linear(hidden, self.weight, self.cpu_packed)  # [T, V/tp]
         if self.tp_size > 1:
             logits = tp_all_gather(logits, dim=-1)
         return logits[:, : self.vocab_size]
