@@ -113,21 +113,29 @@ class MultiprocExecutor(Executor):
         self.driver = self.ranks.by_rank(0)
 
     # ---- plumbing ------------------------------------------------------------------------------
-    def _fail(self, message: str) -> WorkerDeadError:
+    def _fail(self, message: str, in_background: bool = False) -> WorkerDeadError:
+        """Mark the executor dead and stop the surviving ranks (they may be stuck in a collective).
+
+        in_background: stop them from a thread — for callers that must do no socket I/O because
+        another thread may be inside execute().
+        """
         if self._dead is None:
             self._dead = message
             logger.error("tensor-parallel executor failed: %s", message)
-            self._finalizer()  # stop the surviving ranks: they may be stuck in a collective
+            if in_background:
+                threading.Thread(target=self._finalizer, daemon=True).start()
+            else:
+                self._finalizer()
         return WorkerDeadError(self._dead)
 
-    def _ensure_usable(self) -> None:
+    def _ensure_usable(self, in_background: bool = False) -> None:
         if self._dead is not None:
             raise WorkerDeadError(self._dead)
         if self._closed:
             raise RuntimeError("the executor was shut down")
         problem = self.ranks.dead()
         if problem:
-            raise self._fail(problem)
+            raise self._fail(problem, in_background)
 
     def _request(self, msg, timeout: Optional[float]) -> Any:
         with self._lock:
@@ -174,16 +182,7 @@ class MultiprocExecutor(Executor):
         return reply.out
 
     def check_health(self) -> None:
-        if self._dead is not None:
-            raise WorkerDeadError(self._dead)
-        if self._closed:
-            raise RuntimeError("the executor was shut down")
-        problem = self.ranks.dead()
-        if problem:
-            # no socket I/O here: another thread may be inside execute()
-            self._dead = problem
-            threading.Thread(target=self._finalizer, daemon=True).start()
-            raise WorkerDeadError(problem)
+        self._ensure_usable(in_background=True)
 
     def shutdown(self) -> None:
         if self._closed:
