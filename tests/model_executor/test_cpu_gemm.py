@@ -1,24 +1,63 @@
-"""Pre-packed oneDNN CPU weights (cpu_gemm): same products as F.linear on the dense weights."""
+"""Natively packed CPU weights (cpu_gemm, cpu_ops.gemm_packed): same products as F.linear."""
+
+import ctypes
+import shutil
+import subprocess
 
 import pytest
 import torch
 import torch.nn.functional as F
 
-from roofline.model_executor.layers import cpu_gemm
+from roofline.model_executor.layers import cpu_gemm, cpu_ops
 from roofline.model_executor.layers.linear import QKVParallelLinear, RowParallelLinear
 from roofline.model_executor.layers.vocab_embedding import ParallelLMHead
 
-pytestmark = pytest.mark.skipif(not cpu_gemm.available(), reason="torch built without oneDNN")
+pytestmark = pytest.mark.skipif(not cpu_gemm.available(), reason="native CPU kernels unavailable (no C compiler)")
 
 
-@pytest.mark.parametrize("rows", [1, 2, 37, 64, 300, 1024])
-def test_packed_linear_matches_dense(rows):
-    g = torch.Generator().manual_seed(rows)
-    w = torch.randn(96, 40, generator=g)
-    b = torch.randn(96, generator=g)
+def reference(x, w, b=None):
+    return F.linear(x.double(), w.double(), None if b is None else b.double()).float()
+
+
+# rows: 1..6 (one partial tile), 7/13/37 (uneven tiles), 96/97 (one row block and one more), many blocks
+@pytest.mark.parametrize("rows", [1, 2, 3, 5, 6, 7, 13, 37, 64, 96, 97, 200, 1024])
+@pytest.mark.parametrize("out_features", [96, 40, 7])  # 40, 7: a zero-padded last panel
+@pytest.mark.parametrize("with_bias", [True, False])
+def test_packed_linear_matches_dense(rows, out_features, with_bias):
+    g = torch.Generator().manual_seed(rows * 1000 + out_features)
+    w = torch.randn(out_features, 40, generator=g)
+    b = torch.randn(out_features, generator=g) if with_bias else None
     x = torch.randn(rows, 40, generator=g)
-    got = cpu_gemm.packed_linear(x, cpu_gemm.pack(w), b)
-    torch.testing.assert_close(got, F.linear(x, w, b), atol=1e-5, rtol=1e-5)
+    got = cpu_gemm.packed_linear(x, w, cpu_gemm.pack(w), b)
+    torch.testing.assert_close(got, reference(x, w, b), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("threads", [1, 2, 3])
+def test_packed_linear_threads_and_panel_groups(threads):
+    """Enough panels for several groups per thread, and a row count spanning three row blocks."""
+    g = torch.Generator().manual_seed(threads)
+    w = torch.randn(16 * 37 + 5, 24, generator=g)
+    x = torch.randn(250, 24, generator=g)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        got = cpu_gemm.packed_linear(x, w, cpu_gemm.pack(w))
+    finally:
+        torch.set_num_threads(before)
+    torch.testing.assert_close(got, reference(x, w), atol=1e-5, rtol=1e-5)
+
+
+def test_packed_linear_reads_strided_rows_and_any_weight_layout():
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(33, 64, generator=g).t().contiguous().t()  # [in x out]-major, as after relayout
+    x = torch.randn(9, 100, generator=g)[:, 10:74]  # rows 100 floats apart
+    torch.testing.assert_close(cpu_gemm.packed_linear(x, w, cpu_gemm.pack(w)), reference(x, w), atol=1e-5, rtol=1e-5)
+
+
+def test_panels_must_fit_the_weight():
+    w = torch.randn(32, 16)
+    with pytest.raises(ValueError, match="panels"):
+        cpu_ops.gemm_packed(torch.randn(4, 8), cpu_gemm.pack(w), 32)
 
 
 def test_which_batches_take_the_packed_weight():
@@ -50,3 +89,23 @@ def test_pack_model_layers_give_the_dense_results():
 def test_non_fp32_weights_are_left_alone():
     lin = RowParallelLinear(16, 8, dtype=torch.bfloat16)
     assert cpu_gemm.pack_model(lin) == 0 and lin.cpu_packed is None
+
+
+@pytest.mark.skipif(shutil.which("cc") is None, reason="needs cc to build the portable variant")
+def test_portable_build_without_simd_intrinsics(tmp_path):
+    """Built without -march=native (no AVX2: e.g. aarch64), the packed GEMM takes its plain C tile."""
+    lib_path = tmp_path / "portable.so"
+    subprocess.run(["cc", "-O2", "-fPIC", "-shared", "-fopenmp", "-ffp-contract=off", "-std=c11",
+                    str(cpu_ops.SOURCE), "-o", str(lib_path), "-lm"], check=True)
+    lib = ctypes.CDLL(str(lib_path))
+    P, I = ctypes.c_void_p, ctypes.c_int64
+    lib.pack_panels_f32.argtypes = [P, I, I, I, P]
+    lib.gemm_packed_f32.argtypes = [P, I, P, P, P, I, I, I, I, ctypes.c_int]
+    g = torch.Generator().manual_seed(1)
+    w, b, x = torch.randn(21, 12, generator=g), torch.randn(21, generator=g), torch.randn(11, 12, generator=g)
+    wt = w.t().contiguous()
+    panels = torch.empty(2 * 12 * 16)
+    lib.pack_panels_f32(wt.data_ptr(), 12, 21, 21, panels.data_ptr())
+    y = torch.empty(11, 21)
+    lib.gemm_packed_f32(x.data_ptr(), 12, panels.data_ptr(), b.data_ptr(), y.data_ptr(), 21, 11, 12, 21, 2)
+    torch.testing.assert_close(y, reference(x, w, b), atol=1e-5, rtol=1e-5)

@@ -1,21 +1,23 @@
-"""How the fp32 projections of a model on the CPU run: pre-packed oneDNN weights for batches,
-a threaded native GEMV for single rows, MKL for the rest.
+"""How the fp32 projections of a model on the CPU run: natively packed weights for batches, a
+threaded native GEMV for single rows, MKL for big prefill chunks.
 
 torch's default CPU GEMM (MKL) re-packs the weight matrix on every call; at decode batch sizes that
-packing is a large share of the work (an LM head of 49k rows runs at ~45 GFLOP/s at 37 rows on the
-2-core reference machine, 115 GFLOP/s pre-packed).  After loading, `pack_model` reorders each
-projection's weight once into oneDNN's blocked layout; the layers then call oneDNN's linear on it.
+packing is a large share of the work, and a batch of a few dozen rows is too short for its blocking
+(an LM head of 49k rows runs at ~55 GFLOP/s at 37 rows on the 2-core reference machine).  After
+loading, `pack_model` lays each projection's weight out once in column panels (cpu_ops.pack_panels)
+and the layers multiply batches of 2..1023 rows with cpu_ops.gemm_packed (~150-190 GFLOP/s there;
+oneDNN with a pre-packed weight, used here before, reached ~115-145).
 
-Each packed module keeps its dense `weight` parameter too: single rows and big prefill batches go
+Each packed module keeps its dense `weight` parameter too: single rows and big prefill chunks go
 through it (use_packed), and loaders, tied embeddings and tests read it.  That doubles the CPU memory
-of the weights, which pays on the small models a CPU serves.  Packing needs a torch built with oneDNN
-(`torch.backends.mkldnn.is_available()`, true for the x86 and aarch64 wheels); without it nothing is
-packed and F.linear runs as before.
+of the weights, which pays on the small models a CPU serves.  Without the native kernels (no C
+compiler, ROOFLINE_CPU_KERNELS=0) nothing is packed and F.linear runs as before.
 
 A single row (one stream decoding) is a GEMV, bound by streaming the weights: MKL's runs on one
 thread whatever torch's thread count, so with more than one thread the native kernel
 (cpu_ops.gemv: output columns split among the threads) reads the dense [in x out] weight instead
-(2 threads on the reference machine: ~22 vs ~17 GB/s).
+(2 threads on the reference machine: ~22 vs ~17 GB/s); on one thread MKL's stays (it streams a
+weight from DRAM faster than a 1-row panel tile).
 """
 
 from __future__ import annotations
@@ -31,24 +33,22 @@ from roofline.model_executor.layers import cpu_ops
 logger = logging.getLogger(__name__)
 
 # Batches outside [MIN, MAX) use the dense weight: one row because MKL / the native GEMV stream it
-# faster than oneDNN (W5: 45 vs 69 ms/token, 1 thread); big prefill chunks because MKL's own
-# packing is amortized there and it runs ~5% faster.
+# faster; big prefill chunks because MKL's own packing is amortized there and its cache blocking
+# of the input rows is better (a 2048-row chunk: about even to 10% faster).
 PACKED_MIN_ROWS = 2
 PACKED_MAX_ROWS = 1024
-PACK_BATCH_HINT = 64  # the batch size oneDNN tunes the layout for (decode batches are ~1..256 rows)
 
 
 def available() -> bool:
-    return bool(torch.backends.mkldnn.is_available())
+    """Whether weights can be packed here (the native CPU kernels load)."""
+    return cpu_ops.available()
 
 
 def pack(weight: torch.Tensor) -> Optional[torch.Tensor]:
-    """weight [out x in] (any strides) -> an opaque oneDNN tensor for packed_linear, or None."""
-    try:
-        return torch.ops.mkldnn._reorder_linear_weight(weight.detach().contiguous(), PACK_BATCH_HINT)
-    except (RuntimeError, AttributeError) as e:  # a build without oneDNN's linear
-        logger.warning("cannot pre-pack CPU weights (%s); using F.linear", e)
+    """weight [out x in] (any strides) -> its column panels for packed_linear, or None."""
+    if not available() or weight.dtype != torch.float32 or weight.dim() != 2:
         return None
+    return cpu_ops.pack_panels(weight)
 
 
 def use_packed(x: torch.Tensor) -> bool:
@@ -56,9 +56,12 @@ def use_packed(x: torch.Tensor) -> bool:
     return PACKED_MIN_ROWS <= x.shape[0] < PACKED_MAX_ROWS
 
 
-def packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """x [N x in] @ W^T (+ bias) with W pre-packed by pack()."""
-    return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+def packed_linear(x: torch.Tensor, weight: torch.Tensor, packed: torch.Tensor,
+                  bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """x [..., in] @ weight^T (+ bias) through weight's panels `packed` (from pack(weight))."""
+    lead = x.shape[:-1]
+    y = cpu_ops.gemm_packed(x.reshape(-1, x.shape[-1]), packed, weight.shape[0], bias)
+    return y.reshape(*lead, weight.shape[0])
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, packed: Optional[torch.Tensor],
@@ -66,8 +69,8 @@ def linear(x: torch.Tensor, weight: torch.Tensor, packed: Optional[torch.Tensor]
     """F.linear(x, weight, bias); for fp32 CPU input by the fastest route this batch has."""
     if x.dtype != torch.float32 or x.device.type != "cpu":
         return F.linear(x, weight, bias)
-    if packed is not None and use_packed(x):
-        return packed_linear(x, packed, bias)
+    if packed is not None and x.dim() == 2 and use_packed(x):
+        return packed_linear(x, weight, packed, bias)
     if x.shape[0] == 1 and torch.get_num_threads() > 1 and cpu_ops.available() and cpu_ops.can_gemv(x, weight):
         return cpu_ops.gemv(x, weight, bias)
     return F.linear(x, weight, bias)

@@ -18,6 +18,8 @@ Contracts (all tensors fp32 on CPU, unit stride in the last dim):
     write_kv(k, v, kv_cache, slots)        same as attention.backend.write_kv_torch
     paged_decode_attention(q, kv_cache, block_tables, seq_lens, scale) -> [n, H, D]
     gemv(x, weight, bias)                  F.linear for one row over an [in x out]-major weight
+    pack_panels(weight) -> panels          weight [out, in] (any strides) re-laid for gemm_packed
+    gemm_packed(x, panels, out_features, bias)  F.linear over the packed weight, any number of rows
 """
 
 from __future__ import annotations
@@ -59,6 +61,8 @@ _SIGNATURES = {
     "silu_and_mul_f32": [_P, _P, _I, _I, ctypes.c_int],
     "paged_decode_attention_f32": [_P, _I, _P, _P, _P, _P, _I, _P, _I, _I, _I, _I, _I, _F, ctypes.c_int],
     "gemv_f32": [_P, _P, _P, _P, _I, _I, _I, ctypes.c_int],
+    "pack_panels_f32": [_P, _I, _I, _I, _P],
+    "gemm_packed_f32": [_P, _I, _P, _P, _P, _I, _I, _I, _I, ctypes.c_int],
 }
 
 
@@ -257,4 +261,31 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = N
     b = None if bias is None else bias.contiguous()
     _need().gemv_f32(x.data_ptr(), weight.data_ptr(), _ptr(b), y.data_ptr(), k, n, weight.stride(1),
                      torch.get_num_threads())
+    return y
+
+
+PANEL = 16  # output columns per packed panel (GEMM_NR in cpu_kernels.c)
+
+
+def pack_panels(weight: torch.Tensor) -> torch.Tensor:
+    """weight [out, in] fp32 -> flat panels [ceil(out/16), in, 16] (zero padded) for gemm_packed."""
+    n, k = weight.shape
+    wt = weight.detach().t().contiguous()  # [in x out]
+    panels = torch.empty(((n + PANEL - 1) // PANEL) * k * PANEL, dtype=torch.float32)
+    _need().pack_panels_f32(wt.data_ptr(), k, n, n, panels.data_ptr())
+    return panels
+
+
+def gemm_packed(x: torch.Tensor, panels: torch.Tensor, out_features: int,
+                bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """x [M, in] @ W^T (+ bias) -> [M, out_features], W packed by pack_panels."""
+    m, k = x.shape
+    if panels.numel() != ((out_features + PANEL - 1) // PANEL) * k * PANEL:
+        raise ValueError(f"panels of {panels.numel()} floats do not hold a [{out_features} x {k}] weight")
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    y = torch.empty((m, out_features), dtype=torch.float32)
+    b = None if bias is None else bias.contiguous()
+    _need().gemm_packed_f32(x.data_ptr(), x.stride(0), panels.data_ptr(), _ptr(b), y.data_ptr(), out_features,
+                            m, k, out_features, torch.get_num_threads())
     return y
