@@ -1,15 +1,15 @@
 """How the fp32 projections of a model on the CPU run: natively packed weights for batches, a
-threaded native GEMV for single rows, MKL for big prefill chunks.
+threaded native GEMV (or MKL) for single rows.
 
 torch's default CPU GEMM (MKL) re-packs the weight matrix on every call; at decode batch sizes that
 packing is a large share of the work, and a batch of a few dozen rows is too short for its blocking
 (an LM head of 49k rows runs at ~55 GFLOP/s at 37 rows on the 2-core reference machine).  After
 loading, `pack_model` lays each projection's weight out once in column panels (cpu_ops.pack_panels)
-and the layers multiply batches of 2..1023 rows with cpu_ops.gemm_packed (~150-190 GFLOP/s there;
-oneDNN with a pre-packed weight, used here before, reached ~115-145).
+and the layers multiply batches of 2 rows or more with cpu_ops.gemm_packed (~150-190 GFLOP/s at
+decode batch sizes, where oneDNN with a pre-packed weight, used here before, reached ~115-145; and
+~175 on 2048-row prefill chunks, where MKL reaches ~155).
 
-Each packed module keeps its dense `weight` parameter too: single rows and big prefill chunks go
-through it (use_packed), and loaders, tied embeddings and tests read it.  That doubles the CPU memory
+Each packed module keeps its dense `weight` parameter too: single rows go through it (use_packed), and loaders, tied embeddings and tests read it.  That doubles the CPU memory
 of the weights, which pays on the small models a CPU serves.  Without the native kernels (no C
 compiler, ROOFLINE_CPU_KERNELS=0) nothing is packed and F.linear runs as before.
 
@@ -32,11 +32,9 @@ from roofline.model_executor.layers import cpu_ops
 
 logger = logging.getLogger(__name__)
 
-# Batches outside [MIN, MAX) use the dense weight: one row because MKL / the native GEMV stream it
-# faster; big prefill chunks because MKL's own packing is amortized there and its cache blocking
-# of the input rows is better (a 2048-row chunk: about even to 10% faster).
+# One row uses the dense weight: MKL (one thread) / the native GEMV (more) stream it from memory
+# faster than a one-row panel tile.
 PACKED_MIN_ROWS = 2
-PACKED_MAX_ROWS = 1024
 
 
 def available() -> bool:
@@ -53,7 +51,7 @@ def pack(weight: torch.Tensor) -> Optional[torch.Tensor]:
 
 def use_packed(x: torch.Tensor) -> bool:
     """Whether a batch of this many rows goes through the packed weight (given there is one)."""
-    return PACKED_MIN_ROWS <= x.shape[0] < PACKED_MAX_ROWS
+    return x.shape[0] >= PACKED_MIN_ROWS
 
 
 def packed_linear(x: torch.Tensor, weight: torch.Tensor, packed: torch.Tensor,
