@@ -10,6 +10,7 @@ import contextlib
 import dataclasses
 import os
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Literal, Optional
 
 GiB = 1 << 30
@@ -229,6 +230,13 @@ def finalize_lengths(config: EngineConfig, model_max_len: int) -> None:
 def env_flag(name: str, default: str = "") -> str:
     """The only place roofline reads environment variables."""
     return os.environ.get(name, default)
+
+
+def cache_dir() -> Path:
+    """roofline's on-disk cache (compiled kernels, GGUF metadata): $XDG_CACHE_HOME/roofline,
+    default ~/.cache/roofline.  Entries are derived data, keyed so that a stale one is never read."""
+    base = env_flag("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "roofline"
 
 
 class Switch:

@@ -61,3 +61,42 @@ def test_rope_scaling_llama3_matches_hf():
     ours, _ = _inv_freq(rope_parameters(cfg), 64, 131072)
     ref, _ = ROPE_INIT_FUNCTIONS["llama3"](cfg, "cpu")
     assert torch.allclose(ours, ref.float(), rtol=1e-6, atol=0)
+
+
+def test_gguf_config_and_tokenizer_are_cached_in_hf_format(tmp_path, monkeypatch):
+    """The GGUF metadata is parsed once per file: later loads read the saved HF files and get the
+    same config and tokenizer; with no writable cache the GGUF is parsed each time."""
+    from transformers import AutoConfig, AutoTokenizer
+
+    from roofline.model_executor.loader import source as source_mod
+
+    src = resolve_source(None)
+    blocked = tmp_path / "not-a-dir"
+    blocked.write_text("")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(blocked))  # cache_dir() cannot be created: parse the GGUF
+    assert source_mod.gguf_metadata_dir(src) is None
+    direct_config = source_mod.load_hf_config(src)
+    direct_tok = source_mod.load_tokenizer(src)
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    first = source_mod.gguf_metadata_dir(src)
+    assert first is not None and first.startswith(str(tmp_path / "cache"))
+    assert source_mod.gguf_metadata_dir(src) == first
+
+    def refusing_gguf(load):
+        def wrapped(*args, **kwargs):
+            assert not kwargs.get("gguf_file"), "the GGUF file was parsed again"
+            return load(*args, **kwargs)
+        return wrapped
+
+    monkeypatch.setattr(AutoConfig, "from_pretrained", refusing_gguf(AutoConfig.from_pretrained))
+    monkeypatch.setattr(AutoTokenizer, "from_pretrained", refusing_gguf(AutoTokenizer.from_pretrained))
+    config = source_mod.load_hf_config(src)
+    tok = source_mod.load_tokenizer(src)
+    assert config.to_dict() == direct_config.to_dict()
+    messages = [{"role": "user", "content": "héllo wörld 你好 🤖"}]
+    assert tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True) == \
+        direct_tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    text = "héllo wörld 你好 🤖 <|im_start|>user"
+    assert tok.encode(text) == direct_tok.encode(text) and len(tok) == len(direct_tok)
+    assert (tok.eos_token_id, tok.bos_token_id) == (direct_tok.eos_token_id, direct_tok.bos_token_id)

@@ -38,7 +38,7 @@ from typing import Optional
 
 import torch
 
-from roofline.config import Switch, env_flag
+from roofline.config import Switch, cache_dir, env_flag
 
 logger = logging.getLogger(__name__)
 
@@ -76,11 +76,6 @@ def _cpu_flags() -> str:
     return platform.processor()
 
 
-def _cache_dir() -> Path:
-    base = env_flag("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return Path(base) / "roofline"
-
-
 def _compile(src: Path, out: Path) -> None:
     cc = env_flag("CC") or shutil.which("cc") or shutil.which("gcc") or shutil.which("clang")
     if cc is None:
@@ -112,7 +107,7 @@ def _load() -> Optional[ctypes.CDLL]:
         try:
             source = SOURCE.read_bytes()
             key = hashlib.sha256(source + _cpu_flags().encode() + platform.machine().encode()).hexdigest()[:16]
-            path = _cache_dir() / f"cpu_kernels-{key}.so"
+            path = cache_dir() / f"cpu_kernels-{key}.so"
             if not path.exists():
                 _compile(SOURCE, path)
             torch.get_num_threads()  # torch (and its libgomp) is loaded first: one OpenMP runtime

@@ -9,9 +9,12 @@ Nothing is ever downloaded.
 from __future__ import annotations
 
 import glob
+import hashlib
 import importlib.util
 import logging
 import os
+import shutil
+import tempfile
 from dataclasses import dataclass
 from typing import Any, Optional
 
@@ -73,10 +76,50 @@ def resolve_source(model: Optional[str], load_format: str = "auto") -> ModelSour
                      "(expected *.safetensors with config.json, or a .gguf file)")
 
 
+def gguf_metadata_dir(src: ModelSource) -> Optional[str]:
+    """A directory holding the GGUF file's config and tokenizer in HF format, or None.
+
+    transformers rebuilds both from the GGUF metadata by parsing the whole file (the 49k-entry
+    vocabulary and merges: seconds each, once for the config and once for the tokenizer).  The
+    first load saves what it built under cache_dir()/gguf-<key>, the key naming the file's path,
+    size and modification time and the transformers version; later loads read those small files.
+    Without a writable cache the GGUF is parsed every time, as before.
+    """
+    import transformers
+    from transformers import AutoConfig, AutoTokenizer
+
+    from roofline.config import cache_dir
+
+    gguf_path = os.path.abspath(os.path.join(src.path, src.gguf_file))
+    st = os.stat(gguf_path)
+    ident = f"{gguf_path}|{st.st_size}|{st.st_mtime_ns}|{transformers.__version__}"
+    target = cache_dir() / f"gguf-{hashlib.sha256(ident.encode()).hexdigest()[:16]}"
+    if (target / "config.json").exists():
+        return str(target)
+    try:
+        target.parent.mkdir(parents=True, exist_ok=True)
+        tmp = tempfile.mkdtemp(prefix=target.name + ".", dir=target.parent)
+        AutoConfig.from_pretrained(src.path, gguf_file=src.gguf_file).save_pretrained(tmp)
+        AutoTokenizer.from_pretrained(src.path, gguf_file=src.gguf_file).save_pretrained(tmp)
+        try:
+            os.rename(tmp, target)  # atomic: a concurrent loader sees all of it or none
+        except OSError:  # another process got there first
+            shutil.rmtree(tmp, ignore_errors=True)
+        return str(target) if (target / "config.json").exists() else None
+    except OSError as e:
+        logger.debug("no GGUF metadata cache (%s): parsing %s", e, gguf_path)
+        return None
+
+
 def load_hf_config(src: ModelSource) -> Any:
     from transformers import AutoConfig
 
     if src.fmt == "gguf":
+        cached = gguf_metadata_dir(src)
+        if cached is not None:
+            config = AutoConfig.from_pretrained(cached)
+            config._name_or_path = src.path  # as if read from the GGUF itself
+            return config
         return AutoConfig.from_pretrained(src.path, gguf_file=src.gguf_file)
     return AutoConfig.from_pretrained(src.path)
 
@@ -88,6 +131,11 @@ def load_tokenizer(src: ModelSource, tokenizer: Optional[str] = None):
     if tokenizer is not None:
         return AutoTokenizer.from_pretrained(tokenizer)
     if src.fmt == "gguf":
+        cached = gguf_metadata_dir(src)
+        if cached is not None:
+            tok = AutoTokenizer.from_pretrained(cached)
+            tok.name_or_path = src.path
+            return tok
         return AutoTokenizer.from_pretrained(src.path, gguf_file=src.gguf_file)
     tok_files = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
     if not any(os.path.exists(os.path.join(src.path, f)) for f in tok_files):
