@@ -81,13 +81,8 @@ def get_attention_backend(name: str, device: str) -> AttentionBackend:
 
         return TorchAttentionBackend()
     if name == "cpu":
-        from roofline.model_executor.layers import cpu_ops
-
         if not device.startswith("cpu"):
             raise ValueError(f"attention backend 'cpu' runs on the CPU only, not on {device!r}")
-        if not cpu_ops.available():
-            raise ValueError("attention backend 'cpu' needs the native CPU kernels, which did not load "
-                             "(no C compiler, or ROOFLINE_CPU_KERNELS=0); use 'torch'")
         from roofline.attention.cpu_backend import CpuAttentionBackend
 
         return CpuAttentionBackend()

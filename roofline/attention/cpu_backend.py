@@ -19,7 +19,8 @@ class CpuAttentionBackend(TorchAttentionBackend):
 
     def __init__(self) -> None:
         if not cpu_ops.available():
-            raise RuntimeError("the cpu attention backend needs the native CPU kernels, which are off or did not load")
+            raise ValueError("attention backend 'cpu' needs the native CPU kernels, which did not load "
+                             "(no C compiler, or ROOFLINE_CPU_KERNELS=0); use 'torch'")
 
     def write_kv(self, key, value, kv_cache, slot_mapping) -> None:
         if cpu_ops.can_write_kv(key, value, kv_cache):

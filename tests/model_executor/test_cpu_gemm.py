@@ -23,17 +23,17 @@ def reference(x, w, b=None):
 @pytest.mark.parametrize("rows", [1, 2, 3, 5, 6, 7, 13, 37, 64, 96, 97, 200, 2048])
 @pytest.mark.parametrize("out_features", [96, 40, 7])  # 40, 7: a zero-padded last panel
 @pytest.mark.parametrize("with_bias", [True, False])
-def test_packed_linear_matches_dense(rows, out_features, with_bias):
+def test_packed_gemm_matches_dense(rows, out_features, with_bias):
     g = torch.Generator().manual_seed(rows * 1000 + out_features)
     w = torch.randn(out_features, 40, generator=g)
     b = torch.randn(out_features, generator=g) if with_bias else None
     x = torch.randn(rows, 40, generator=g)
-    got = cpu_gemm.packed_linear(x, w, cpu_gemm.pack(w), b)
+    got = cpu_ops.gemm_packed(x, cpu_gemm.pack(w), w.shape[0], b)
     torch.testing.assert_close(got, reference(x, w, b), atol=1e-5, rtol=1e-5)
 
 
 @pytest.mark.parametrize("threads", [1, 2, 3])
-def test_packed_linear_threads_and_panel_groups(threads):
+def test_packed_gemm_threads_and_panel_groups(threads):
     """Enough panels for several groups per thread, and a row count spanning three row blocks."""
     g = torch.Generator().manual_seed(threads)
     w = torch.randn(16 * 37 + 5, 24, generator=g)
@@ -41,17 +41,17 @@ def test_packed_linear_threads_and_panel_groups(threads):
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
-        got = cpu_gemm.packed_linear(x, w, cpu_gemm.pack(w))
+        got = cpu_ops.gemm_packed(x, cpu_gemm.pack(w), w.shape[0])
     finally:
         torch.set_num_threads(before)
     torch.testing.assert_close(got, reference(x, w), atol=1e-5, rtol=1e-5)
 
 
-def test_packed_linear_reads_strided_rows_and_any_weight_layout():
+def test_packed_gemm_reads_strided_rows_and_any_weight_layout():
     g = torch.Generator().manual_seed(0)
     w = torch.randn(33, 64, generator=g).t().contiguous().t()  # [in x out]-major, as after relayout
     x = torch.randn(9, 100, generator=g)[:, 10:74]  # rows 100 floats apart
-    torch.testing.assert_close(cpu_gemm.packed_linear(x, w, cpu_gemm.pack(w)), reference(x, w), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(cpu_ops.gemm_packed(x, cpu_gemm.pack(w), w.shape[0]), reference(x, w), atol=1e-5, rtol=1e-5)
 
 
 def test_panels_must_fit_the_weight():

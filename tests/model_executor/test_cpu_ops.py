@@ -201,3 +201,13 @@ def test_decode_out_must_be_contiguous():
     with pytest.raises(ValueError, match="contiguous"):
         cpu_ops.paged_decode_attention(q, cache, meta.block_tables, meta.seq_lens, 0.3,
                                        out=torch.empty(2, 8, 2).transpose(1, 2))
+
+
+def test_cpu_attention_backend_needs_the_kernels_and_the_cpu():
+    with cpu_ops.forced(False):
+        with pytest.raises(ValueError, match="native CPU kernels"):
+            get_attention_backend("cpu", "cpu")
+        assert get_attention_backend("auto", "cpu").name == "torch"
+    with pytest.raises(ValueError, match="CPU only"):
+        get_attention_backend("cpu", "cuda")
+    assert get_attention_backend("cpu", "cpu").name == "cpu"

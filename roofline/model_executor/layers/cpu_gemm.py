@@ -9,8 +9,9 @@ and the layers multiply batches of 2 rows or more with cpu_ops.gemm_packed (~150
 decode batch sizes, where oneDNN with a pre-packed weight, used here before, reached ~115-145; and
 ~175 on 2048-row prefill chunks, where MKL reaches ~155).
 
-Each packed module keeps its dense `weight` parameter too: single rows go through it (use_packed), and loaders, tied embeddings and tests read it.  That doubles the CPU memory
-of the weights, which pays on the small models a CPU serves.  Without the native kernels (no C
+Each packed module keeps its dense `weight` parameter too: single rows go through it (use_packed),
+and loaders, tied embeddings and tests read it.  That doubles the CPU memory of the weights, which
+pays on the small models a CPU serves.  Without the native kernels (no C
 compiler, ROOFLINE_CPU_KERNELS=0) nothing is packed and F.linear runs as before.
 
 A single row (one stream decoding) is a GEMV, bound by streaming the weights: MKL's runs on one
@@ -22,15 +23,12 @@ weight from DRAM faster than a 1-row panel tile).
 
 from __future__ import annotations
 
-import logging
 from typing import Optional
 
 import torch
 import torch.nn.functional as F
 
 from roofline.model_executor.layers import cpu_ops
-
-logger = logging.getLogger(__name__)
 
 # One row uses the dense weight: MKL (one thread) / the native GEMV (more) stream it from memory
 # faster than a one-row panel tile.
@@ -43,7 +41,8 @@ def available() -> bool:
 
 
 def pack(weight: torch.Tensor) -> Optional[torch.Tensor]:
-    """weight [out x in] (any strides) -> its column panels for packed_linear, or None."""
+    """weight [out x in] (any strides) -> its column panels for cpu_ops.gemm_packed, or None when it
+    cannot be packed here (native kernels off, not a 2-D fp32 weight)."""
     if not available() or weight.dtype != torch.float32 or weight.dim() != 2:
         return None
     return cpu_ops.pack_panels(weight)
@@ -54,21 +53,13 @@ def use_packed(x: torch.Tensor) -> bool:
     return x.shape[0] >= PACKED_MIN_ROWS
 
 
-def packed_linear(x: torch.Tensor, weight: torch.Tensor, packed: torch.Tensor,
-                  bias: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """x [..., in] @ weight^T (+ bias) through weight's panels `packed` (from pack(weight))."""
-    lead = x.shape[:-1]
-    y = cpu_ops.gemm_packed(x.reshape(-1, x.shape[-1]), packed, weight.shape[0], bias)
-    return y.reshape(*lead, weight.shape[0])
-
-
 def linear(x: torch.Tensor, weight: torch.Tensor, packed: Optional[torch.Tensor],
            bias: Optional[torch.Tensor] = None) -> torch.Tensor:
     """F.linear(x, weight, bias); for fp32 CPU input by the fastest route this batch has."""
     if x.dtype != torch.float32 or x.device.type != "cpu":
         return F.linear(x, weight, bias)
     if packed is not None and x.dim() == 2 and use_packed(x):
-        return packed_linear(x, weight, packed, bias)
+        return cpu_ops.gemm_packed(x, packed, weight.shape[0], bias)
     if x.shape[0] == 1 and torch.get_num_threads() > 1 and cpu_ops.available() and cpu_ops.can_gemv(x, weight):
         return cpu_ops.gemv(x, weight, bias)
     return F.linear(x, weight, bias)
@@ -99,11 +90,9 @@ def pack_model(model: torch.nn.Module) -> int:
     from roofline.model_executor.layers.linear import LinearBase
     from roofline.model_executor.layers.vocab_embedding import ParallelLMHead
 
-    if not available():
-        return 0
     n = 0
     for module in model.modules():
-        if isinstance(module, (LinearBase, ParallelLMHead)) and module.weight.dtype == torch.float32:
+        if isinstance(module, (LinearBase, ParallelLMHead)):
             module.cpu_packed = pack(module.weight)
             n += module.cpu_packed is not None
     return n

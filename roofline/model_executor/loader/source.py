@@ -99,16 +99,18 @@ def gguf_metadata_dir(src: ModelSource) -> Optional[str]:
     try:
         target.parent.mkdir(parents=True, exist_ok=True)
         tmp = tempfile.mkdtemp(prefix=target.name + ".", dir=target.parent)
-        AutoConfig.from_pretrained(src.path, gguf_file=src.gguf_file).save_pretrained(tmp)
-        AutoTokenizer.from_pretrained(src.path, gguf_file=src.gguf_file).save_pretrained(tmp)
-        try:
-            os.rename(tmp, target)  # atomic: a concurrent loader sees all of it or none
-        except OSError:  # another process got there first
-            shutil.rmtree(tmp, ignore_errors=True)
-        return str(target) if (target / "config.json").exists() else None
     except OSError as e:
         logger.debug("no GGUF metadata cache (%s): parsing %s", e, gguf_path)
         return None
+    try:
+        AutoConfig.from_pretrained(src.path, gguf_file=src.gguf_file).save_pretrained(tmp)
+        AutoTokenizer.from_pretrained(src.path, gguf_file=src.gguf_file).save_pretrained(tmp)
+        os.rename(tmp, target)  # atomic: a concurrent loader sees all of it or none
+    except OSError as e:  # full disk, or another process renamed its copy first
+        logger.debug("GGUF metadata not cached (%s)", e)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)  # gone already when the rename succeeded
+    return str(target) if (target / "config.json").exists() else None
 
 
 def load_hf_config(src: ModelSource) -> Any:
