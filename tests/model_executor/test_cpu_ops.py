@@ -128,6 +128,16 @@ def test_decode_large_gqa_group(head_dim):
     torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("num_heads,num_kv_heads", [(9, 3), (10, 5), (4, 1)])  # GQA groups of 3, 2 and 4 (tiles of 3+1 heads)
+@pytest.mark.parametrize("head_dim", [48, 64, 96])  # 48: a 32-wide slice and an 8-wide tail
+def test_decode_gqa_tiles_and_head_sizes(num_heads, num_kv_heads, head_dim):
+    specs = [(s, 1) for s in (1, 3, 16, 37, 90)]
+    meta, q, k, v, cache, _ = make_batch(specs, block_size=16, num_heads=num_heads, num_kv_heads=num_kv_heads,
+                                         head_dim=head_dim, seed=head_dim)
+    got, expected = run_both(meta, q, k, v, cache, CpuAttentionBackend())
+    torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
+
+
 @pytest.mark.parametrize("threads", [1, 2])
 def test_decode_long_contexts_many_sequences(threads):
     specs = [(s, 1) for s in (1, 300, 17, 1023, 64, 129, 2, 500)]
