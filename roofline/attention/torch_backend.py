@@ -33,11 +33,17 @@ class TorchAttentionBackend(AttentionBackend):
         out = torch.empty(query.shape, dtype=query.dtype, device=query.device)  # contiguous
         num_heads, num_kv_heads = query.shape[1], kv_cache.shape[3]
         gqa = num_heads != num_kv_heads
-        qsl, lens = meta.query_start_loc_cpu, meta.seq_lens_cpu
         nd = meta.num_decodes
         if nd > 0:
             self._decode(query[:nd], kv_cache, meta, scale, out[:nd], gqa)
-        for r in range(nd, meta.num_reqs):
+        if meta.num_reqs > nd:
+            self._prefill(query, kv_cache, meta, scale, out, gqa)
+        return out
+
+    def _prefill(self, query, kv_cache, meta: AttentionMetadata, scale, out, gqa) -> None:
+        """The prefill chunks (requests num_decodes .. R): each on its own, K/V gathered, SDPA."""
+        qsl, lens = meta.query_start_loc_cpu, meta.seq_lens_cpu
+        for r in range(meta.num_decodes, meta.num_reqs):
             q0, q1, s = qsl[r], qsl[r + 1], lens[r]
             c = q1 - q0
             k, v = _gather_context(kv_cache, meta.block_tables[r], s)
@@ -54,7 +60,6 @@ class TorchAttentionBackend(AttentionBackend):
                     q, k, v, attn_mask=kpos <= qpos, scale=scale, enable_gqa=gqa
                 )
             out[q0:q1] = o[0].transpose(0, 1).to(out.dtype)
-        return out
 
     @staticmethod
     def _decode_plan(meta: AttentionMetadata, block_size: int, device, dtype):

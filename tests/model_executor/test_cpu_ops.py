@@ -138,16 +138,64 @@ def test_decode_gqa_tiles_and_head_sizes(num_heads, num_kv_heads, head_dim):
     torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
 
 
+def run_on_threads(threads, meta, q, k, v, cache):
+    """run_both with the CPU backend on `threads` torch threads."""
+    saved = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        return run_both(meta, q, k, v, cache, CpuAttentionBackend())
+    finally:
+        torch.set_num_threads(saved)
+
+
+PREFILLS = [(0, 130), (70, 50), (16, 2), (0, 3), (5, 47)]  # fresh prompts, chunks over cached prefixes
+
+
+@pytest.mark.parametrize("block_size", [1, 16, 32])
+@pytest.mark.parametrize("num_heads,num_kv_heads,head_dim", [(9, 3, 64), (2, 2, 32), (8, 1, 16), (4, 2, 128),
+                                                              (64, 1, 16)])  # 64 heads: one position per item
+@pytest.mark.parametrize("threads", [1, 2])
+def test_prefill_chunks_native(block_size, num_heads, num_kv_heads, head_dim, threads, monkeypatch):
+    """Prefill chunks go through cpu_ops.paged_prefill_attention, all in one call."""
+    calls = []
+    native = cpu_ops.paged_prefill_attention
+    monkeypatch.setattr(cpu_ops, "paged_prefill_attention", lambda *a, **k: calls.append(1) or native(*a, **k))
+    meta, q, k, v, cache, _ = make_batch([(9, 1)] + PREFILLS, block_size=block_size, num_heads=num_heads,
+                                         num_kv_heads=num_kv_heads, head_dim=head_dim, qkv_view=True,
+                                         seed=block_size + head_dim)
+    got, expected = run_on_threads(threads, meta, q, k, v, cache)
+    assert calls == [1]
+    torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
+
+
+def test_prefill_head_size_off_the_tiles_falls_back():
+    """A head size that is not a multiple of 16 keeps the SDPA path, with the same result."""
+    meta, q, k, v, cache, _ = make_batch([(0, 20), (7, 9)], block_size=16, num_heads=4, num_kv_heads=2, head_dim=24)
+    assert not cpu_ops.can_prefill(q, cache)
+    got, expected = run_both(meta, q, k, v, cache, CpuAttentionBackend())
+    torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
+
+
+def test_prefill_never_reads_unused_blocks():
+    """Blocks outside the tables and the unwritten tail of each last block are NaN: any read would poison
+    the output."""
+    meta, q, k, v, cache, unused = make_batch([(20, 13), (0, 50)], block_size=16, num_heads=6, num_kv_heads=2,
+                                              head_dim=32, spare_blocks=4)
+    cache[:, unused] = float("nan")
+    for r, s in enumerate(meta.seq_lens_cpu):  # slots past each request's last token
+        last = int(meta.block_tables[r, (s - 1) // 16])
+        cache[:, last, s % 16 or 16:] = float("nan")
+    backend = CpuAttentionBackend()
+    backend.write_kv(k, v, cache, meta.slot_mapping)
+    out = backend.forward(q, cache, meta, 32**-0.5)
+    assert torch.isfinite(out).all()
+
+
 @pytest.mark.parametrize("threads", [1, 2])
 def test_decode_long_contexts_many_sequences(threads):
     specs = [(s, 1) for s in (1, 300, 17, 1023, 64, 129, 2, 500)]
     meta, q, k, v, cache, _ = make_batch(specs, block_size=16, num_heads=9, num_kv_heads=3, head_dim=64, seed=3)
-    saved = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
-        got, expected = run_both(meta, q, k, v, cache, CpuAttentionBackend())
-    finally:
-        torch.set_num_threads(saved)
+    got, expected = run_on_threads(threads, meta, q, k, v, cache)
     torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
 
 
@@ -221,3 +269,24 @@ def test_cpu_attention_backend_needs_the_kernels_and_the_cpu():
     with pytest.raises(ValueError, match="CPU only"):
         get_attention_backend("cpu", "cuda")
     assert get_attention_backend("cpu", "cpu").name == "cpu"
+
+
+@pytest.mark.skipif(shutil.which("cc") is None, reason="needs cc to build the portable variant")
+def test_attention_portable_build_without_simd_intrinsics(tmp_path, monkeypatch):
+    """Built without -march=native (no AVX2: e.g. aarch64), decode and prefill attention take their plain C
+    loops, with the same results."""
+    import ctypes
+
+    lib_path = tmp_path / "portable.so"
+    subprocess.run(["cc", "-O2", "-fPIC", "-shared", "-fopenmp", "-ffp-contract=off", "-std=c11",
+                    str(cpu_ops.SOURCE), "-o", str(lib_path), "-lm"], check=True)
+    lib = ctypes.CDLL(str(lib_path))
+    for name, argtypes in cpu_ops._SIGNATURES.items():
+        fn = getattr(lib, name)
+        fn.argtypes, fn.restype = argtypes, None
+    monkeypatch.setattr(cpu_ops, "_lib", lib)
+    monkeypatch.setattr(cpu_ops, "_tried", True)
+    meta, q, k, v, cache, _ = make_batch([(20, 1), (3, 1)] + PREFILLS, block_size=16, num_heads=9, num_kv_heads=3,
+                                         head_dim=32)
+    got, expected = run_both(meta, q, k, v, cache, CpuAttentionBackend())
+    torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)

@@ -1,4 +1,4 @@
-/* Native CPU kernels for the decode hot path (fp32), called through ctypes by cpu_ops.py.
+/* Native CPU kernels for the hot path (fp32: projections, attention, norms), called through ctypes by cpu_ops.py.
  *
  * Plain C, no torch headers: it compiles in well under a second on first use.  Parallel loops use
  * OpenMP; loaded into a process that already holds torch's libgomp.so.1, the loader reuses that
@@ -559,4 +559,192 @@ void gemm_packed_f32(const float *a, int64_t lda, const float *panels, const flo
             }
         }
     }
+}
+
+/* ---- prefill attention ------------------------------------------------------------------------
+ * Prefill chunks over the paged cache: request r's query rows qsl[r] .. qsl[r+1] sit at positions
+ * seq_lens[r] - C_r + i and attend causally to keys 0 .. seq_lens[r] - C_r + i, read through
+ * block_tables[r] (the chunk's own K/V are in the cache already).  A work item is one request, one
+ * KV head and a tile of up to PF_ROWS query rows (positions x the query heads of the GQA group, so
+ * each K/V row serves all of them).  Per item, as two small GEMMs on the register tiles above:
+ *   scores [rows x T] = Q [rows x D] . K^T, K^T packed into 16-token panels (like a weight);
+ *   exact softmax per row over its causal span (T: the last row's span; later keys get p = 0);
+ *   out [rows x D] = P . V, V read straight from the cache blocks, 6 rows x 16 dims per tile. */
+#define PF_ROWS 48
+
+#ifdef HAVE_AVX2
+static inline __attribute__((always_inline)) void pv_tile(const int MR, const float *p, int64_t ldp,
+        const float *v, const int32_t *bt, int64_t block_size, int64_t tok_stride, int64_t T, float *o,
+        int64_t ldo) {
+    __m256 acc[GEMM_MR][2];
+#pragma GCC unroll 6
+    for (int i = 0; i < MR; i++) {
+        acc[i][0] = _mm256_setzero_ps();
+        acc[i][1] = _mm256_setzero_ps();
+    }
+    for (int64_t t0 = 0, b = 0; t0 < T; t0 += block_size, b++) {
+        const float *vb = v + (int64_t)bt[b] * block_size * tok_stride;
+        const int64_t nt = T - t0 < block_size ? T - t0 : block_size;
+        for (int64_t j = 0; j < nt; j++) {
+            const float *vp = vb + j * tok_stride;
+            const __m256 v0 = _mm256_loadu_ps(vp), v1 = _mm256_loadu_ps(vp + 8);
+#pragma GCC unroll 6
+            for (int i = 0; i < MR; i++) {
+                const __m256 pi = _mm256_broadcast_ss(p + i * ldp + t0 + j);
+                acc[i][0] = _mm256_fmadd_ps(pi, v0, acc[i][0]);
+                acc[i][1] = _mm256_fmadd_ps(pi, v1, acc[i][1]);
+            }
+        }
+    }
+#pragma GCC unroll 6
+    for (int i = 0; i < MR; i++) {
+        _mm256_storeu_ps(o + i * ldo, acc[i][0]);
+        _mm256_storeu_ps(o + i * ldo + 8, acc[i][1]);
+    }
+}
+#endif
+
+/* o[i][0..16) = sum_{t < T} p[i][t] v_t[0..16) for rows i < rows, V through the block table */
+static void pv_rows(int rows, const float *p, int64_t ldp, const float *v, const int32_t *bt, int64_t block_size,
+                    int64_t tok_stride, int64_t T, float *o, int64_t ldo) {
+#ifdef HAVE_AVX2
+    switch (rows) {
+    case 1: pv_tile(1, p, ldp, v, bt, block_size, tok_stride, T, o, ldo); return;
+    case 2: pv_tile(2, p, ldp, v, bt, block_size, tok_stride, T, o, ldo); return;
+    case 3: pv_tile(3, p, ldp, v, bt, block_size, tok_stride, T, o, ldo); return;
+    case 4: pv_tile(4, p, ldp, v, bt, block_size, tok_stride, T, o, ldo); return;
+    case 5: pv_tile(5, p, ldp, v, bt, block_size, tok_stride, T, o, ldo); return;
+    default: pv_tile(6, p, ldp, v, bt, block_size, tok_stride, T, o, ldo); return;
+    }
+#else
+    for (int i = 0; i < rows; i++)
+        for (int c = 0; c < 16; c++) o[i * ldo + c] = 0.f;
+    for (int64_t t = 0; t < T; t++) {
+        const float *vp = v + ((int64_t)bt[t / block_size] * block_size + t % block_size) * tok_stride;
+        for (int i = 0; i < rows; i++) {
+            const float pi = p[i * ldp + t];
+            for (int c = 0; c < 16; c++) o[i * ldo + c] += pi * vp[c];
+        }
+    }
+#endif
+}
+
+static float row_max(const float *s, int64_t n) {
+    float m = -INFINITY;
+    int64_t t = 0;
+#ifdef HAVE_AVX2
+    if (n >= 8) {
+        __m256 mv = _mm256_loadu_ps(s);
+        for (t = 8; t + 8 <= n; t += 8) mv = _mm256_max_ps(mv, _mm256_loadu_ps(s + t));
+        __m128 h = _mm_max_ps(_mm256_castps256_ps128(mv), _mm256_extractf128_ps(mv, 1));
+        h = _mm_max_ps(h, _mm_movehl_ps(h, h));
+        m = _mm_cvtss_f32(_mm_max_ss(h, _mm_movehdup_ps(h)));
+    }
+#endif
+    for (; t < n; t++) m = s[t] > m ? s[t] : m;
+    return m;
+}
+
+void paged_prefill_attention_f32(const float *q, int64_t q_row_stride, float *out, const float *key_cache,
+                                 const float *value_cache, const int32_t *block_tables, int64_t bt_stride,
+                                 const int32_t *qsl, const int32_t *seq_lens, int64_t num_reqs, int64_t num_heads,
+                                 int64_t num_kv_heads, int64_t head_dim, int64_t block_size, float scale,
+                                 int nthreads) {
+    const int64_t G = num_heads / num_kv_heads, D = head_dim, tok_stride = num_kv_heads * D;
+    const int64_t P = G >= PF_ROWS ? 1 : PF_ROWS / G;  /* positions per item */
+    const int64_t max_rows = P * G;
+    /* per request: its first work item, its first K^T panel (panels of all its KV heads) */
+    int64_t *first = (int64_t *)malloc((size_t)(num_reqs + 1) * sizeof(int64_t));
+    int64_t *pfirst = (int64_t *)malloc((size_t)(num_reqs + 1) * sizeof(int64_t));
+    int64_t tmax = 0;
+    first[0] = pfirst[0] = 0;
+    for (int64_t r = 0; r < num_reqs; r++) {
+        const int64_t c = qsl[r + 1] - qsl[r];
+        first[r + 1] = first[r] + num_kv_heads * ((c + P - 1) / P);
+        pfirst[r + 1] = pfirst[r] + num_kv_heads * ((seq_lens[r] + GEMM_NR - 1) / GEMM_NR);
+        tmax = seq_lens[r] > tmax ? seq_lens[r] : tmax;
+    }
+    const int64_t items = first[num_reqs], panels = pfirst[num_reqs];
+    const int64_t tpad = (tmax + GEMM_NR - 1) / GEMM_NR * GEMM_NR;
+    float *kt = (float *)malloc((size_t)(panels * D * GEMM_NR) * sizeof(float));  /* K^T of every (request, KV head) */
+#pragma omp parallel num_threads(nthreads) if (items > 1)
+    {
+        /* phase 1: K^T panels [D x 16 tokens], zero past each request's keys */
+#pragma omp for schedule(static)
+        for (int64_t u = 0; u < panels; u++) {
+            int64_t r = 0;
+            while (pfirst[r + 1] <= u) r++;
+            const int64_t S = seq_lens[r], npan = (S + GEMM_NR - 1) / GEMM_NR;
+            const int64_t h = (u - pfirst[r]) / npan, pi = (u - pfirst[r]) % npan;
+            const int32_t *bt = block_tables + r * bt_stride;
+            float *dst = kt + u * D * GEMM_NR;
+            for (int64_t j = 0; j < GEMM_NR; j++) {
+                const int64_t t = pi * GEMM_NR + j;
+                if (t < S) {
+                    const float *k = key_cache + ((int64_t)bt[t / block_size] * block_size + t % block_size) * tok_stride + h * D;
+                    for (int64_t d = 0; d < D; d++) dst[d * GEMM_NR + j] = k[d];
+                } else {
+                    for (int64_t d = 0; d < D; d++) dst[d * GEMM_NR + j] = 0.f;
+                }
+            }
+        }
+        /* phase 2 (after the implicit barrier): the work items */
+        float *qt = (float *)malloc((size_t)(max_rows * D) * sizeof(float));
+        float *sc = (float *)malloc((size_t)(max_rows * tpad) * sizeof(float));
+        float *ot = (float *)malloc((size_t)(max_rows * D) * sizeof(float));
+        float *sum = (float *)malloc((size_t)max_rows * sizeof(float));
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t it = 0; it < items; it++) {
+            int64_t r = 0;
+            while (first[r + 1] <= it) r++;
+            const int64_t local = it - first[r], tiles = (first[r + 1] - first[r]) / num_kv_heads;
+            const int64_t h = local / tiles, p0 = (local % tiles) * P;
+            const int64_t c = qsl[r + 1] - qsl[r], S = seq_lens[r], start = S - c;
+            const int64_t np = c - p0 < P ? c - p0 : P, rows = np * G;
+            const int32_t *bt = block_tables + r * bt_stride;
+            const float *kth = kt + (pfirst[r] + h * ((S + GEMM_NR - 1) / GEMM_NR)) * D * GEMM_NR;
+            /* Q rows: position-major, then the group's heads */
+            for (int64_t i = 0; i < np; i++) {  /* scaled here, so the scores come out scaled */
+                const float *src = q + (qsl[r] + p0 + i) * q_row_stride + h * G * D;
+                for (int64_t e = 0; e < G * D; e++) qt[i * G * D + e] = src[e] * scale;
+            }
+            /* scores, 6 rows at a time; a tile of rows needs only the panels up to its last row's span */
+            for (int64_t r0 = 0; r0 < rows; r0 += GEMM_MR) {
+                const int64_t mr = rows - r0 < GEMM_MR ? rows - r0 : GEMM_MR;
+                const int64_t tr = start + p0 + (r0 + mr - 1) / G + 1;
+                for (int64_t pi = 0; pi * GEMM_NR < tr; pi++)
+                    gemm_tile_rows((int)mr, qt + r0 * D, D, kth + pi * D * GEMM_NR, D, sc + r0 * tpad + pi * GEMM_NR,
+                                   tpad, 0, GEMM_NR, 0, 0);
+            }
+            /* softmax over each row's span; p = 0 past it, up to the end of its row tile's span */
+            for (int64_t i = 0; i < rows; i++) {
+                const int64_t span = start + p0 + i / G + 1;
+                const int64_t last = (i / GEMM_MR * GEMM_MR + GEMM_MR < rows ? i / GEMM_MR * GEMM_MR + GEMM_MR : rows) - 1;
+                const int64_t tr = start + p0 + last / G + 1;
+                float *s = sc + i * tpad;
+                sum[i] = softmax_numerators(s, span, row_max(s, span));
+                for (int64_t t = span; t < tr; t++) s[t] = 0.f;
+            }
+            /* out = P . V, 6 rows x 16 dims at a time */
+            for (int64_t r0 = 0; r0 < rows; r0 += GEMM_MR) {
+                const int64_t mr = rows - r0 < GEMM_MR ? rows - r0 : GEMM_MR;
+                const int64_t tr = start + p0 + (r0 + mr - 1) / G + 1;
+                for (int64_t c0 = 0; c0 < D; c0 += 16)
+                    pv_rows((int)mr, sc + r0 * tpad, tpad, value_cache + h * D + c0, bt, block_size, tok_stride, tr,
+                            ot + r0 * D + c0, D);
+            }
+            for (int64_t i = 0; i < rows; i++) {
+                float *o = out + ((qsl[r] + p0 + i / G) * num_heads + h * G + i % G) * D;
+                const float inv = 1.0f / sum[i];
+                for (int64_t d = 0; d < D; d++) o[d] = ot[i * D + d] * inv;
+            }
+        }
+        free(qt);
+        free(sc);
+        free(ot);
+        free(sum);
+    }
+    free(kt);
+    free(first);
+    free(pfirst);
 }

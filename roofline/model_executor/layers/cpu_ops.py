@@ -60,6 +60,7 @@ _SIGNATURES = {
     "write_kv_f32": [_P, _I, _P, _I, _P, _P, _P, _I, _I],
     "silu_and_mul_f32": [_P, _P, _I, _I, ctypes.c_int],
     "paged_decode_attention_f32": [_P, _I, _P, _P, _P, _P, _I, _P, _I, _I, _I, _I, _I, _F, ctypes.c_int],
+    "paged_prefill_attention_f32": [_P, _I, _P, _P, _P, _P, _I, _P, _P, _I, _I, _I, _I, _I, _F, ctypes.c_int],
     "gemv_f32": [_P, _P, _P, _P, _I, _I, _I, ctypes.c_int],
     "pack_panels_f32": [_P, _I, _I, _I, _P],
     "gemm_packed_f32": [_P, _I, _P, _P, _P, _I, _I, _I, _I, ctypes.c_int],
@@ -239,6 +240,34 @@ def paged_decode_attention(query: torch.Tensor, kv_cache: torch.Tensor, block_ta
                                     kv_cache[1].data_ptr(), tables.data_ptr(), tables.stride(0), lens.data_ptr(),
                                     n, h, hk, d, block_size, scale, torch.get_num_threads())
     return out
+
+
+def can_prefill(query: torch.Tensor, kv_cache: torch.Tensor) -> bool:
+    """As can_decode, with a head size the 16-wide value tiles cover."""
+    return can_decode(query, kv_cache) and query.shape[2] % 16 == 0
+
+
+def paged_prefill_attention(query: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor,
+                            query_start_loc: list[int], seq_lens: list[int], scale: float, out: torch.Tensor) -> None:
+    """Causal attention of prefill chunks: request r's rows query[query_start_loc[r]:query_start_loc[r+1]]
+    ([n, H, D] rows, all requests' rows in one tensor) are its last positions of seq_lens[r] cached
+    tokens; results go to the same rows of `out` (contiguous [n, H, D])."""
+    n, h, d = query.shape
+    hk, block_size = kv_cache.shape[3], kv_cache.shape[2]
+    if h % hk:
+        raise ValueError(f"num_heads {h} must be a multiple of num_kv_heads {hk}")
+    if not out.is_contiguous() or out.shape != query.shape:
+        raise ValueError("paged_prefill_attention writes into a contiguous `out` shaped like the query")
+    nreq = len(seq_lens)
+    if len(query_start_loc) != nreq + 1 or block_tables.shape[0] != nreq:
+        raise ValueError("one block table and seq_len per request, and query_start_loc of one more")
+    tables = block_tables if block_tables.dtype == torch.int32 and block_tables.stride(-1) == 1 else (
+        block_tables.to(torch.int32).contiguous())
+    qsl = torch.tensor(query_start_loc, dtype=torch.int32)
+    lens = torch.tensor(seq_lens, dtype=torch.int32)
+    _need().paged_prefill_attention_f32(query.data_ptr(), query.stride(0), out.data_ptr(), kv_cache[0].data_ptr(),
+                                        kv_cache[1].data_ptr(), tables.data_ptr(), tables.stride(0), qsl.data_ptr(),
+                                        lens.data_ptr(), nreq, h, hk, d, block_size, scale, torch.get_num_threads())
 
 
 def can_gemv(x: torch.Tensor, weight: torch.Tensor) -> bool:
