@@ -532,20 +532,19 @@ void gemm_packed_f32(const float *a, int64_t lda, const float *panels, const flo
                      int64_t M, int64_t K, int64_t N, int nthreads) {
     const int64_t np = (N + GEMM_NR - 1) / GEMM_NR;
     const int64_t nmb = (M + GEMM_MB - 1) / GEMM_MB;
-    /* panel groups of at most 8, as many as a multiple of the thread count when there are enough */
+    /* panel groups of at most 8, as many as a multiple of the thread count when there are enough;
+     * group gi holds panels [gi * np / ng, (gi + 1) * np / ng), sizes differing by at most one */
     int64_t ng = (np + 7) / 8;
     ng = (ng + nthreads - 1) / nthreads * nthreads;
     if (ng > np) ng = np;
-    const int64_t g = (np + ng - 1) / ng;
-    ng = (np + g - 1) / g;
     const int64_t items = ng * nmb;
 #pragma omp parallel for num_threads(nthreads) schedule(static) if (items > 1)
     for (int64_t it = 0; it < items; it++) {
         const int64_t gi = it / nmb, mi = it % nmb;
         const int64_t m_lo = mi * GEMM_MB, m_hi = M < m_lo + GEMM_MB ? M : m_lo + GEMM_MB;
         const int64_t tiles = (m_hi - m_lo + GEMM_MR - 1) / GEMM_MR;
-        const int64_t p_hi = (gi + 1) * g < np ? (gi + 1) * g : np;
-        for (int64_t p = gi * g; p < p_hi; p++) {
+        const int64_t p_hi = (gi + 1) * np / ng;
+        for (int64_t p = gi * np / ng; p < p_hi; p++) {
             const float *b = panels + p * K * GEMM_NR;
             const float *next = (mi == 0 && p + 1 < p_hi) ? b + K * GEMM_NR : 0;
             const int64_t n0 = p * GEMM_NR, nn = N - n0 < GEMM_NR ? N - n0 : GEMM_NR;
