@@ -273,8 +273,8 @@ def test_cpu_attention_backend_needs_the_kernels_and_the_cpu():
 
 @pytest.mark.skipif(shutil.which("cc") is None, reason="needs cc to build the portable variant")
 def test_attention_portable_build_without_simd_intrinsics(tmp_path, monkeypatch):
-    """Built without -march=native (no AVX2: e.g. aarch64), decode and prefill attention take their plain C
-    loops, with the same results."""
+    """Built without -march=native (no AVX2: e.g. aarch64), decode and prefill attention and the row
+    argmax take their plain C loops, with the same results."""
     import ctypes
 
     lib_path = tmp_path / "portable.so"
@@ -290,3 +290,36 @@ def test_attention_portable_build_without_simd_intrinsics(tmp_path, monkeypatch)
                                          head_dim=32)
     got, expected = run_both(meta, q, k, v, cache, CpuAttentionBackend())
     torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
+    x = torch.randn(5, 1000)
+    x[1, [3, 700]] = 50.0
+    x[2, 9] = float("nan")
+    assert torch.equal(cpu_ops.argmax_rows(x), x.argmax(dim=-1))
+
+
+@pytest.mark.parametrize("n", [1, 7, 16, 49152 + 5])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_argmax_rows_matches_torch(n, threads):
+    g = torch.Generator().manual_seed(n)
+    wide = torch.randn(9, n + 3, generator=g)
+    x = wide[:, :n]  # strided rows
+    x[1] = 0.5  # all equal: the first index
+    x[2] = float("-inf")
+    if n > 1:
+        x[3, [n // 3, n // 2, n - 1]] = 100.0  # ties across lanes and the tail: the first one
+        x[4, [0, n - 1]] = float("nan")  # the first NaN wins
+        x[5, n - 1] = float("nan")
+        x[6, n // 2] = float("inf")
+        x[7, n - 1] = float("inf")
+    saved = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        got = cpu_ops.argmax_rows(x)
+    finally:
+        torch.set_num_threads(saved)
+    assert torch.equal(got, x.argmax(dim=-1))
+
+
+def test_argmax_rows_declines_what_it_cannot_take():
+    assert cpu_ops.argmax_rows(torch.randn(3, 5).double()) is None
+    assert cpu_ops.argmax_rows(torch.randn(5, 3).t()) is None  # rows not unit-stride
+    assert cpu_ops.argmax_rows(torch.randn(4)) is None

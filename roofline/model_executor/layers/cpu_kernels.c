@@ -747,3 +747,62 @@ void paged_prefill_attention_f32(const float *q, int64_t q_row_stride, float *ou
     free(first);
     free(pfirst);
 }
+
+/* out[r] = the index of the first maximum of row r (x[r * ld + 0 .. n)); a NaN counts as the maximum
+ * (the first NaN wins), as in torch.argmax.  Rows are shared by the threads. */
+static int64_t argmax_row(const float *x, int64_t n) {
+    int64_t best = 0, j = 0;
+#ifdef HAVE_AVX2
+    if (n >= 16) {
+        __m256 mv = _mm256_loadu_ps(x), nan = _mm256_cmp_ps(mv, mv, _CMP_UNORD_Q);
+        __m256i iv = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7), cur = iv;
+        const __m256i eight = _mm256_set1_epi32(8);
+        for (j = 8; j + 8 <= n; j += 8) {
+            cur = _mm256_add_epi32(cur, eight);
+            const __m256 v = _mm256_loadu_ps(x + j);
+            const __m256 gt = _mm256_cmp_ps(v, mv, _CMP_GT_OQ);  /* strict: each lane keeps its first maximum */
+            nan = _mm256_or_ps(nan, _mm256_cmp_ps(v, v, _CMP_UNORD_Q));
+            mv = _mm256_blendv_ps(mv, v, gt);
+            iv = _mm256_blendv_epi8(iv, cur, _mm256_castps_si256(gt));
+        }
+        if (_mm256_movemask_ps(nan)) {  /* rare: find the first NaN */
+            for (int64_t t = 0; t < n; t++)
+                if (x[t] != x[t]) return t;
+        }
+        float m[8];
+        int32_t idx[8];
+        _mm256_storeu_ps(m, mv);
+        _mm256_storeu_si256((__m256i *)idx, iv);
+        best = idx[0];
+        float bm = m[0];
+        for (int l = 1; l < 8; l++)
+            if (m[l] > bm || (m[l] == bm && idx[l] < best)) {
+                bm = m[l];
+                best = idx[l];
+            }
+        for (; j < n; j++) {
+            if (x[j] != x[j]) return j;
+            if (x[j] > bm) {
+                bm = x[j];
+                best = j;
+            }
+        }
+        return best;
+    }
+#endif
+    float bm = x[0];
+    if (bm != bm) return 0;
+    for (j = 1; j < n; j++) {
+        if (x[j] != x[j]) return j;
+        if (x[j] > bm) {
+            bm = x[j];
+            best = j;
+        }
+    }
+    return best;
+}
+
+void argmax_rows_f32(const float *x, int64_t ld, int64_t rows, int64_t n, int64_t *out, int nthreads) {
+#pragma omp parallel for num_threads(nthreads) schedule(static) if (rows > 1)
+    for (int64_t r = 0; r < rows; r++) out[r] = argmax_row(x + r * ld, n);
+}

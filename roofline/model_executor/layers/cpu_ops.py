@@ -62,6 +62,7 @@ _SIGNATURES = {
     "paged_decode_attention_f32": [_P, _I, _P, _P, _P, _P, _I, _P, _I, _I, _I, _I, _I, _F, ctypes.c_int],
     "paged_prefill_attention_f32": [_P, _I, _P, _P, _P, _P, _I, _P, _P, _I, _I, _I, _I, _I, _F, ctypes.c_int],
     "gemv_f32": [_P, _P, _P, _P, _I, _I, _I, ctypes.c_int],
+    "argmax_rows_f32": [_P, _I, _I, _I, _P, ctypes.c_int],
     "pack_panels_f32": [_P, _I, _I, _I, _P],
     "gemm_packed_f32": [_P, _I, _P, _P, _P, _I, _I, _I, _I, ctypes.c_int],
 }
@@ -268,6 +269,17 @@ def paged_prefill_attention(query: torch.Tensor, kv_cache: torch.Tensor, block_t
     _need().paged_prefill_attention_f32(query.data_ptr(), query.stride(0), out.data_ptr(), kv_cache[0].data_ptr(),
                                         kv_cache[1].data_ptr(), tables.data_ptr(), tables.stride(0), qsl.data_ptr(),
                                         lens.data_ptr(), nreq, h, hk, d, block_size, scale, torch.get_num_threads())
+
+
+def argmax_rows(x: torch.Tensor) -> Optional[torch.Tensor]:
+    """x.argmax(dim=-1) for a 2-D fp32 CPU tensor with unit-stride rows (rows shared by the threads,
+    AVX2 where built with it; first maximum wins, a NaN counts as the maximum, as in torch); None when
+    the kernels cannot take x (the caller uses torch)."""
+    if x.dim() != 2 or not accepts(x) or x.shape[1] == 0 or not available():
+        return None
+    out = torch.empty(x.shape[0], dtype=torch.int64)
+    _need().argmax_rows_f32(x.data_ptr(), x.stride(0), x.shape[0], x.shape[1], out.data_ptr(), torch.get_num_threads())
+    return out
 
 
 def can_gemv(x: torch.Tensor, weight: torch.Tensor) -> bool:
