@@ -90,6 +90,51 @@ def test_non_fp32_weights_are_left_alone():
     assert cpu_gemm.pack_model(lin) == 0 and lin.cpu_packed is None
 
 
+@pytest.mark.parametrize("rows", [1, 2, 7, 37, 97, 300])
+@pytest.mark.parametrize("d,k", [(16, 12), (48, 40), (1536, 576)])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_gate_up_silu_fused_equals_the_two_steps(rows, d, k, threads):
+    """gemm_packed_silu_mul gives bit for bit what gemm_packed followed by silu_and_mul gives."""
+    g = torch.Generator().manual_seed(rows + d)
+    w = torch.randn(2 * d, k, generator=g)
+    x = (torch.randn(rows, k + 3, generator=g) * k**-0.5)[:, :k]  # strided rows, products of order 1
+    panels = cpu_gemm.pack(w)
+    saved = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        got = cpu_ops.gemm_packed_silu_mul(x, panels, d)
+        two_steps = cpu_ops.silu_and_mul(cpu_ops.gemm_packed(x, panels, 2 * d))
+    finally:
+        torch.set_num_threads(saved)
+    assert torch.equal(got, two_steps)
+    h = reference(x, w)
+    torch.testing.assert_close(got, F.silu(h[:, :d]) * h[:, d:], atol=1e-4, rtol=1e-4)
+
+
+def test_gate_up_silu_applies_only_where_it_can():
+    from roofline.model_executor.layers.linear import MergedColumnParallelLinear
+
+    def layer(d, bias=False):
+        lin = MergedColumnParallelLinear(8, [d, d], bias=bias)
+        torch.nn.init.normal_(lin.weight)
+        if bias:
+            torch.nn.init.normal_(lin.bias)
+        cpu_gemm.pack_model(lin)
+        return lin
+
+    x = torch.randn(4, 8)
+    lin = layer(32)
+    got = cpu_gemm.gate_up_silu(x, lin)
+    h = reference(x, lin.weight)
+    torch.testing.assert_close(got, F.silu(h[:, :32]) * h[:, 32:], atol=1e-5, rtol=1e-5)
+    assert cpu_gemm.gate_up_silu(x[:1], lin) is None  # one row: the dense GEMV path
+    assert cpu_gemm.gate_up_silu(x.double(), lin) is None
+    assert cpu_gemm.gate_up_silu(x, layer(24)) is None  # halves not on panel boundaries
+    assert cpu_gemm.gate_up_silu(x, layer(32, bias=True)) is None
+    with pytest.raises(ValueError, match="gate/up weight"):
+        cpu_ops.gemm_packed_silu_mul(x, lin.cpu_packed, 16)
+
+
 @pytest.mark.skipif(shutil.which("cc") is None, reason="needs cc to build the portable variant")
 def test_portable_build_without_simd_intrinsics(tmp_path):
     """Built without -march=native (no AVX2: e.g. aarch64), the packed GEMM takes its plain C tile."""
@@ -108,3 +153,12 @@ def test_portable_build_without_simd_intrinsics(tmp_path):
     y = torch.empty(11, 21)
     lib.gemm_packed_f32(x.data_ptr(), 12, panels.data_ptr(), b.data_ptr(), y.data_ptr(), 21, 11, 12, 21, 2)
     torch.testing.assert_close(y, reference(x, w, b), atol=1e-5, rtol=1e-5)
+    lib.gemm_packed_silu_mul_f32.argtypes = [P, I, P, P, I, I, I, I, ctypes.c_int]
+    wgu = torch.randn(64, 12, generator=g)
+    panels = torch.empty(4 * 12 * 16)
+    wgu_t = wgu.t().contiguous()  # kept alive through the call
+    lib.pack_panels_f32(wgu_t.data_ptr(), 12, 64, 64, panels.data_ptr())
+    y = torch.empty(11, 32)
+    lib.gemm_packed_silu_mul_f32(x.data_ptr(), 12, panels.data_ptr(), y.data_ptr(), 32, 11, 12, 32, 2)
+    h = reference(x, wgu)
+    torch.testing.assert_close(y, F.silu(h[:, :32]) * h[:, 32:], atol=1e-5, rtol=1e-5)

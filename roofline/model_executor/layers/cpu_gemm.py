@@ -65,6 +65,20 @@ def linear(x: torch.Tensor, weight: torch.Tensor, packed: Optional[torch.Tensor]
     return F.linear(x, weight, bias)
 
 
+def gate_up_silu(x: torch.Tensor, gate_up) -> Optional[torch.Tensor]:
+    """silu(gate(x)) * up(x) for a MergedColumnParallelLinear [gate; up] layer in one native pass over its
+    packed weight (cpu_ops.gemm_packed_silu_mul), or None where that does not apply (the caller runs the
+    projection and SiluAndMul): not a packed fp32 CPU batch of 2+ rows, a bias, halves not 16-aligned."""
+    packed = gate_up.cpu_packed
+    if (packed is None or gate_up.bias is not None or x.dim() != 2 or not use_packed(x)
+            or x.dtype != torch.float32 or x.device.type != "cpu"):
+        return None
+    d = gate_up.weight.shape[0] // 2
+    if d % cpu_ops.PANEL:
+        return None
+    return cpu_ops.gemm_packed_silu_mul(x, packed, d)
+
+
 def relayout(model: torch.nn.Module) -> None:
     """Store every projection, embedding and LM head weight [in x out]-major (weight.t() contiguous).
 

@@ -65,6 +65,7 @@ _SIGNATURES = {
     "argmax_rows_f32": [_P, _I, _I, _I, _P, ctypes.c_int],
     "pack_panels_f32": [_P, _I, _I, _I, _P],
     "gemm_packed_f32": [_P, _I, _P, _P, _P, _I, _I, _I, _I, ctypes.c_int],
+    "gemm_packed_silu_mul_f32": [_P, _I, _P, _P, _I, _I, _I, _I, ctypes.c_int],
 }
 
 
@@ -324,4 +325,19 @@ def gemm_packed(x: torch.Tensor, panels: torch.Tensor, out_features: int,
     b = None if bias is None else bias.contiguous()
     _need().gemm_packed_f32(x.data_ptr(), x.stride(0), panels.data_ptr(), _ptr(b), y.data_ptr(), out_features,
                             m, k, out_features, torch.get_num_threads())
+    return y
+
+
+def gemm_packed_silu_mul(x: torch.Tensor, panels: torch.Tensor, d: int) -> torch.Tensor:
+    """silu(x W_g^T) * (x W_u^T) -> [M, d] for W = [W_g; W_u] ([2d, in], d a multiple of 16) packed by
+    pack_panels: gemm_packed then silu_and_mul, without the [M, 2d] intermediate."""
+    m, k = x.shape
+    if d % PANEL or panels.numel() != 2 * d * k:
+        raise ValueError(f"panels of {panels.numel()} floats do not hold a [2 x {d} x {k}] gate/up weight "
+                         f"with {d} a multiple of {PANEL}")
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    y = torch.empty((m, d), dtype=torch.float32)
+    _need().gemm_packed_silu_mul_f32(x.data_ptr(), x.stride(0), panels.data_ptr(), y.data_ptr(), d, m, k, d,
+                                     torch.get_num_threads())
     return y

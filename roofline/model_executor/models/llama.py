@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 from roofline.attention.backend import AttentionBackend, AttentionMetadata
+from roofline.model_executor.layers import cpu_gemm
 from roofline.model_executor.layers.activation import SiluAndMul
 from roofline.model_executor.layers.linear import (
     MergedColumnParallelLinear,
@@ -78,7 +79,10 @@ class LlamaMLP(nn.Module):
         self.act = SiluAndMul()
 
     def forward(self, x):
-        return self.down_proj(self.act(self.gate_up_proj(x)))
+        h = cpu_gemm.gate_up_silu(x, self.gate_up_proj)  # fused on CPU where it applies
+        if h is None:
+            h = self.act(self.gate_up_proj(x))
+        return self.down_proj(h)
 
 
 class LlamaDecoderLayer(nn.Module):
