@@ -111,6 +111,19 @@ def test_gate_up_silu_fused_equals_the_two_steps(rows, d, k, threads):
     torch.testing.assert_close(got, F.silu(h[:, :d]) * h[:, d:], atol=1e-4, rtol=1e-4)
 
 
+@pytest.mark.parametrize("rows", [2, 7, 13, 37, 96])
+def test_a_rows_result_does_not_depend_on_the_batch(rows):
+    """Decode-sized batches run K in chunks, prefill-sized ones whole panels: each row's products are
+    summed in the same order either way, so its result is bit-identical in any batch."""
+    g = torch.Generator().manual_seed(rows)
+    w = torch.randn(160, 576, generator=g)
+    x = torch.randn(300, 576, generator=g)
+    panels = cpu_gemm.pack(w)
+    assert torch.equal(cpu_ops.gemm_packed(x[:rows], panels, 160), cpu_ops.gemm_packed(x, panels, 160)[:rows])
+    assert torch.equal(cpu_ops.gemm_packed_silu_mul(x[:rows], panels, 80),
+                       cpu_ops.gemm_packed_silu_mul(x, panels, 80)[:rows])
+
+
 def test_gate_up_silu_applies_only_where_it_can():
     from roofline.model_executor.layers.linear import MergedColumnParallelLinear
 
