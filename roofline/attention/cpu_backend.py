@@ -4,9 +4,9 @@ Decode rows (one query each) go to cpu_ops.paged_decode_attention, which reads K
 the paged cache through the block tables (no gather into a padded copy, no K/V repeat for GQA).
 Prefill chunks go to cpu_ops.paged_prefill_attention: causal attention as two small GEMMs per
 (request, KV head, tile of query rows) on the same register tiles as the projections, K/V read
-through the block tables (~2-3x torch's SDPA on gathered copies at 100-300-token prompts).  Cache
-writes are one memcpy per token row.  Chosen by attention_backend="auto" on CPU whenever the kernels load; fp32 only (anything
-else falls back to the torch code).
+through the block tables (~2.5x torch's SDPA on gathered copies at 64-256-token prompts).  Cache
+writes are one memcpy per token row.  Chosen by attention_backend="auto" on CPU whenever the kernels
+load; fp32 only (anything else falls back to the torch code).
 """
 
 from __future__ import annotations
@@ -34,8 +34,8 @@ class CpuAttentionBackend(TorchAttentionBackend):
         if not cpu_ops.can_prefill(query, kv_cache):
             return super()._prefill(query, kv_cache, meta, scale, out, gqa)
         nd = meta.num_decodes
-        cpu_ops.paged_prefill_attention(query, kv_cache, meta.block_tables[nd:], meta.query_start_loc_cpu[nd:],
-                                        meta.seq_lens_cpu[nd:], scale, out)
+        cpu_ops.paged_prefill_attention(query, kv_cache, meta.block_tables[nd:], meta.query_start_loc[nd:],
+                                        meta.seq_lens[nd:], scale, out)
 
     def _decode(self, query, kv_cache, meta: AttentionMetadata, scale, out, gqa) -> None:
         if not cpu_ops.can_decode(query, kv_cache):

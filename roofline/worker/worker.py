@@ -101,6 +101,8 @@ class Worker:
             self.device = torch.device("cuda", torch.cuda.current_device())
         self.dtype = resolve_dtype(config.model_config.dtype, dc.device)
         self.hf_config = config.model_config.hf_config
+        if self.device.type == "cpu":
+            reuse_freed_cpu_memory()
         t0 = time.monotonic()
         self.model = self._load_model(source, show_progress and rank == 0)
         self.load_time = time.monotonic() - t0
@@ -133,7 +135,6 @@ class Worker:
         model.eval()
         if self.device.type == "cpu":
             cpu_gemm.prepare_model(model)
-            reuse_freed_cpu_memory()
         logger.info("loaded %s (%s, %s) on %s", arch, source.fmt, self.dtype, self.device)
         return model
 

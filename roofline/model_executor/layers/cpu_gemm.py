@@ -53,13 +53,19 @@ def use_packed(x: torch.Tensor) -> bool:
     return x.shape[0] >= PACKED_MIN_ROWS
 
 
+def _takes_packed(x: torch.Tensor, packed: Optional[torch.Tensor]) -> bool:
+    """An fp32 CPU batch [rows, in] of PACKED_MIN_ROWS or more, and a packed weight to multiply it with."""
+    return (packed is not None and x.dtype == torch.float32 and x.device.type == "cpu" and x.dim() == 2
+            and use_packed(x))
+
+
 def linear(x: torch.Tensor, weight: torch.Tensor, packed: Optional[torch.Tensor],
            bias: Optional[torch.Tensor] = None) -> torch.Tensor:
     """F.linear(x, weight, bias); for fp32 CPU input by the fastest route this batch has."""
+    if _takes_packed(x, packed):
+        return cpu_ops.gemm_packed(x, packed, weight.shape[0], bias)
     if x.dtype != torch.float32 or x.device.type != "cpu":
         return F.linear(x, weight, bias)
-    if packed is not None and x.dim() == 2 and use_packed(x):
-        return cpu_ops.gemm_packed(x, packed, weight.shape[0], bias)
     if x.shape[0] == 1 and torch.get_num_threads() > 1 and cpu_ops.available() and cpu_ops.can_gemv(x, weight):
         return cpu_ops.gemv(x, weight, bias)
     return F.linear(x, weight, bias)
@@ -69,14 +75,10 @@ def gate_up_silu(x: torch.Tensor, gate_up) -> Optional[torch.Tensor]:
     """silu(gate(x)) * up(x) for a MergedColumnParallelLinear [gate; up] layer in one native pass over its
     packed weight (cpu_ops.gemm_packed_silu_mul), or None where that does not apply (the caller runs the
     projection and SiluAndMul): not a packed fp32 CPU batch of 2+ rows, a bias, halves not 16-aligned."""
-    packed = gate_up.cpu_packed
-    if (packed is None or gate_up.bias is not None or x.dim() != 2 or not use_packed(x)
-            or x.dtype != torch.float32 or x.device.type != "cpu"):
-        return None
     d = gate_up.weight.shape[0] // 2
-    if d % cpu_ops.PANEL:
+    if not _takes_packed(x, gate_up.cpu_packed) or gate_up.bias is not None or d % cpu_ops.PANEL:
         return None
-    return cpu_ops.gemm_packed_silu_mul(x, packed, d)
+    return cpu_ops.gemm_packed_silu_mul(x, gate_up.cpu_packed, d)
 
 
 def relayout(model: torch.nn.Module) -> None:

@@ -769,28 +769,20 @@ void paged_prefill_attention_f32(const float *q, int64_t q_row_stride, float *ou
                 const float *src = q + (qsl[r] + p0 + i) * q_row_stride + h * G * D;
                 for (int64_t e = 0; e < G * D; e++) qt[i * G * D + e] = src[e] * scale;
             }
-            /* scores, 6 rows at a time; a tile of rows needs only the panels up to its last row's span */
+            /* 6 rows at a time: a tile needs only the keys up to its last row's span tr */
             for (int64_t r0 = 0; r0 < rows; r0 += GEMM_MR) {
                 const int64_t mr = rows - r0 < GEMM_MR ? rows - r0 : GEMM_MR;
                 const int64_t tr = start + p0 + (r0 + mr - 1) / G + 1;
-                for (int64_t pi = 0; pi * GEMM_NR < tr; pi++)
+                for (int64_t pi = 0; pi * GEMM_NR < tr; pi++)  /* scores */
                     gemm_tile_rows((int)mr, qt + r0 * D, D, kth + pi * D * GEMM_NR, D, sc + r0 * tpad + pi * GEMM_NR,
                                    tpad, 0, GEMM_NR, 0, 0, 0, 0);
-            }
-            /* softmax over each row's span; p = 0 past it, up to the end of its row tile's span */
-            for (int64_t i = 0; i < rows; i++) {
-                const int64_t span = start + p0 + i / G + 1;
-                const int64_t last = (i / GEMM_MR * GEMM_MR + GEMM_MR < rows ? i / GEMM_MR * GEMM_MR + GEMM_MR : rows) - 1;
-                const int64_t tr = start + p0 + last / G + 1;
-                float *s = sc + i * tpad;
-                sum[i] = softmax_numerators(s, span, row_max(s, span));
-                for (int64_t t = span; t < tr; t++) s[t] = 0.f;
-            }
-            /* out = P . V, 6 rows x 16 dims at a time */
-            for (int64_t r0 = 0; r0 < rows; r0 += GEMM_MR) {
-                const int64_t mr = rows - r0 < GEMM_MR ? rows - r0 : GEMM_MR;
-                const int64_t tr = start + p0 + (r0 + mr - 1) / G + 1;
-                for (int64_t c0 = 0; c0 < D; c0 += 16)
+                for (int64_t i = r0; i < r0 + mr; i++) {  /* softmax over each row's span; p = 0 from there to tr */
+                    const int64_t span = start + p0 + i / G + 1;
+                    float *s = sc + i * tpad;
+                    sum[i] = softmax_numerators(s, span, row_max(s, span));
+                    for (int64_t t = span; t < tr; t++) s[t] = 0.f;
+                }
+                for (int64_t c0 = 0; c0 < D; c0 += 16)  /* out = P . V, 16 dims at a time */
                     pv_rows((int)mr, sc + r0 * tpad, tpad, value_cache + h * D + c0, bt, block_size, tok_stride, tr,
                             ot + r0 * D + c0, D);
             }

@@ -46,6 +46,7 @@ ENV_VAR = "ROOFLINE_CPU_KERNELS"
 SOURCE = Path(__file__).with_name("cpu_kernels.c")
 
 SWITCH = Switch(ENV_VAR)
+PANEL = 16  # output columns per packed panel (GEMM_NR in cpu_kernels.c); head sizes prefill takes
 
 _lock = threading.Lock()
 _lib: Optional[ctypes.CDLL] = None
@@ -223,21 +224,31 @@ def can_decode(query: torch.Tensor, kv_cache: torch.Tensor) -> bool:
     )
 
 
+def _attention_args(query: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor):
+    """Checks the GQA shape; returns (num_kv_heads, block_size, block tables as int32 with unit-stride rows)."""
+    h, hk = query.shape[1], kv_cache.shape[3]
+    if h % hk:
+        raise ValueError(f"num_heads {h} must be a multiple of num_kv_heads {hk}")
+    tables = block_tables if block_tables.dtype == torch.int32 and block_tables.stride(-1) == 1 else (
+        block_tables.to(torch.int32).contiguous())
+    return hk, kv_cache.shape[2], tables
+
+
+def _int32(t: torch.Tensor) -> torch.Tensor:
+    return t.to(torch.int32).contiguous()
+
+
 def paged_decode_attention(query: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor,
                            seq_lens: torch.Tensor, scale: float, out: Optional[torch.Tensor] = None) -> torch.Tensor:
     """query [n, H, D] (one row per sequence) -> [n, H, D] attending to seq_lens[i] cached tokens,
     written into `out` (contiguous) when given."""
     n, h, d = query.shape
-    hk, block_size = kv_cache.shape[3], kv_cache.shape[2]
-    if h % hk:
-        raise ValueError(f"num_heads {h} must be a multiple of num_kv_heads {hk}")
+    hk, block_size, tables = _attention_args(query, kv_cache, block_tables)
     if out is None:
         out = torch.empty((n, h, d), dtype=torch.float32)
     elif not out.is_contiguous():
         raise ValueError("paged_decode_attention writes into a contiguous `out` only")
-    tables = block_tables if block_tables.dtype == torch.int32 and block_tables.stride(-1) == 1 else (
-        block_tables.to(torch.int32).contiguous())
-    lens = seq_lens.to(torch.int32).contiguous()
+    lens = _int32(seq_lens)
     _need().paged_decode_attention_f32(query.data_ptr(), query.stride(0), out.data_ptr(), kv_cache[0].data_ptr(),
                                     kv_cache[1].data_ptr(), tables.data_ptr(), tables.stride(0), lens.data_ptr(),
                                     n, h, hk, d, block_size, scale, torch.get_num_threads())
@@ -246,27 +257,23 @@ def paged_decode_attention(query: torch.Tensor, kv_cache: torch.Tensor, block_ta
 
 def can_prefill(query: torch.Tensor, kv_cache: torch.Tensor) -> bool:
     """As can_decode, with a head size the 16-wide value tiles cover."""
-    return can_decode(query, kv_cache) and query.shape[2] % 16 == 0
+    return can_decode(query, kv_cache) and query.shape[2] % PANEL == 0
 
 
 def paged_prefill_attention(query: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor,
-                            query_start_loc: list[int], seq_lens: list[int], scale: float, out: torch.Tensor) -> None:
+                            query_start_loc: torch.Tensor, seq_lens: torch.Tensor, scale: float,
+                            out: torch.Tensor) -> None:
     """Causal attention of prefill chunks: request r's rows query[query_start_loc[r]:query_start_loc[r+1]]
     ([n, H, D] rows, all requests' rows in one tensor) are its last positions of seq_lens[r] cached
     tokens; results go to the same rows of `out` (contiguous [n, H, D])."""
     n, h, d = query.shape
-    hk, block_size = kv_cache.shape[3], kv_cache.shape[2]
-    if h % hk:
-        raise ValueError(f"num_heads {h} must be a multiple of num_kv_heads {hk}")
+    hk, block_size, tables = _attention_args(query, kv_cache, block_tables)
     if not out.is_contiguous() or out.shape != query.shape:
         raise ValueError("paged_prefill_attention writes into a contiguous `out` shaped like the query")
-    nreq = len(seq_lens)
-    if len(query_start_loc) != nreq + 1 or block_tables.shape[0] != nreq:
+    nreq = seq_lens.shape[0]
+    if query_start_loc.shape[0] != nreq + 1 or tables.shape[0] != nreq:
         raise ValueError("one block table and seq_len per request, and query_start_loc of one more")
-    tables = block_tables if block_tables.dtype == torch.int32 and block_tables.stride(-1) == 1 else (
-        block_tables.to(torch.int32).contiguous())
-    qsl = torch.tensor(query_start_loc, dtype=torch.int32)
-    lens = torch.tensor(seq_lens, dtype=torch.int32)
+    qsl, lens = _int32(query_start_loc), _int32(seq_lens)
     _need().paged_prefill_attention_f32(query.data_ptr(), query.stride(0), out.data_ptr(), kv_cache[0].data_ptr(),
                                         kv_cache[1].data_ptr(), tables.data_ptr(), tables.stride(0), qsl.data_ptr(),
                                         lens.data_ptr(), nreq, h, hk, d, block_size, scale, torch.get_num_threads())
@@ -299,9 +306,6 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = N
     _need().gemv_f32(x.data_ptr(), weight.data_ptr(), _ptr(b), y.data_ptr(), k, n, weight.stride(1),
                      torch.get_num_threads())
     return y
-
-
-PANEL = 16  # output columns per packed panel (GEMM_NR in cpu_kernels.c)
 
 
 def pack_panels(weight: torch.Tensor) -> torch.Tensor:
