@@ -19,6 +19,7 @@ from roofline.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
 from roofline.model_executor.layers import cpu_gemm
 from roofline.model_executor.loader.source import ModelSource
 from roofline.model_executor.loader.weights import gguf_weights, init_dummy_weights, safetensors_weights
+from roofline.model_executor.models import llama_cpu_stack
 from roofline.model_executor.models.registry import resolve_architecture
 from roofline.worker.model_runner import ModelRunner
 
@@ -135,6 +136,7 @@ class Worker:
         model.eval()
         if self.device.type == "cpu":
             cpu_gemm.prepare_model(model)
+            llama_cpu_stack.attach(model)
         logger.info("loaded %s (%s, %s) on %s", arch, source.fmt, self.dtype, self.device)
         return model
 

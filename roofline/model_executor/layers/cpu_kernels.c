@@ -12,28 +12,32 @@
 #include <stdlib.h>
 #include <string.h>
 
+/* One row of RMSNorm: o = w * (x (+ r) / rms);  with r: ro = x + r (ro may be r, o may be x).  Not
+ * inlined, so every caller (rms_norm_f32, the layer stack's per-head q/k norm) runs the one compiled
+ * body and gets the same bits. */
+static __attribute__((noinline)) void rms_row(const float *xr, const float *rr, const float *w, float *o, float *ro,
+                                              int64_t hidden, float eps) {
+    const float *src = xr;
+    if (rr) {
+#pragma omp simd
+        for (int64_t i = 0; i < hidden; i++) ro[i] = xr[i] + rr[i];
+        src = ro;
+    }
+    float ss = 0.f;
+#pragma omp simd reduction(+ : ss)
+    for (int64_t i = 0; i < hidden; i++) ss += src[i] * src[i];
+    float inv = 1.0f / sqrtf(ss / (float)hidden + eps);
+#pragma omp simd
+    for (int64_t i = 0; i < hidden; i++) o[i] = w[i] * (src[i] * inv);
+}
+
 /* out[r] = w * (x[r] (+ res[r]) / rms);  with res: res_out[r] = x[r] + res[r]. */
 void rms_norm_f32(const float *x, const float *res, const float *w, float *out, float *res_out,
                   int64_t rows, int64_t hidden, int64_t x_stride, float eps, int nthreads) {
 #pragma omp parallel for num_threads(nthreads) schedule(static) if (rows > 4)
-    for (int64_t r = 0; r < rows; r++) {
-        const float *xr = x + r * x_stride;
-        float *o = out + r * hidden;
-        const float *src = xr;
-        if (res) {
-            const float *rr = res + r * hidden;
-            float *ro = res_out + r * hidden;
-#pragma omp simd
-            for (int64_t i = 0; i < hidden; i++) ro[i] = xr[i] + rr[i];
-            src = ro;
-        }
-        float ss = 0.f;
-#pragma omp simd reduction(+ : ss)
-        for (int64_t i = 0; i < hidden; i++) ss += src[i] * src[i];
-        float inv = 1.0f / sqrtf(ss / (float)hidden + eps);
-#pragma omp simd
-        for (int64_t i = 0; i < hidden; i++) o[i] = w[i] * (src[i] * inv);
-    }
+    for (int64_t r = 0; r < rows; r++)
+        rms_row(x + r * x_stride, res ? res + r * hidden : 0, w, out + r * hidden, res ? res_out + r * hidden : 0,
+                hidden, eps);
 }
 
 /* Rotate-half rope, in place, on the first rot dims of heads [0, nheads) of each row; cos/sin rows
@@ -859,4 +863,80 @@ static int64_t argmax_row(const float *x, int64_t n) {
 void argmax_rows_f32(const float *x, int64_t ld, int64_t rows, int64_t n, int64_t *out, int nthreads) {
 #pragma omp parallel for num_threads(nthreads) schedule(static) if (rows > 1)
     for (int64_t r = 0; r < rows; r++) out[r] = argmax_row(x + r * ld, n);
+}
+
+/* ---- the decoder stack of a Llama-family model in one call --------------------------------------
+ * Every layer of a step, with the kernels above called in the order the torch modules call them
+ * (llama.py), so the result is bit-identical to the module path; what goes is the Python between
+ * them (~8-10 ms a decode step of the default model: ~400 calls, their tensor allocations and views).
+ *   x [N x d]: the embedded tokens (read only);  out [N x d]: the final RMSNorm of the residual stream
+ *   layers: STACK_FIELDS addresses per layer (see the enum; 0 = absent: no bias, no q/k norm)
+ *   dims: d, H, H_kv, D, I (intermediate), rot (rotary dims), block_size
+ *   cos/sin [N x rot];  slots [N] (int64);  requests: the first nd are decodes (one row each), the
+ *   rest prefill chunks (query_start_loc qsl [R+1], seq_lens [R], block tables [R x bt_stride]).
+ * Scratch (residual, normed rows, qkv, attention output, MLP rows) is allocated here per call. */
+enum { L_IN_NORM, L_QKV, L_QKV_BIAS, L_Q_NORM, L_K_NORM, L_O, L_O_BIAS, L_POST_NORM, L_GATE_UP, L_DOWN,
+       L_DOWN_BIAS, L_K_CACHE, L_V_CACHE, STACK_FIELDS };
+
+static void qk_head_norm(float *qkv, int64_t W, int64_t rows, int64_t nheads, int64_t D, const float *w, float eps,
+                         int nthreads) {
+#pragma omp parallel for num_threads(nthreads) schedule(static) if (rows > 4)
+    for (int64_t r = 0; r < rows; r++)
+        for (int64_t h = 0; h < nheads; h++) {
+            float *v = qkv + r * W + h * D;
+            rms_row(v, 0, w, v, 0, D, eps);
+        }
+}
+
+int64_t llama_stack_fields(void) { return STACK_FIELDS; }
+
+void llama_stack_f32(const float *x, float *out, int64_t N, const int64_t *layers, int64_t nlayers,
+                     const int64_t *dims, float eps, float scale, const float *final_norm, const float *cos,
+                     const float *sin, const int64_t *slots, int64_t nd, int64_t nreq, const int32_t *qsl,
+                     const int32_t *seq_lens, const int32_t *tables, int64_t bt_stride, int nthreads) {
+    const int64_t d = dims[0], H = dims[1], Hk = dims[2], D = dims[3], I = dims[4], rot = dims[5], bs = dims[6];
+    const int64_t W = (H + 2 * Hk) * D, QD = H * D, KD = Hk * D;
+    float *res = (float *)malloc((size_t)(N * d) * sizeof(float));   /* the residual stream */
+    float *h = (float *)malloc((size_t)(N * d) * sizeof(float));     /* normed rows */
+    float *y = (float *)malloc((size_t)(N * d) * sizeof(float));     /* a sublayer's output */
+    float *qkv = (float *)malloc((size_t)(N * W) * sizeof(float));
+    float *att = (float *)malloc((size_t)(N * QD) * sizeof(float));
+    float *mid = (float *)malloc((size_t)(N * I) * sizeof(float));
+    memcpy(res, x, (size_t)(N * d) * sizeof(float));
+#define F(l, f) ((const float *)(intptr_t)layers[(l) * STACK_FIELDS + (f)])
+    for (int64_t l = 0; l < nlayers; l++) {
+        float *kc = (float *)(intptr_t)layers[l * STACK_FIELDS + L_K_CACHE];
+        float *vc = (float *)(intptr_t)layers[l * STACK_FIELDS + L_V_CACHE];
+        /* h = norm(res + y), res = res + y  (layer 0: h = norm(x), res = x) */
+        if (l == 0) rms_norm_f32(res, 0, F(l, L_IN_NORM), h, 0, N, d, d, eps, nthreads);
+        else rms_norm_f32(y, res, F(l, L_IN_NORM), h, res, N, d, d, eps, nthreads);
+        /* attention: qkv = h W_qkv^T (+ b);  q, k normed per head (Qwen3);  rope;  cache write */
+        packed_gemm(h, d, F(l, L_QKV), F(l, L_QKV_BIAS), qkv, W, N, d, W, 0, nthreads);
+        if (F(l, L_Q_NORM)) {
+            qk_head_norm(qkv, W, N, H, D, F(l, L_Q_NORM), eps, nthreads);
+            qk_head_norm(qkv + QD, W, N, Hk, D, F(l, L_K_NORM), eps, nthreads);
+        }
+        rotary_f32(qkv, W, H, qkv + QD, W, Hk, D, rot, N, cos, sin, nthreads);
+        write_kv_f32(qkv + QD, W, qkv + QD + KD, W, kc, vc, slots, N, KD);
+        if (nd > 0)
+            paged_decode_attention_f32(qkv, W, att, kc, vc, tables, bt_stride, seq_lens, nd, H, Hk, D, bs, scale,
+                                       nthreads);
+        if (nreq > nd)
+            paged_prefill_attention_f32(qkv, W, att, kc, vc, tables + nd * bt_stride, bt_stride, qsl + nd,
+                                        seq_lens + nd, nreq - nd, H, Hk, D, bs, scale, nthreads);
+        packed_gemm(att, QD, F(l, L_O), F(l, L_O_BIAS), y, d, N, QD, d, 0, nthreads);
+        /* MLP: h = norm(res + y), res += y;  y = down(silu(gate h) * up h) */
+        rms_norm_f32(y, res, F(l, L_POST_NORM), h, res, N, d, d, eps, nthreads);
+        packed_gemm(h, d, F(l, L_GATE_UP), 0, mid, I, N, d, I, 1, nthreads);
+        packed_gemm(mid, I, F(l, L_DOWN), F(l, L_DOWN_BIAS), y, d, N, I, d, 0, nthreads);
+    }
+#undef F
+    if (nlayers > 0) rms_norm_f32(y, res, final_norm, out, res, N, d, d, eps, nthreads);
+    else rms_norm_f32(res, 0, final_norm, out, 0, N, d, d, eps, nthreads);
+    free(res);
+    free(h);
+    free(y);
+    free(qkv);
+    free(att);
+    free(mid);
 }

@@ -20,6 +20,7 @@ Contracts (all tensors fp32 on CPU, unit stride in the last dim):
     gemv(x, weight, bias)                  F.linear for one row over an [in x out]-major weight
     pack_panels(weight) -> panels          weight [out, in] (any strides) re-laid for gemm_packed
     gemm_packed(x, panels, out_features, bias)  F.linear over the packed weight, any number of rows
+    llama_stack(...)                       every decoder layer of a step (models/llama_cpu_stack.py)
 """
 
 from __future__ import annotations
@@ -67,7 +68,10 @@ _SIGNATURES = {
     "pack_panels_f32": [_P, _I, _I, _I, _P],
     "gemm_packed_f32": [_P, _I, _P, _P, _P, _I, _I, _I, _I, ctypes.c_int],
     "gemm_packed_silu_mul_f32": [_P, _I, _P, _P, _I, _I, _I, _I, ctypes.c_int],
+    "llama_stack_fields": [],
+    "llama_stack_f32": [_P, _P, _I, _P, _I, _P, _F, _F, _P, _P, _P, _P, _I, _I, _P, _P, _P, _I, ctypes.c_int],
 }
+_RESTYPES = {"llama_stack_fields": _I}  # the rest return nothing
 
 
 def _cpu_flags() -> str:
@@ -118,7 +122,7 @@ def _load() -> Optional[ctypes.CDLL]:
             lib = ctypes.CDLL(str(path))
             for name, argtypes in _SIGNATURES.items():
                 fn = getattr(lib, name)
-                fn.argtypes, fn.restype = argtypes, None
+                fn.argtypes, fn.restype = argtypes, _RESTYPES.get(name)
             _lib = lib
         except Exception as e:  # no compiler, read-only cache, ...: the torch code runs instead
             logger.warning("native CPU kernels unavailable, using torch ops (%s)", e)
@@ -345,3 +349,26 @@ def gemm_packed_silu_mul(x: torch.Tensor, panels: torch.Tensor, d: int) -> torch
     _need().gemm_packed_silu_mul_f32(x.data_ptr(), x.stride(0), panels.data_ptr(), y.data_ptr(), d, m, k, d,
                                      torch.get_num_threads())
     return y
+
+
+def llama_stack_fields() -> int:
+    """How many addresses llama_stack reads per layer (the C enum's STACK_FIELDS)."""
+    return int(_need().llama_stack_fields())
+
+
+def llama_stack(x: torch.Tensor, out: torch.Tensor, layers: torch.Tensor, dims: torch.Tensor, eps: float,
+                scale: float, final_norm: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                slot_mapping: torch.Tensor, num_decodes: int, query_start_loc: torch.Tensor, seq_lens: torch.Tensor,
+                block_tables: torch.Tensor) -> None:
+    """Every decoder layer of one step (cpu_kernels.c llama_stack_f32): x [N, d] embedded tokens ->
+    out [N, d] final-normed hidden states.  layers: int64 [L, fields] addresses (0 = absent), dims:
+    int64 (d, H, H_kv, D, I, rot, block_size); cos/sin [N, rot]; the rest as in AttentionMetadata.
+    The caller keeps every addressed tensor alive and checks shapes (llama_cpu_stack.CpuLayerStack)."""
+    n = x.shape[0]
+    tables = block_tables if block_tables.dtype == torch.int32 and block_tables.stride(-1) == 1 else (
+        block_tables.to(torch.int32).contiguous())
+    slots, qsl, lens = slot_mapping.to(torch.int64).contiguous(), _int32(query_start_loc), _int32(seq_lens)
+    _need().llama_stack_f32(x.data_ptr(), out.data_ptr(), n, layers.data_ptr(), layers.shape[0], dims.data_ptr(),
+                            eps, scale, final_norm.data_ptr(), cos.data_ptr(), sin.data_ptr(), slots.data_ptr(),
+                            num_decodes, seq_lens.shape[0], qsl.data_ptr(), lens.data_ptr(), tables.data_ptr(),
+                            tables.stride(0), torch.get_num_threads())

@@ -112,12 +112,15 @@ class LlamaModel(nn.Module):
             LlamaDecoderLayer(config, i, backend, qk_norm, qkv_bias, o_bias) for i in range(config.num_hidden_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.cpu_stack = None  # llama_cpu_stack.CpuLayerStack where it applies (set after loading, CPU)
 
     def forward(self, input_ids, positions, kv_caches: list[torch.Tensor], meta: AttentionMetadata):
         x = self.embed_tokens(input_ids)
         residual = None
         # every layer shares one rope table: look it up once per step, not once per layer
         cos_sin = self.layers[0].self_attn.rotary.cos_sin(positions, x.dtype) if self.layers else None
+        if self.cpu_stack is not None and self.cpu_stack.takes(x):
+            return self.cpu_stack(x, cos_sin, kv_caches, meta)  # the same kernels, called from C
         for layer, kv_cache in zip(self.layers, kv_caches):
             x, residual = layer(positions, x, residual, kv_cache, meta, cos_sin)
         x, _ = self.norm(x, residual)

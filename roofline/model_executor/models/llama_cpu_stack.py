@@ -1,0 +1,151 @@
+"""The Llama family's decoder layers as one native call per step on the CPU.
+
+The torch modules (llama.py) run a layer as a dozen native kernels called from Python: RMSNorm, the
+packed QKV GEMM, per-head q/k norm (Qwen3), rope, the cache write, decode and prefill attention, the
+O projection, RMSNorm, the fused gate/up+SiLU GEMM, the down projection.  At decode batch sizes the
+Python between them (~400 calls a step, their tensor allocations, views and checks) costs ~8-10 ms a
+step of the default model, next to ~100 ms of kernels for 64 rows and ~30 ms for a few.
+`CpuLayerStack` hands the whole stack to cpu_kernels.c `llama_stack_f32`, which calls the same
+kernels in the same order with the same arguments: its hidden states are bit-identical to the module
+path (tested), only the interpreter is gone.
+
+It applies (`attach` sets `model.model.cpu_stack`) to an fp32 model on the CPU with the native kernels
+loaded, tensor_parallel_size 1, the 'cpu' attention backend, every projection packed, a gate/up
+projection without bias whose halves are 16-aligned and a head size that is a multiple of 16; and
+per step (`takes`) to batches of 2 or more rows (a single row goes through the modules' dense GEMV
+route).  Anywhere else the modules run, and they stay the reference.  Switch: ROOFLINE_CPU_LAYER_STACK
+(on by default; `SWITCH.forced(False)` for A/B runs).
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from roofline.attention.backend import AttentionMetadata
+from roofline.config import Switch
+from roofline.model_executor.layers import cpu_ops
+
+SWITCH = Switch("ROOFLINE_CPU_LAYER_STACK")
+
+# per-layer address slots, in the order of the enum in cpu_kernels.c
+IN_NORM, QKV, QKV_BIAS, Q_NORM, K_NORM, O, O_BIAS, POST_NORM, GATE_UP, DOWN, DOWN_BIAS, K_CACHE, V_CACHE = range(13)
+FIELDS = 13
+
+
+def _addr(t: Optional[torch.Tensor]) -> int:
+    return 0 if t is None else t.data_ptr()
+
+
+class CpuLayerStack:
+    """Runs LlamaModel's layers and final norm for one step in one native call (see the module doc)."""
+
+    def __init__(self, model) -> None:
+        inner = model.model
+        layers = list(inner.layers)
+        attn0 = layers[0].self_attn
+        self.num_heads, self.num_kv_heads, self.head_dim = attn0.num_heads, attn0.num_kv_heads, attn0.head_dim
+        self.hidden = model.config.hidden_size
+        self.intermediate = layers[0].mlp.gate_up_proj.weight.shape[0] // 2
+        self.rot = attn0.rotary.rotary_dim
+        self.scale = float(attn0.scale)
+        self.eps = float(inner.norm.eps)
+        self.final_norm = inner.norm.weight.detach()
+        self.table = torch.zeros((len(layers), FIELDS), dtype=torch.int64)
+        self._keep = []  # every addressed tensor, alive as long as the table
+        for i, layer in enumerate(layers):
+            a, m = layer.self_attn, layer.mlp
+            row = {
+                IN_NORM: layer.input_layernorm.weight, QKV: a.qkv_proj.cpu_packed, QKV_BIAS: a.qkv_proj.bias,
+                Q_NORM: a.q_norm.weight if a.q_norm is not None else None,
+                K_NORM: a.k_norm.weight if a.k_norm is not None else None,
+                O: a.o_proj.cpu_packed, O_BIAS: a.o_proj.bias, POST_NORM: layer.post_attention_layernorm.weight,
+                GATE_UP: m.gate_up_proj.cpu_packed, DOWN: m.down_proj.cpu_packed, DOWN_BIAS: m.down_proj.bias,
+            }
+            for slot, t in row.items():
+                if t is not None:
+                    t = t.detach()
+                    if not t.is_contiguous():
+                        raise ValueError(f"layer {i}: a weight the layer stack reads is not contiguous")
+                    self._keep.append(t)
+                self.table[i, slot] = _addr(t)
+        self._cache_ptrs: tuple = ()
+
+    @staticmethod
+    def supports(model) -> Optional[str]:
+        """None when the stack can run this model, else why not."""
+        from roofline.attention.cpu_backend import CpuAttentionBackend
+
+        inner = getattr(model, "model", None)
+        layers = list(getattr(inner, "layers", []))
+        if not layers:
+            return "no decoder layers"
+        if not cpu_ops.available():
+            return "native CPU kernels not loaded"
+        if cpu_ops.llama_stack_fields() != FIELDS:
+            return "the kernel's per-layer fields do not match"
+        for i, layer in enumerate(layers):
+            a, m = layer.self_attn, layer.mlp
+            if not isinstance(a.backend, CpuAttentionBackend):
+                return f"attention backend {a.backend.name!r}, not 'cpu'"
+            if a.o_proj.tp_size != 1 or a.qkv_proj.tp_size != 1:
+                return "tensor parallel"
+            linears = (a.qkv_proj, a.o_proj, m.gate_up_proj, m.down_proj)
+            if any(lin.cpu_packed is None or lin.weight.dtype != torch.float32 for lin in linears):
+                return f"layer {i}: a projection is not a packed fp32 weight"
+            if m.gate_up_proj.bias is not None or (m.gate_up_proj.weight.shape[0] // 2) % cpu_ops.PANEL:
+                return "gate/up projection with a bias or halves not 16-aligned"
+            if a.head_dim % cpu_ops.PANEL or a.num_heads % a.num_kv_heads:
+                return "head size not a multiple of 16, or query heads not a multiple of KV heads"
+            norms = [layer.input_layernorm, layer.post_attention_layernorm] + [n for n in (a.q_norm, a.k_norm) if n]
+            if any(n.eps != inner.norm.eps for n in norms) or a.scale != layers[0].self_attn.scale:
+                return "layers differ in norm eps or attention scale"
+        return None
+
+    def takes(self, x: torch.Tensor) -> bool:
+        """Whether this step's batch goes through the stack."""
+        return (SWITCH.on() and x.shape[0] >= 2 and x.dtype == torch.float32 and x.is_cpu
+                and cpu_ops.available())
+
+    def _bind_caches(self, kv_caches: list[torch.Tensor]) -> None:
+        ptrs = tuple(c.data_ptr() for c in kv_caches)
+        if ptrs == self._cache_ptrs:
+            return
+        if len(kv_caches) != self.table.shape[0]:
+            raise ValueError(f"{len(kv_caches)} KV caches for {self.table.shape[0]} layers")
+        for i, c in enumerate(kv_caches):
+            if (c.dtype != torch.float32 or not c.is_contiguous() or c.dim() != 5
+                    or tuple(c.shape[3:]) != (self.num_kv_heads, self.head_dim) or c.shape[0] != 2):
+                raise ValueError(f"KV cache {i} is not a contiguous fp32 [2, blocks, block_size, "
+                                 f"{self.num_kv_heads}, {self.head_dim}] tensor")
+            self.table[i, K_CACHE] = c[0].data_ptr()
+            self.table[i, V_CACHE] = c[1].data_ptr()
+        self.dims = torch.tensor([self.hidden, self.num_heads, self.num_kv_heads, self.head_dim, self.intermediate,
+                                  self.rot, kv_caches[0].shape[2]], dtype=torch.int64)
+        self._cache_ptrs = ptrs
+
+    def __call__(self, x: torch.Tensor, cos_sin, kv_caches: list[torch.Tensor],
+                 meta: AttentionMetadata) -> torch.Tensor:
+        """x [N, d] embedded tokens -> [N, d] hidden states after the final norm (as LlamaModel.forward)."""
+        self._bind_caches(kv_caches)
+        n = x.shape[0]
+        cos, sin = cos_sin
+        cos, sin = cos.reshape(n, self.rot).contiguous(), sin.reshape(n, self.rot).contiguous()
+        x = x.contiguous()
+        out = torch.empty((n, self.hidden), dtype=torch.float32)
+        cpu_ops.llama_stack(x, out, self.table, self.dims, self.eps, self.scale, self.final_norm, cos, sin,
+                            meta.slot_mapping, meta.num_decodes, meta.query_start_loc, meta.seq_lens,
+                            meta.block_tables)
+        return out
+
+
+def attach(model) -> Optional[CpuLayerStack]:
+    """Give a loaded Llama-family CPU model its layer stack where it applies; returns it (or None)."""
+    inner = getattr(model, "model", None)
+    if inner is None or not hasattr(inner, "cpu_stack"):
+        return None
+    inner.cpu_stack = None
+    if CpuLayerStack.supports(model) is None:
+        inner.cpu_stack = CpuLayerStack(model)
+    return inner.cpu_stack
