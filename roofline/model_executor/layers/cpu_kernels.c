@@ -187,16 +187,44 @@ static inline __attribute__((always_inline)) void scores_tile(const int GT, cons
 }
 #endif
 
+/* The block a pass reads next, fetched ahead of its loads a slice at a time.  Decode attention reads
+ * each 12 KB block (default model) once and computes on it for about as long as the read takes; left
+ * to the hardware, the two took turns (the kernel streamed ~15 GB/s where a plain read of the same
+ * blocks gets ~25).  Each head tile of a block now first issues its share of prefetches for the next
+ * block (the first V block after the last K block), so the next read overlaps this compute (64 x 200
+ * tokens x 30 layers, 2 threads, reference machine: ~35 -> ~27 ms).  Prefetch changes no value. */
+typedef struct {
+    const char *at, *end;
+    int64_t per_call;  /* lines per prefetch call */
+} ahead_t;
+
+static inline ahead_t ahead_of(const float *block, int64_t floats, int64_t calls) {
+    ahead_t a = {(const char *)block, (const char *)(block + floats), 0};
+    if (block) a.per_call = ((floats * (int64_t)sizeof(float) + 63) / 64 + calls - 1) / calls;
+    else a.at = a.end = 0;
+    return a;
+}
+
+static inline void fetch_ahead(ahead_t *a) {
+#ifdef HAVE_AVX2
+    for (int64_t i = 0; i < a->per_call && a->at < a->end; i++, a->at += 64) _mm_prefetch(a->at, _MM_HINT_T0);
+#else
+    (void)a;
+#endif
+}
+
 /* scores[g * S + t] = scale * q_g . k_t for query heads g < nh (kv head g / G) and the nt tokens of
- * one block; tracks each head's max in mx. */
+ * one block; tracks each head's max in mx; prefetches `next` over its head tiles. */
 static inline void block_scores(const float *qs, const float *kb, int64_t tok_stride, int64_t nt, int64_t nh,
-                                int64_t G, int64_t D, float scale, float *scores, int64_t S, int64_t t0, float *mx) {
+                                int64_t G, int64_t D, float scale, float *scores, int64_t S, int64_t t0, float *mx,
+                                ahead_t *next) {
 #ifdef HAVE_AVX2
     if ((D & 7) == 0) {
         const __m128 sc = _mm_set1_ps(scale);
         for (int64_t g = 0; g < nh;) {  /* tiles of up to 3 heads within one GQA group */
             const int64_t left = G - g % G, gt = left < 3 ? left : 3;
             const float *kg = kb + (g / G) * D;
+            fetch_ahead(next);
             if (gt == 3) scores_tile(3, qs + g * D, D, kg, tok_stride, nt, sc, scores + g * S + t0, S, mx + g);
             else if (gt == 2) scores_tile(2, qs + g * D, D, kg, tok_stride, nt, sc, scores + g * S + t0, S, mx + g);
             else scores_tile(1, qs + g * D, D, kg, tok_stride, nt, sc, scores + g * S + t0, S, mx + g);
@@ -205,6 +233,7 @@ static inline void block_scores(const float *qs, const float *kb, int64_t tok_st
         return;
     }
 #endif
+    (void)next;
     for (int64_t j = 0; j < nt; j++) {
         const float *row = kb + j * tok_stride;
         for (int64_t g = 0; g < nh; g++) {
@@ -268,9 +297,10 @@ static inline __attribute__((always_inline)) void values_tile(const int GT, cons
 }
 #endif
 
-/* acc_g += p_{g,t} v_t for query heads g < nh (kv head g / G) and the nt tokens of one block. */
+/* acc_g += p_{g,t} v_t for query heads g < nh (kv head g / G) and the nt tokens of one block;
+ * prefetches `next` over its head tiles and slices. */
 static inline void block_values(const float *scores, const float *vb, int64_t tok_stride, int64_t nt, int64_t nh,
-                                int64_t G, int64_t D, int64_t S, int64_t t0, float *acc) {
+                                int64_t G, int64_t D, int64_t S, int64_t t0, float *acc, ahead_t *next) {
 #ifdef HAVE_AVX2
     if ((D & 7) == 0) {
         for (int64_t g = 0; g < nh;) {  /* tiles of up to 3 heads within one GQA group */
@@ -278,10 +308,12 @@ static inline void block_values(const float *scores, const float *vb, int64_t to
             const float *vg = vb + (g / G) * D, *pg = scores + g * S + t0;
             int64_t i = 0;
             for (; i + 32 <= D; i += 32) {
+                fetch_ahead(next);
                 if (gt == 3) values_tile(3, pg, S, vg, tok_stride, nt, acc + g * D, D, i);
                 else if (gt == 2) values_tile(2, pg, S, vg, tok_stride, nt, acc + g * D, D, i);
                 else values_tile(1, pg, S, vg, tok_stride, nt, acc + g * D, D, i);
             }
+            if (i < D) fetch_ahead(next);
             for (; i < D; i += 8)  /* a head size that is not a multiple of 32: 8 wide */
                 for (int64_t h = 0; h < gt; h++) {
                     float *a = acc + (g + h) * D + i;
@@ -295,6 +327,7 @@ static inline void block_values(const float *scores, const float *vb, int64_t to
         return;
     }
 #endif
+    (void)next;
     for (int64_t j = 0; j < nt; j++) {
         const float *row = vb + j * tok_stride;
         for (int64_t g = 0; g < nh; g++) {
@@ -328,6 +361,11 @@ void paged_decode_attention_f32(const float *q, int64_t q_row_stride, float *out
     const int64_t spans = num_kv_heads / span;
     const int64_t items = num_seqs * spans;
     const int64_t nh = span * G;  /* query heads per item */
+    /* prefetching the next block (fetch_ahead) where an item reads whole token rows: the calls a
+     * block's head tiles (and 32-wide value slices) make, over which the next block's lines spread */
+    const int whole = span == num_kv_heads;
+    const int64_t tiles = span * ((G + 2) / 3);
+    const int64_t score_calls = tiles, value_calls = tiles * (D / 32 + (D % 32 ? 1 : 0));
 #pragma omp parallel num_threads(nthreads) if (items > 1)
     {
         int64_t cap = 0;
@@ -350,14 +388,23 @@ void paged_decode_attention_f32(const float *q, int64_t q_row_stride, float *out
             for (int64_t b = 0, t0 = 0; t0 < S; b++, t0 += block_size) {  /* pass 1: scores */
                 const int64_t nt = S - t0 < block_size ? S - t0 : block_size;
                 const float *kb = key_cache + (int64_t)bt[b] * block_size * tok_stride + kv0 * D;
-                block_scores(qs, kb, tok_stride, nt, nh, G, D, scale, scores, S, t0, mx);
+                /* next: K block b + 1, after the last one V block 0 (whole token rows only) */
+                const int64_t more = S - t0 - block_size;
+                ahead_t next = ahead_of(!whole ? 0 : more > 0 ? key_cache + (int64_t)bt[b + 1] * block_size * tok_stride
+                                                              : value_cache + (int64_t)bt[0] * block_size * tok_stride,
+                                        (more > 0 ? (more < block_size ? more : block_size) : (S < block_size ? S : block_size))
+                                            * tok_stride, score_calls);
+                block_scores(qs, kb, tok_stride, nt, nh, G, D, scale, scores, S, t0, mx, &next);
             }
             for (int64_t g = 0; g < nh; g++) sum[g] = softmax_numerators(scores + g * S, S, mx[g]);  /* pass 2 */
             memset(acc, 0, (size_t)(nh * D) * sizeof(float));
             for (int64_t b = 0, t0 = 0; t0 < S; b++, t0 += block_size) {  /* pass 3: weighted values */
                 const int64_t nt = S - t0 < block_size ? S - t0 : block_size;
                 const float *vb = value_cache + (int64_t)bt[b] * block_size * tok_stride + kv0 * D;
-                block_values(scores, vb, tok_stride, nt, nh, G, D, S, t0, acc);
+                const int64_t more = S - t0 - block_size;
+                ahead_t next = ahead_of(whole && more > 0 ? value_cache + (int64_t)bt[b + 1] * block_size * tok_stride : 0,
+                                        (more < block_size ? more : block_size) * tok_stride, value_calls);
+                block_values(scores, vb, tok_stride, nt, nh, G, D, S, t0, acc, &next);
             }
             for (int64_t g = 0; g < nh; g++) {
                 float *o = out + (sq * num_heads + kv0 * G + g) * D;
