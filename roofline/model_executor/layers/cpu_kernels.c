@@ -198,10 +198,18 @@ typedef struct {
     int64_t per_call;  /* lines per prefetch call */
 } ahead_t;
 
-static inline ahead_t ahead_of(const float *block, int64_t floats, int64_t calls) {
-    ahead_t a = {(const char *)block, (const char *)(block + floats), 0};
-    if (block) a.per_call = ((floats * (int64_t)sizeof(float) + 63) / 64 + calls - 1) / calls;
-    else a.at = a.end = 0;
+static const ahead_t NOTHING_AHEAD = {0, 0, 0};
+
+/* Block b of a sequence of S tokens in `cache` (whole token rows of tok_stride floats), its lines spread
+ * over `calls` prefetch calls; nothing past the sequence's last block. */
+static inline ahead_t block_ahead(const float *cache, const int32_t *bt, int64_t b, int64_t S, int64_t block_size,
+                                  int64_t tok_stride, int64_t calls) {
+    const int64_t left = S - b * block_size;
+    if (left <= 0) return NOTHING_AHEAD;
+    const float *block = cache + (int64_t)bt[b] * block_size * tok_stride;
+    const int64_t floats = (left < block_size ? left : block_size) * tok_stride;
+    ahead_t a = {(const char *)block, (const char *)(block + floats),
+                 ((floats * (int64_t)sizeof(float) + 63) / 64 + calls - 1) / calls};
     return a;
 }
 
@@ -389,11 +397,9 @@ void paged_decode_attention_f32(const float *q, int64_t q_row_stride, float *out
                 const int64_t nt = S - t0 < block_size ? S - t0 : block_size;
                 const float *kb = key_cache + (int64_t)bt[b] * block_size * tok_stride + kv0 * D;
                 /* next: K block b + 1, after the last one V block 0 (whole token rows only) */
-                const int64_t more = S - t0 - block_size;
-                ahead_t next = ahead_of(!whole ? 0 : more > 0 ? key_cache + (int64_t)bt[b + 1] * block_size * tok_stride
-                                                              : value_cache + (int64_t)bt[0] * block_size * tok_stride,
-                                        (more > 0 ? (more < block_size ? more : block_size) : (S < block_size ? S : block_size))
-                                            * tok_stride, score_calls);
+                ahead_t next = !whole ? NOTHING_AHEAD
+                               : t0 + block_size < S ? block_ahead(key_cache, bt, b + 1, S, block_size, tok_stride, score_calls)
+                                                     : block_ahead(value_cache, bt, 0, S, block_size, tok_stride, score_calls);
                 block_scores(qs, kb, tok_stride, nt, nh, G, D, scale, scores, S, t0, mx, &next);
             }
             for (int64_t g = 0; g < nh; g++) sum[g] = softmax_numerators(scores + g * S, S, mx[g]);  /* pass 2 */
@@ -401,9 +407,8 @@ void paged_decode_attention_f32(const float *q, int64_t q_row_stride, float *out
             for (int64_t b = 0, t0 = 0; t0 < S; b++, t0 += block_size) {  /* pass 3: weighted values */
                 const int64_t nt = S - t0 < block_size ? S - t0 : block_size;
                 const float *vb = value_cache + (int64_t)bt[b] * block_size * tok_stride + kv0 * D;
-                const int64_t more = S - t0 - block_size;
-                ahead_t next = ahead_of(whole && more > 0 ? value_cache + (int64_t)bt[b + 1] * block_size * tok_stride : 0,
-                                        (more < block_size ? more : block_size) * tok_stride, value_calls);
+                ahead_t next = whole ? block_ahead(value_cache, bt, b + 1, S, block_size, tok_stride, value_calls)
+                                     : NOTHING_AHEAD;
                 block_values(scores, vb, tok_stride, nt, nh, G, D, S, t0, acc, &next);
             }
             for (int64_t g = 0; g < nh; g++) {

@@ -233,13 +233,18 @@ def _attention_args(query: torch.Tensor, kv_cache: torch.Tensor, block_tables: t
     h, hk = query.shape[1], kv_cache.shape[3]
     if h % hk:
         raise ValueError(f"num_heads {h} must be a multiple of num_kv_heads {hk}")
-    tables = block_tables if block_tables.dtype == torch.int32 and block_tables.stride(-1) == 1 else (
-        block_tables.to(torch.int32).contiguous())
-    return hk, kv_cache.shape[2], tables
+    return hk, kv_cache.shape[2], _int32_rows(block_tables)
 
 
 def _int32(t: torch.Tensor) -> torch.Tensor:
     return t.to(torch.int32).contiguous()
+
+
+def _int32_rows(block_tables: torch.Tensor) -> torch.Tensor:
+    """Block tables as int32 with unit-stride rows (as given when they already are: a row slice stays a view)."""
+    if block_tables.dtype == torch.int32 and block_tables.stride(-1) == 1:
+        return block_tables
+    return block_tables.to(torch.int32).contiguous()
 
 
 def paged_decode_attention(query: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor,
@@ -365,8 +370,7 @@ def llama_stack(x: torch.Tensor, out: torch.Tensor, layers: torch.Tensor, dims: 
     int64 (d, H, H_kv, D, I, rot, block_size); cos/sin [N, rot]; the rest as in AttentionMetadata.
     The caller keeps every addressed tensor alive and checks shapes (llama_cpu_stack.CpuLayerStack)."""
     n = x.shape[0]
-    tables = block_tables if block_tables.dtype == torch.int32 and block_tables.stride(-1) == 1 else (
-        block_tables.to(torch.int32).contiguous())
+    tables = _int32_rows(block_tables)
     slots, qsl, lens = slot_mapping.to(torch.int64).contiguous(), _int32(query_start_loc), _int32(seq_lens)
     _need().llama_stack_f32(x.data_ptr(), out.data_ptr(), n, layers.data_ptr(), layers.shape[0], dims.data_ptr(),
                             eps, scale, final_norm.data_ptr(), cos.data_ptr(), sin.data_ptr(), slots.data_ptr(),
