@@ -124,14 +124,7 @@ class ModelRunner:
             return result
         # decodes first (stable order otherwise)
         items = sorted(out.scheduled, key=lambda s: len(s.token_ids) != 1)
-        graph_out = self.graph_runner.run(items) if self.graph_runner is not None else None
-        if graph_out is not None:  # decode-only batch replayed in a CUDA graph, logits included
-            hidden, qsl = graph_out.hidden, graph_out.query_start_loc_cpu
-        else:
-            input_ids, positions, meta = self._prepare(items)
-            hidden = self.model(input_ids, positions, self.kv_caches, meta)  # [N, d]
-            qsl = meta.query_start_loc_cpu
-
+        qsl = np.cumsum([0] + [len(s.token_ids) for s in items]).tolist()
         sample_rows, sample_reqs = [], []
         prompt_lp_jobs = []  # (req_id, first row, rows, next tokens, k)
         for r, s in enumerate(items):
@@ -149,6 +142,22 @@ class ModelRunner:
             if s.sample:
                 sample_rows.append(q1 - 1)
                 sample_reqs.append(s.req_id)
+
+        graph_out = self.graph_runner.run(items) if self.graph_runner is not None else None
+        if graph_out is not None:  # decode-only batch replayed in a CUDA graph, logits included
+            hidden = graph_out.hidden
+        else:
+            # only the rows read below leave the model (a chunk's earlier rows skip its last layer's MLP)
+            wanted = sorted(set(sample_rows).union(*(range(j[1], j[1] + j[2]) for j in prompt_lp_jobs)))
+            input_ids, positions, meta = self._prepare(items)
+            if len(wanted) < qsl[-1]:
+                at = {row: i for i, row in enumerate(wanted)}
+                sample_rows = [at[row] for row in sample_rows]
+                prompt_lp_jobs = [(rid, at[row0], n, nxt, k) for rid, row0, n, nxt, k in prompt_lp_jobs]
+                hidden = self.model(input_ids, positions, self.kv_caches, meta,
+                                    torch.tensor(wanted, dtype=torch.int64, device=self.device))
+            else:
+                hidden = self.model(input_ids, positions, self.kv_caches, meta)  # [N, d]
         for rid, row0, count, next_tokens, k in prompt_lp_jobs:
             logits = self.model.compute_logits(hidden[row0 : row0 + count])
             result.prompt_logprobs[rid] = self.prompt_logprobs_rows(logits, next_tokens, k)

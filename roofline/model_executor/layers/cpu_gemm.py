@@ -53,6 +53,11 @@ def use_packed(x: torch.Tensor) -> bool:
     return x.shape[0] >= PACKED_MIN_ROWS
 
 
+def routes_alike(rows_a: int, rows_b: int) -> bool:
+    """Whether batches of these many rows take the same route (so a row comes out the same bits in either)."""
+    return (rows_a >= PACKED_MIN_ROWS) == (rows_b >= PACKED_MIN_ROWS)
+
+
 def _takes_packed(x: torch.Tensor, packed: Optional[torch.Tensor]) -> bool:
     """An fp32 CPU batch [rows, in] of PACKED_MIN_ROWS or more, and a packed weight to multiply it with."""
     return (packed is not None and x.dtype == torch.float32 and x.device.type == "cpu" and x.dim() == 2

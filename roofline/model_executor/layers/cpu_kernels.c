@@ -921,7 +921,11 @@ void argmax_rows_f32(const float *x, int64_t ld, int64_t rows, int64_t n, int64_
  * Every layer of a step, with the kernels above called in the order the torch modules call them
  * (llama.py), so the result is bit-identical to the module path; what goes is the Python between
  * them (~8-10 ms a decode step of the default model: ~400 calls, their tensor allocations and views).
- *   x [N x d]: the embedded tokens (read only);  out [N x d]: the final RMSNorm of the residual stream
+ *   x [N x d]: the embedded tokens (read only);  out [nkeep x d]: the final RMSNorm of the residual stream
+ *   at rows keep[0..nkeep) (strictly increasing), or out [N x d] for every row when keep is NULL.  The
+ *   last layer drops the other rows once its attention has run (their K/V are in the cache by then):
+ *   O projection, MLP and final norm run on the kept rows only, so a prefill chunk whose hidden states
+ *   matter only at its last row skips ~5/6 of a layer for the rest (every row's value is unchanged).
  *   layers: STACK_FIELDS addresses per layer (see the enum; 0 = absent: no bias, no q/k norm)
  *   dims: d, H, H_kv, D, I (intermediate), rot (rotary dims), block_size
  *   cos/sin [N x rot];  slots [N] (int64);  requests: the first nd are decodes (one row each), the
@@ -940,12 +944,19 @@ static void qk_head_norm(float *qkv, int64_t W, int64_t rows, int64_t nheads, in
         }
 }
 
+/* rows keep[i] of m [* x w] moved to rows i (keep strictly increasing, so no row is overwritten unread) */
+static void keep_rows(float *m, int64_t w, const int32_t *keep, int64_t nkeep) {
+    for (int64_t i = 0; i < nkeep; i++)
+        if (keep[i] != i) memcpy(m + i * w, m + (int64_t)keep[i] * w, (size_t)w * sizeof(float));
+}
+
 int64_t llama_stack_fields(void) { return STACK_FIELDS; }
 
 void llama_stack_f32(const float *x, float *out, int64_t N, const int64_t *layers, int64_t nlayers,
                      const int64_t *dims, float eps, float scale, const float *final_norm, const float *cos,
                      const float *sin, const int64_t *slots, int64_t nd, int64_t nreq, const int32_t *qsl,
-                     const int32_t *seq_lens, const int32_t *tables, int64_t bt_stride, int nthreads) {
+                     const int32_t *seq_lens, const int32_t *tables, int64_t bt_stride, const int32_t *keep,
+                     int64_t nkeep, int nthreads) {
     const int64_t d = dims[0], H = dims[1], Hk = dims[2], D = dims[3], I = dims[4], rot = dims[5], bs = dims[6];
     const int64_t W = (H + 2 * Hk) * D, QD = H * D, KD = Hk * D;
     float *res = (float *)malloc((size_t)(N * d) * sizeof(float));   /* the residual stream */
@@ -955,6 +966,10 @@ void llama_stack_f32(const float *x, float *out, int64_t N, const int64_t *layer
     float *att = (float *)malloc((size_t)(N * QD) * sizeof(float));
     float *mid = (float *)malloc((size_t)(N * I) * sizeof(float));
     memcpy(res, x, (size_t)(N * d) * sizeof(float));
+    if (keep && nlayers == 0) {
+        keep_rows(res, d, keep, nkeep);
+        N = nkeep;
+    }
 #define F(l, f) ((const float *)(intptr_t)layers[(l) * STACK_FIELDS + (f)])
     for (int64_t l = 0; l < nlayers; l++) {
         float *kc = (float *)(intptr_t)layers[l * STACK_FIELDS + L_K_CACHE];
@@ -976,6 +991,11 @@ void llama_stack_f32(const float *x, float *out, int64_t N, const int64_t *layer
         if (nreq > nd)
             paged_prefill_attention_f32(qkv, W, att, kc, vc, tables + nd * bt_stride, bt_stride, qsl + nd,
                                         seq_lens + nd, nreq - nd, H, Hk, D, bs, scale, nthreads);
+        if (keep && l == nlayers - 1) {  /* from here on only the rows whose hidden states are wanted */
+            keep_rows(att, QD, keep, nkeep);
+            keep_rows(res, d, keep, nkeep);
+            N = nkeep;
+        }
         packed_gemm(att, QD, F(l, L_O), F(l, L_O_BIAS), y, d, N, QD, d, 0, nthreads);
         /* MLP: h = norm(res + y), res += y;  y = down(silu(gate h) * up h) */
         rms_norm_f32(y, res, F(l, L_POST_NORM), h, res, N, d, d, eps, nthreads);

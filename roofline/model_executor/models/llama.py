@@ -6,6 +6,9 @@ Qwen3 (per-head q/k RMSNorm).  One flat batch of N tokens from many requests goe
                 write k, v into the paged cache at slot_mapping; o = attention(q, cache, block tables)
                 x = x + o W_o;  x = x + down(silu(gate(h')) * up(h'))   with h' = RMSNorm(x)
     logits [T x V] = RMSNorm(x)[sample rows] W_lm^T
+The last layer drops the rows nobody reads once its attention has written and read the cache: a
+prefill chunk needs the hidden state of its last row only (unless prompt logprobs are asked for), so
+its O projection, MLP and final norm run on the wanted rows alone (`output_rows`).
 """
 
 from __future__ import annotations
@@ -50,7 +53,9 @@ class LlamaAttention(nn.Module):
         self.q_norm = RMSNorm(self.head_dim, eps) if qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, eps) if qk_norm else None
 
-    def forward(self, positions, x, kv_cache: torch.Tensor, meta: AttentionMetadata, cos_sin=None):
+    def forward(self, positions, x, kv_cache: torch.Tensor, meta: AttentionMetadata, cos_sin=None,
+                keep: Optional[torch.Tensor] = None):
+        """keep: only these rows' outputs are returned (the O projection runs on them alone)."""
         n = x.shape[0]
         qkv = self.qkv_proj(x)  # [N, (H + 2 H_kv) D]
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
@@ -61,8 +66,8 @@ class LlamaAttention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = self.rotary(positions, q, k, cos_sin)
         self.backend.write_kv(k, v, kv_cache, meta.slot_mapping)
-        o = self.backend.forward(q, kv_cache, meta, self.scale)  # [N, H, D]
-        return self.o_proj(o.reshape(n, self.q_size))
+        o = self.backend.forward(q, kv_cache, meta, self.scale).reshape(n, self.q_size)  # [N, H D]
+        return self.o_proj(o if keep is None else o[keep])
 
 
 class LlamaMLP(nn.Module):
@@ -93,13 +98,17 @@ class LlamaDecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
-    def forward(self, positions, x, residual: Optional[torch.Tensor], kv_cache, meta, cos_sin=None):
+    def forward(self, positions, x, residual: Optional[torch.Tensor], kv_cache, meta, cos_sin=None,
+                keep: Optional[torch.Tensor] = None):
+        """keep: row indices; every row's K/V still goes to the cache, but only these rows come out."""
         if residual is None:
             residual = x
             h = self.input_layernorm(x)
         else:
             h, residual = self.input_layernorm(x, residual)
-        h = self.self_attn(positions, h, kv_cache, meta, cos_sin)
+        h = self.self_attn(positions, h, kv_cache, meta, cos_sin, keep)
+        if keep is not None:
+            residual = residual[keep]
         h, residual = self.post_attention_layernorm(h, residual)
         return self.mlp(h), residual
 
@@ -114,17 +123,27 @@ class LlamaModel(nn.Module):
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.cpu_stack = None  # llama_cpu_stack.CpuLayerStack where it applies (set after loading, CPU)
 
-    def forward(self, input_ids, positions, kv_caches: list[torch.Tensor], meta: AttentionMetadata):
+    def forward(self, input_ids, positions, kv_caches: list[torch.Tensor], meta: AttentionMetadata,
+                output_rows: Optional[torch.Tensor] = None):
+        """-> [N, d] final hidden states, or [K, d] for output_rows (K increasing row indices) alone:
+        rows nobody reads (a prefill chunk's, but the last) leave the last layer after its attention."""
         x = self.embed_tokens(input_ids)
         residual = None
+        keep = output_rows
+        if keep is not None and x.is_cpu and not cpu_gemm.routes_alike(x.shape[0], keep.shape[0]):
+            keep = None  # a lone row would take the GEMV route, not its batch's: taken after the norm instead
         # every layer shares one rope table: look it up once per step, not once per layer
         cos_sin = self.layers[0].self_attn.rotary.cos_sin(positions, x.dtype) if self.layers else None
         if self.cpu_stack is not None and self.cpu_stack.takes(x):
-            return self.cpu_stack(x, cos_sin, kv_caches, meta)  # the same kernels, called from C
-        for layer, kv_cache in zip(self.layers, kv_caches):
-            x, residual = layer(positions, x, residual, kv_cache, meta, cos_sin)
-        x, _ = self.norm(x, residual)
-        return x
+            x = self.cpu_stack(x, cos_sin, kv_caches, meta, keep)  # the same kernels, called from C
+        else:
+            last = len(self.layers) - 1
+            for i, (layer, kv_cache) in enumerate(zip(self.layers, kv_caches)):
+                x, residual = layer(positions, x, residual, kv_cache, meta, cos_sin, keep if i == last else None)
+            if keep is not None and not self.layers:
+                x = x[keep]
+            x, _ = self.norm(x, residual)
+        return x if output_rows is None or keep is not None else x[output_rows]
 
 
 class LlamaForCausalLM(nn.Module):
@@ -152,8 +171,8 @@ class LlamaForCausalLM(nn.Module):
         if self.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
 
-    def forward(self, input_ids, positions, kv_caches, meta) -> torch.Tensor:
-        return self.model(input_ids, positions, kv_caches, meta)
+    def forward(self, input_ids, positions, kv_caches, meta, output_rows: Optional[torch.Tensor] = None) -> torch.Tensor:
+        return self.model(input_ids, positions, kv_caches, meta, output_rows)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head.compute_logits(hidden)

@@ -125,18 +125,20 @@ class CpuLayerStack:
                                   self.rot, kv_caches[0].shape[2]], dtype=torch.int64)
         self._cache_ptrs = ptrs
 
-    def __call__(self, x: torch.Tensor, cos_sin, kv_caches: list[torch.Tensor],
-                 meta: AttentionMetadata) -> torch.Tensor:
-        """x [N, d] embedded tokens -> [N, d] hidden states after the final norm (as LlamaModel.forward)."""
+    def __call__(self, x: torch.Tensor, cos_sin, kv_caches: list[torch.Tensor], meta: AttentionMetadata,
+                 output_rows: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """x [N, d] embedded tokens -> [N, d] hidden states after the final norm, or [K, d] for the
+        increasing row indices output_rows (as LlamaModel.forward)."""
         self._bind_caches(kv_caches)
         n = x.shape[0]
         cos, sin = cos_sin
         cos, sin = cos.reshape(n, self.rot).contiguous(), sin.reshape(n, self.rot).contiguous()
         x = x.contiguous()
-        out = torch.empty((n, self.hidden), dtype=torch.float32)
+        rows = n if output_rows is None else output_rows.shape[0]
+        out = torch.empty((rows, self.hidden), dtype=torch.float32)
         cpu_ops.llama_stack(x, out, self.table, self.dims, self.eps, self.scale, self.final_norm, cos, sin,
                             meta.slot_mapping, meta.num_decodes, meta.query_start_loc, meta.seq_lens,
-                            meta.block_tables)
+                            meta.block_tables, output_rows)
         return out
 
 
