@@ -77,13 +77,52 @@ def test_hidden_states_are_the_module_paths_bits(arch, block_size, tiny_models, 
                [{t: e.logprob for t, e in lp.items()} for lp in b.outputs[0].logprobs]
 
 
-def test_single_rows_and_other_dtypes_go_through_the_modules(tiny_models):
+@pytest.fixture
+def threads():
+    """Sets torch's thread count for one test (the single-row route depends on it)."""
+    before = torch.get_num_threads()
+    yield torch.set_num_threads
+    torch.set_num_threads(before)
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
+def test_a_single_stream_runs_in_the_stack_with_the_module_paths_bits(arch, tiny_models, threads, monkeypatch):
+    """One request decoding: with 2 threads each 1-row step goes through the stack's GEMV route, and
+    its hidden states are the modules' bits (their GEMV route over the same dense weights)."""
+    threads(2)
+    path, hf_model = tiny_models[arch]
+    llm, ref = _pair(path, num_kv_blocks=64)
+    assert _model(llm).model.cpu_stack.single_rows
+    prompt = random_prompts(1, hf_model.config.vocab_size, 20, 20, seed=3)
+    calls = []
+    real = cpu_ops.llama_stack
+    monkeypatch.setattr(cpu_ops, "llama_stack", lambda *a, **k: (calls.append(a[0].shape[0]), real(*a, **k)))
+    hidden_stack, seen = _record_forwards(llm), _record_forwards(ref)
+    with_stack = _run(llm, prompt, True)
+    assert calls.count(1) == 11, "every decode step (one row) ran in the stack"
+    modules = _run(ref, prompt, False)
+    assert len(calls) == 12 and len(seen) == len(hidden_stack) == 12
+    for a, b in zip(hidden_stack, seen):
+        assert torch.equal(a, b)
+    assert with_stack[0].outputs[0].token_ids == modules[0].outputs[0].token_ids
+    assert [{t: e.logprob for t, e in lp.items()} for lp in with_stack[0].outputs[0].logprobs] == \
+           [{t: e.logprob for t, e in lp.items()} for lp in modules[0].outputs[0].logprobs]
+
+
+def test_which_batches_it_takes(tiny_models, threads):
     path, _ = tiny_models["llama"]
     llm = LLM(path, dtype="float32", device="cpu", num_kv_blocks=64, show_progress=False)
     stack = _model(llm).model.cpu_stack
     d = stack.hidden
     assert stack.takes(torch.zeros(2, d))
-    assert not stack.takes(torch.zeros(1, d))  # one row: the modules' dense GEMV route
+    threads(2)
+    assert stack.takes(torch.zeros(1, d))  # one row, 2 threads: the native GEMV route, as in the modules
+    threads(1)
+    assert not stack.takes(torch.zeros(1, d))  # one row, 1 thread: the modules hand it to MKL
+    assert stack.takes(torch.zeros(2, d))
+    threads(2)
+    stack.single_rows = False  # dense weights without the GEMV layout: single rows stay with the modules
+    assert not stack.takes(torch.zeros(1, d))
     assert not stack.takes(torch.zeros(4, d, dtype=torch.float64))
     with llama_cpu_stack.SWITCH.forced(False):
         assert not stack.takes(torch.zeros(4, d))

@@ -53,6 +53,12 @@ def use_packed(x: torch.Tensor) -> bool:
     return x.shape[0] >= PACKED_MIN_ROWS
 
 
+def single_row_native() -> bool:
+    """Whether a single fp32 row goes through the native threaded GEMV (more than one thread and the
+    kernels loaded) rather than MKL's, for a weight stored [in x out]-major (cpu_ops.can_gemv)."""
+    return torch.get_num_threads() > 1 and cpu_ops.available()
+
+
 def routes_alike(rows_a: int, rows_b: int) -> bool:
     """Whether batches of these many rows take the same route (so a row comes out the same bits in either)."""
     return (rows_a >= PACKED_MIN_ROWS) == (rows_b >= PACKED_MIN_ROWS)
@@ -71,7 +77,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, packed: Optional[torch.Tensor]
         return cpu_ops.gemm_packed(x, packed, weight.shape[0], bias)
     if x.dtype != torch.float32 or x.device.type != "cpu":
         return F.linear(x, weight, bias)
-    if x.shape[0] == 1 and torch.get_num_threads() > 1 and cpu_ops.available() and cpu_ops.can_gemv(x, weight):
+    if x.shape[0] == 1 and single_row_native() and cpu_ops.can_gemv(x, weight):
         return cpu_ops.gemv(x, weight, bias)
     return F.linear(x, weight, bias)
 

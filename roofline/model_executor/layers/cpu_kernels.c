@@ -926,13 +926,25 @@ void argmax_rows_f32(const float *x, int64_t ld, int64_t rows, int64_t n, int64_
  *   last layer drops the other rows once its attention has run (their K/V are in the cache by then):
  *   O projection, MLP and final norm run on the kept rows only, so a prefill chunk whose hidden states
  *   matter only at its last row skips ~5/6 of a layer for the rest (every row's value is unchanged).
- *   layers: STACK_FIELDS addresses per layer (see the enum; 0 = absent: no bias, no q/k norm)
+ *   layers: STACK_FIELDS addresses per layer (see the enum; 0 = absent: no bias, no q/k norm): the
+ *   projections' packed panels, and their dense [in x out]-major weights for a single row (see project;
+ *   a single row's gate/up runs as GEMV then silu_and_mul_f32, as in the modules)
  *   dims: d, H, H_kv, D, I (intermediate), rot (rotary dims), block_size
  *   cos/sin [N x rot];  slots [N] (int64);  requests: the first nd are decodes (one row each), the
  *   rest prefill chunks (query_start_loc qsl [R+1], seq_lens [R], block tables [R x bt_stride]).
  * Scratch (residual, normed rows, qkv, attention output, MLP rows) is allocated here per call. */
 enum { L_IN_NORM, L_QKV, L_QKV_BIAS, L_Q_NORM, L_K_NORM, L_O, L_O_BIAS, L_POST_NORM, L_GATE_UP, L_DOWN,
-       L_DOWN_BIAS, L_K_CACHE, L_V_CACHE, STACK_FIELDS };
+       L_DOWN_BIAS, L_QKV_DENSE, L_O_DENSE, L_GATE_UP_DENSE, L_DOWN_DENSE, L_K_CACHE, L_V_CACHE, STACK_FIELDS };
+
+/* c = a W^T (+ bias) for rows a [N x K] (row stride lda) -> c [N x Nout] (row stride ldc): the route
+ * cpu_gemm.linear takes for the same rows, so values match the modules' bit for bit.  Batches of 2+
+ * rows multiply the packed panels; a single row runs the threaded GEMV over the dense weight stored
+ * [in x out]-major (`dense`, 0 where the caller takes no single rows). */
+static void project(const float *a, int64_t lda, const float *packed, const float *dense, const float *bias,
+                    float *c, int64_t ldc, int64_t N, int64_t K, int64_t Nout, int nthreads) {
+    if (N == 1 && dense) gemv_f32(a, dense, bias, c, K, Nout, Nout, nthreads);
+    else packed_gemm(a, lda, packed, bias, c, ldc, N, K, Nout, 0, nthreads);
+}
 
 static void qk_head_norm(float *qkv, int64_t W, int64_t rows, int64_t nheads, int64_t D, const float *w, float eps,
                          int nthreads) {
@@ -965,6 +977,7 @@ void llama_stack_f32(const float *x, float *out, int64_t N, const int64_t *layer
     float *qkv = (float *)malloc((size_t)(N * W) * sizeof(float));
     float *att = (float *)malloc((size_t)(N * QD) * sizeof(float));
     float *mid = (float *)malloc((size_t)(N * I) * sizeof(float));
+    float *gate_up = (float *)malloc((size_t)(2 * I) * sizeof(float)); /* a lone row's [gate; up] */
     memcpy(res, x, (size_t)(N * d) * sizeof(float));
     if (keep && nlayers == 0) {
         keep_rows(res, d, keep, nkeep);
@@ -978,7 +991,7 @@ void llama_stack_f32(const float *x, float *out, int64_t N, const int64_t *layer
         if (l == 0) rms_norm_f32(res, 0, F(l, L_IN_NORM), h, 0, N, d, d, eps, nthreads);
         else rms_norm_f32(y, res, F(l, L_IN_NORM), h, res, N, d, d, eps, nthreads);
         /* attention: qkv = h W_qkv^T (+ b);  q, k normed per head (Qwen3);  rope;  cache write */
-        packed_gemm(h, d, F(l, L_QKV), F(l, L_QKV_BIAS), qkv, W, N, d, W, 0, nthreads);
+        project(h, d, F(l, L_QKV), F(l, L_QKV_DENSE), F(l, L_QKV_BIAS), qkv, W, N, d, W, nthreads);
         if (F(l, L_Q_NORM)) {
             qk_head_norm(qkv, W, N, H, D, F(l, L_Q_NORM), eps, nthreads);
             qk_head_norm(qkv + QD, W, N, Hk, D, F(l, L_K_NORM), eps, nthreads);
@@ -996,11 +1009,16 @@ void llama_stack_f32(const float *x, float *out, int64_t N, const int64_t *layer
             keep_rows(res, d, keep, nkeep);
             N = nkeep;
         }
-        packed_gemm(att, QD, F(l, L_O), F(l, L_O_BIAS), y, d, N, QD, d, 0, nthreads);
+        project(att, QD, F(l, L_O), F(l, L_O_DENSE), F(l, L_O_BIAS), y, d, N, QD, d, nthreads);
         /* MLP: h = norm(res + y), res += y;  y = down(silu(gate h) * up h) */
         rms_norm_f32(y, res, F(l, L_POST_NORM), h, res, N, d, d, eps, nthreads);
-        packed_gemm(h, d, F(l, L_GATE_UP), 0, mid, I, N, d, I, 1, nthreads);
-        packed_gemm(mid, I, F(l, L_DOWN), F(l, L_DOWN_BIAS), y, d, N, I, d, 0, nthreads);
+        if (N == 1 && F(l, L_GATE_UP_DENSE)) {
+            gemv_f32(h, F(l, L_GATE_UP_DENSE), 0, gate_up, d, 2 * I, 2 * I, nthreads);
+            silu_and_mul_f32(gate_up, mid, 1, I, nthreads);
+        } else {
+            packed_gemm(h, d, F(l, L_GATE_UP), 0, mid, I, N, d, I, 1, nthreads);
+        }
+        project(mid, I, F(l, L_DOWN), F(l, L_DOWN_DENSE), F(l, L_DOWN_BIAS), y, d, N, I, d, nthreads);
     }
 #undef F
     if (nlayers > 0) rms_norm_f32(y, res, final_norm, out, res, N, d, d, eps, nthreads);
@@ -1011,4 +1029,5 @@ void llama_stack_f32(const float *x, float *out, int64_t N, const int64_t *layer
     free(qkv);
     free(att);
     free(mid);
+    free(gate_up);
 }

@@ -12,8 +12,10 @@ path (tested), only the interpreter is gone.
 It applies (`attach` sets `model.model.cpu_stack`) to an fp32 model on the CPU with the native kernels
 loaded, tensor_parallel_size 1, the 'cpu' attention backend, every projection packed, a gate/up
 projection without bias whose halves are 16-aligned and a head size that is a multiple of 16; and
-per step (`takes`) to batches of 2 or more rows (a single row goes through the modules' dense GEMV
-route).  Anywhere else the modules run, and they stay the reference.  Switch: ROOFLINE_CPU_LAYER_STACK
+per step (`takes`) to batches of 2 or more rows, and to a single row (one stream decoding) where the
+modules would run it through the native GEMV over the dense [in x out]-major weights (more than one
+thread): the stack then takes the same route (with one thread the modules hand a single row to MKL).
+Anywhere else the modules run, and they stay the reference.  Switch: ROOFLINE_CPU_LAYER_STACK
 (on by default; `SWITCH.forced(False)` for A/B runs).
 """
 
@@ -25,13 +27,19 @@ import torch
 
 from roofline.attention.backend import AttentionMetadata
 from roofline.config import Switch
-from roofline.model_executor.layers import cpu_ops
+from roofline.model_executor.layers import cpu_gemm, cpu_ops
 
 SWITCH = Switch("ROOFLINE_CPU_LAYER_STACK")
 
 # per-layer address slots, in the order of the enum in cpu_kernels.c
-IN_NORM, QKV, QKV_BIAS, Q_NORM, K_NORM, O, O_BIAS, POST_NORM, GATE_UP, DOWN, DOWN_BIAS, K_CACHE, V_CACHE = range(13)
-FIELDS = 13
+(IN_NORM, QKV, QKV_BIAS, Q_NORM, K_NORM, O, O_BIAS, POST_NORM, GATE_UP, DOWN, DOWN_BIAS,
+ QKV_DENSE, O_DENSE, GATE_UP_DENSE, DOWN_DENSE, K_CACHE, V_CACHE) = range(17)
+FIELDS = 17
+
+
+def _gemv_layout(weight: torch.Tensor) -> bool:
+    """A dense weight [out, in] stored [in x out]-major, as cpu_ops.gemv reads it (cpu_gemm.relayout)."""
+    return weight.dim() == 2 and weight.stride(0) == 1 and weight.stride(1) == weight.shape[0]
 
 
 def _addr(t: Optional[torch.Tensor]) -> int:
@@ -54,8 +62,18 @@ class CpuLayerStack:
         self.final_norm = inner.norm.weight.detach()
         self.table = torch.zeros((len(layers), FIELDS), dtype=torch.int64)
         self._keep = []  # every addressed tensor, alive as long as the table
+        # a single row takes the modules' GEMV route over the dense weights where they have its layout
+        self.single_rows = all(_gemv_layout(lin.weight) for layer in layers for lin in
+                               (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj,
+                                layer.mlp.down_proj))
         for i, layer in enumerate(layers):
             a, m = layer.self_attn, layer.mlp
+            if self.single_rows:
+                for slot, lin in ((QKV_DENSE, a.qkv_proj), (O_DENSE, a.o_proj), (GATE_UP_DENSE, m.gate_up_proj),
+                                  (DOWN_DENSE, m.down_proj)):
+                    w = lin.weight.detach()
+                    self._keep.append(w)
+                    self.table[i, slot] = w.data_ptr()
             row = {
                 IN_NORM: layer.input_layernorm.weight, QKV: a.qkv_proj.cpu_packed, QKV_BIAS: a.qkv_proj.bias,
                 Q_NORM: a.q_norm.weight if a.q_norm is not None else None,
@@ -105,8 +123,9 @@ class CpuLayerStack:
 
     def takes(self, x: torch.Tensor) -> bool:
         """Whether this step's batch goes through the stack."""
-        return (SWITCH.on() and x.shape[0] >= 2 and x.dtype == torch.float32 and x.is_cpu
-                and cpu_ops.available())
+        rows = x.shape[0]
+        return (SWITCH.on() and x.dtype == torch.float32 and x.is_cpu and cpu_ops.available()
+                and (rows >= 2 or rows == 1 and self.single_rows and cpu_gemm.single_row_native()))
 
     def _bind_caches(self, kv_caches: list[torch.Tensor]) -> None:
         ptrs = tuple(c.data_ptr() for c in kv_caches)
