@@ -236,9 +236,12 @@ def test_without_a_compiler_everything_falls_back_to_torch(tmp_path):
     assert "native CPU kernels unavailable" in r.stderr
 
 
-@pytest.mark.parametrize("threads", [1, 2])
-@pytest.mark.parametrize("k,n,bias", [(576, 960, False), (64, 3000, True), (7, 5, True), (1536, 2100, False)])
+@pytest.mark.parametrize("threads", [1, 2, 3])
+@pytest.mark.parametrize("k,n,bias", [(576, 960, False), (64, 3000, True), (7, 5, True), (1536, 2100, False),
+                                      (101, 37, True)])
 def test_gemv_matches_linear(threads, k, n, bias):
+    """Each thread sums a run of weight rows (uneven runs: k=101 over 2 or 3 threads), then the partials
+    are added up per column."""
     g = torch.Generator().manual_seed(k + n)
     weight = torch.randn(k, n, generator=g).t()  # [out x in] values, stored [in x out]-major
     b = torch.randn(n, generator=g) if bias else None

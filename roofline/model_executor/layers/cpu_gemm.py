@@ -16,8 +16,8 @@ compiler, ROOFLINE_CPU_KERNELS=0) nothing is packed and F.linear runs as before.
 
 A single row (one stream decoding) is a GEMV, bound by streaming the weights: MKL's runs on one
 thread whatever torch's thread count, so with more than one thread the native kernel
-(cpu_ops.gemv: output columns split among the threads) reads the dense [in x out] weight instead
-(2 threads on the reference machine: ~22 vs ~17 GB/s); on one thread MKL's stays (it streams a
+(cpu_ops.gemv: each thread streams a run of whole weight rows) reads the dense [in x out] weight
+instead (2 threads on the reference machine: ~25-30 vs ~17 GB/s); on one thread MKL's stays (it streams a
 weight from DRAM faster than a 1-row panel tile).
 """
 

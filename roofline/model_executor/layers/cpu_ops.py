@@ -309,7 +309,7 @@ def can_gemv(x: torch.Tensor, weight: torch.Tensor) -> bool:
 
 
 def gemv(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """x [1, in] @ weight[out, in]^T (+ bias) -> [1, out], threads splitting the output columns."""
+    """x [1, in] @ weight[out, in]^T (+ bias) -> [1, out], threads splitting the weight's rows (inputs)."""
     n, k = weight.shape
     y = torch.empty((1, n), dtype=torch.float32)
     b = None if bias is None else bias.contiguous()
