@@ -65,6 +65,23 @@ def test_which_batches_take_the_packed_weight():
     assert cpu_gemm.use_packed(torch.empty(2, 8)) and cpu_gemm.use_packed(torch.empty(4096, 8))
 
 
+@pytest.mark.parametrize("threads", [1, 2])
+def test_a_single_row_takes_the_native_gemv_over_the_dense_weight(threads):
+    """Whatever the thread count (the layer stack takes the same route for a lone row)."""
+    g = torch.Generator().manual_seed(threads)
+    w = torch.randn(40, 24, generator=g).t().contiguous().t()  # [in x out]-major, as cpu_gemm.relayout stores it
+    b = torch.randn(40, generator=g)
+    x = torch.randn(1, 24, generator=g)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        got, native = cpu_gemm.linear(x, w, cpu_gemm.pack(w), b), cpu_ops.gemv(x, w, b)
+    finally:
+        torch.set_num_threads(before)
+    assert torch.equal(got, native)
+    torch.testing.assert_close(got, reference(x, w, b), atol=1e-5, rtol=1e-5)
+
+
 def test_pack_model_layers_give_the_dense_results():
     torch.manual_seed(0)
     model = torch.nn.ModuleDict({

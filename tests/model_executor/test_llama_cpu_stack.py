@@ -85,11 +85,12 @@ def threads():
     torch.set_num_threads(before)
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
-def test_a_single_stream_runs_in_the_stack_with_the_module_paths_bits(arch, tiny_models, threads, monkeypatch):
-    """One request decoding: with 2 threads each 1-row step goes through the stack's GEMV route, and
-    its hidden states are the modules' bits (their GEMV route over the same dense weights)."""
-    threads(2)
+@pytest.mark.parametrize("arch,num_threads", [("llama", 2), ("qwen2", 2), ("qwen3", 2), ("llama", 1)])
+def test_a_single_stream_runs_in_the_stack_with_the_module_paths_bits(arch, num_threads, tiny_models, threads,
+                                                                      monkeypatch):
+    """One request decoding: each 1-row step goes through the stack's GEMV route, and its hidden
+    states are the modules' bits (their GEMV route over the same dense weights)."""
+    threads(num_threads)
     path, hf_model = tiny_models[arch]
     llm, ref = _pair(path, num_kv_blocks=64)
     assert _model(llm).model.cpu_stack.single_rows
@@ -114,13 +115,10 @@ def test_which_batches_it_takes(tiny_models, threads):
     llm = LLM(path, dtype="float32", device="cpu", num_kv_blocks=64, show_progress=False)
     stack = _model(llm).model.cpu_stack
     d = stack.hidden
-    assert stack.takes(torch.zeros(2, d))
-    threads(2)
-    assert stack.takes(torch.zeros(1, d))  # one row, 2 threads: the native GEMV route, as in the modules
-    threads(1)
-    assert not stack.takes(torch.zeros(1, d))  # one row, 1 thread: the modules hand it to MKL
-    assert stack.takes(torch.zeros(2, d))
-    threads(2)
+    for n in (1, 2):
+        threads(n)
+        assert stack.takes(torch.zeros(2, d))
+        assert stack.takes(torch.zeros(1, d))  # one row: the native GEMV route, as in the modules
     stack.single_rows = False  # dense weights without the GEMV layout: single rows stay with the modules
     assert not stack.takes(torch.zeros(1, d))
     assert not stack.takes(torch.zeros(4, d, dtype=torch.float64))

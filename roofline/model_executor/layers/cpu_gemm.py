@@ -1,5 +1,5 @@
 """How the fp32 projections of a model on the CPU run: natively packed weights for batches, a
-threaded native GEMV (or MKL) for single rows.
+threaded native GEMV for single rows.
 
 torch's default CPU GEMM (MKL) re-packs the weight matrix on every call; at decode batch sizes that
 packing is a large share of the work, and a batch of a few dozen rows is too short for its blocking
@@ -14,11 +14,11 @@ and loaders, tied embeddings and tests read it.  That doubles the CPU memory of 
 pays on the small models a CPU serves.  Without the native kernels (no C
 compiler, ROOFLINE_CPU_KERNELS=0) nothing is packed and F.linear runs as before.
 
-A single row (one stream decoding) is a GEMV, bound by streaming the weights: MKL's runs on one
-thread whatever torch's thread count, so with more than one thread the native kernel
-(cpu_ops.gemv: each thread streams a run of whole weight rows) reads the dense [in x out] weight
-instead (2 threads on the reference machine: ~25-30 vs ~17 GB/s); on one thread MKL's stays (it streams a
-weight from DRAM faster than a 1-row panel tile).
+A single row (one stream decoding) is a GEMV, bound by streaming the weights: the native kernel
+(cpu_ops.gemv: each thread streams a run of whole weight rows) reads the dense [in x out] weight, which
+streams from DRAM faster than a 1-row panel tile.  MKL's GEMV runs on one thread whatever torch's
+thread count (2 threads on the reference machine: native ~25-30 vs MKL ~17 GB/s; on one thread the
+two are even, ~15-16 GB/s over the default model's projections).
 """
 
 from __future__ import annotations
@@ -30,8 +30,7 @@ import torch.nn.functional as F
 
 from roofline.model_executor.layers import cpu_ops
 
-# One row uses the dense weight: MKL (one thread) / the native GEMV (more) stream it from memory
-# faster than a one-row panel tile.
+# One row uses the dense weight: the native GEMV streams it from memory faster than a one-row panel tile.
 PACKED_MIN_ROWS = 2
 
 
@@ -53,12 +52,6 @@ def use_packed(x: torch.Tensor) -> bool:
     return x.shape[0] >= PACKED_MIN_ROWS
 
 
-def single_row_native() -> bool:
-    """Whether a single fp32 row goes through the native threaded GEMV (more than one thread and the
-    kernels loaded) rather than MKL's, for a weight stored [in x out]-major (cpu_ops.can_gemv)."""
-    return torch.get_num_threads() > 1 and cpu_ops.available()
-
-
 def routes_alike(rows_a: int, rows_b: int) -> bool:
     """Whether batches of these many rows take the same route (so a row comes out the same bits in either)."""
     return (rows_a >= PACKED_MIN_ROWS) == (rows_b >= PACKED_MIN_ROWS)
@@ -77,7 +70,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, packed: Optional[torch.Tensor]
         return cpu_ops.gemm_packed(x, packed, weight.shape[0], bias)
     if x.dtype != torch.float32 or x.device.type != "cpu":
         return F.linear(x, weight, bias)
-    if x.shape[0] == 1 and single_row_native() and cpu_ops.can_gemv(x, weight):
+    if x.shape[0] == 1 and cpu_ops.available() and cpu_ops.can_gemv(x, weight):
         return cpu_ops.gemv(x, weight, bias)
     return F.linear(x, weight, bias)
 

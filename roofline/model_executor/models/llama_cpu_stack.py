@@ -12,9 +12,8 @@ path (tested), only the interpreter is gone.
 It applies (`attach` sets `model.model.cpu_stack`) to an fp32 model on the CPU with the native kernels
 loaded, tensor_parallel_size 1, the 'cpu' attention backend, every projection packed, a gate/up
 projection without bias whose halves are 16-aligned and a head size that is a multiple of 16; and
-per step (`takes`) to batches of 2 or more rows, and to a single row (one stream decoding) where the
-modules would run it through the native GEMV over the dense [in x out]-major weights (more than one
-thread): the stack then takes the same route (with one thread the modules hand a single row to MKL).
+per step (`takes`) to batches of 2 or more rows and to single rows (one stream decoding), which go
+through the native GEMV over the dense [in x out]-major weights there as in the modules.
 Anywhere else the modules run, and they stay the reference.  Switch: ROOFLINE_CPU_LAYER_STACK
 (on by default; `SWITCH.forced(False)` for A/B runs).
 """
@@ -27,7 +26,7 @@ import torch
 
 from roofline.attention.backend import AttentionMetadata
 from roofline.config import Switch
-from roofline.model_executor.layers import cpu_gemm, cpu_ops
+from roofline.model_executor.layers import cpu_ops
 
 SWITCH = Switch("ROOFLINE_CPU_LAYER_STACK")
 
@@ -125,7 +124,7 @@ class CpuLayerStack:
         """Whether this step's batch goes through the stack."""
         rows = x.shape[0]
         return (SWITCH.on() and x.dtype == torch.float32 and x.is_cpu and cpu_ops.available()
-                and (rows >= 2 or rows == 1 and self.single_rows and cpu_gemm.single_row_native()))
+                and (rows >= 2 or rows == 1 and self.single_rows))
 
     def _bind_caches(self, kv_caches: list[torch.Tensor]) -> None:
         ptrs = tuple(c.data_ptr() for c in kv_caches)
