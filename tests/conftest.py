@@ -18,6 +18,23 @@ def default_llm():
 
 
 @pytest.fixture(scope="session")
+def smollm2_on(request):
+    """device -> an fp32 engine on the default model: the session's CPU engine, or one built on CUDA."""
+    engines = {}
+
+    def get(device):
+        if device == "cpu":
+            return request.getfixturevalue("default_llm")
+        if device not in engines:
+            from roofline import LLM
+
+            engines[device] = LLM(dtype="float32", device=device, num_kv_blocks=1024, show_progress=False)
+        return engines[device]
+
+    return get
+
+
+@pytest.fixture(scope="session")
 def hf_default_model():
     from transformers import AutoModelForCausalLM
 

@@ -228,6 +228,7 @@ class CudaGraphRunner:
         self.logits_out: Optional[torch.Tensor] = None  # [max B, V]
         self.graphs: dict[int, "torch.cuda.CUDAGraph"] = {}
         self.capture_seconds = 0.0
+        self.num_replays = 0  # decode steps run by replaying a captured graph
 
     # the body of every graph
     def forward_static(self, batch_size: int) -> None:
@@ -282,6 +283,7 @@ class CudaGraphRunner:
         graph = self.graphs.get(b)
         if graph is not None:
             graph.replay()
+            self.num_replays += 1
         else:
             self.forward_static(b)
         r = len(items)

@@ -38,8 +38,8 @@ def make_batch(specs, *, block_size, num_heads, num_kv_heads, head_dim, dtype=to
     unused = perm[used:]
     n = qsl[-1]
     kv_cache = torch.randn(2, num_blocks, block_size, num_kv_heads, head_dim, generator=g).to(dtype)
-    if qkv_view:  # query as a strided view of a fused qkv projection
-        qkv = torch.randn(n, (num_heads + 2 * num_kv_heads) * head_dim, generator=g).to(dtype)
+    if qkv_view:  # query as a strided view of a fused qkv projection (made on the device: .to() would copy it)
+        qkv = torch.randn(n, (num_heads + 2 * num_kv_heads) * head_dim, generator=g).to(dtype).to(device)
         query = qkv[:, : num_heads * head_dim].view(n, num_heads, head_dim)
     else:
         query = torch.randn(n, num_heads, head_dim, generator=g).to(dtype)

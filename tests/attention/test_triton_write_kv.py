@@ -33,10 +33,10 @@ def test_write_kv_slots(dtype, block_size, num_kv_heads, head_dim):
     kv_cache = torch.randn(2, num_blocks, block_size, num_kv_heads, head_dim, generator=g).to(dtype).to(DEVICE)
     slots = torch.randperm(num_blocks * block_size, generator=g)[:n].to(torch.int64)
     slots[[2, 7]] = -1  # padding rows: must be skipped
-    # key/value as strided views of a fused buffer, like a qkv split.
-    fused = torch.randn(n, 3, num_kv_heads, head_dim, generator=g).to(dtype)
+    # key/value as strided views of a fused buffer on the device, like a qkv split.
+    fused = torch.randn(n, 3, num_kv_heads, head_dim, generator=g).to(dtype).to(DEVICE)
     key, value = fused[:, 1], fused[:, 2]
-    key, value, slots = key.to(DEVICE), value.to(DEVICE), slots.to(DEVICE)
+    slots = slots.to(DEVICE)
     assert not key.is_contiguous()
 
     exp = _expected(kv_cache, key, value, slots)

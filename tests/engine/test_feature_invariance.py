@@ -1,6 +1,7 @@
 """Every engine feature leaves greedy output unchanged: prefix caching on/off, a token budget as
 small as 16 (chunked prefill), a pool so small that preemption happens (recompute and swap),
-block sizes 1/16/32, max_num_seqs=1 versus everything together."""
+block sizes 1/16/32, max_num_seqs=1 versus everything together.  On CUDA too where the machine has a
+GPU (against HF on the same GPU)."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import random
 import pytest
 
 from roofline import LLM, SamplingParams
-from tests.reference.hf_models import hf_greedy
+from tests.reference.hf_models import hf_greedy, hf_on, parity_devices
 
 GREEDY = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
 
@@ -24,8 +25,8 @@ def shared_prefix_prompts(vocab: int, n: int = 8, seed: int = 0) -> list[list[in
     return prompts
 
 
-def run(path, prompts, **engine_args):
-    llm = LLM(path, dtype="float32", device="cpu", show_progress=False, **engine_args)
+def run(path, prompts, device="cpu", **engine_args):
+    llm = LLM(path, dtype="float32", device=device, show_progress=False, **engine_args)
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY, use_tqdm=False)
     stats = llm.llm_engine.get_stats()
     # every block back in the pool (cached ones are free too)
@@ -35,10 +36,18 @@ def run(path, prompts, **engine_args):
 
 @pytest.fixture(scope="module")
 def tiny(tiny_models):
+    """device -> (checkpoint, prompts, HF greedy outputs on that device)."""
     path, hf_model = tiny_models["llama"]
     prompts = shared_prefix_prompts(hf_model.config.vocab_size)
-    reference = [hf_greedy(hf_model, p, GREEDY.max_tokens) for p in prompts]
-    return path, prompts, reference
+    references = {}
+
+    def get(device):
+        if device not in references:
+            ref_model = hf_on(hf_model, device)
+            references[device] = [hf_greedy(ref_model, p, GREEDY.max_tokens) for p in prompts]
+        return path, prompts, references[device]
+
+    return get
 
 
 VARIANTS = {
@@ -53,10 +62,11 @@ VARIANTS = {
 }
 
 
+@pytest.mark.parametrize("device", parity_devices())
 @pytest.mark.parametrize("variant", list(VARIANTS))
-def test_tiny_llama_greedy_unchanged(tiny, variant):
-    path, prompts, reference = tiny
-    outs, stats = run(path, prompts, **VARIANTS[variant])
+def test_tiny_llama_greedy_unchanged(tiny, variant, device):
+    path, prompts, reference = tiny(device)
+    outs, stats = run(path, prompts, device, **VARIANTS[variant])
     assert outs == reference
     if variant.startswith("preempt"):
         assert stats.num_preemptions > 0
@@ -64,8 +74,10 @@ def test_tiny_llama_greedy_unchanged(tiny, variant):
         assert stats.prefix_cache_hits > 0
 
 
-def test_smollm2_features_unchanged(default_llm):
+@pytest.mark.parametrize("device", parity_devices())
+def test_smollm2_features_unchanged(device, smollm2_on):
     """The real model: caching off + budget 16 + block size 32, and a tiny pool that preempts (swap)."""
+    default_llm = smollm2_on(device)
     tok = default_llm.get_tokenizer()
     system = "You are a careful assistant. Answer briefly and precisely. "
     questions = ["Name a red fruit.", "What is 2+2?", "Give me a color.", "Say hello in French.", "Name a planet."]
@@ -75,10 +87,10 @@ def test_smollm2_features_unchanged(default_llm):
                           add_special_tokens=False) for q in questions]
     base = [o.outputs[0].token_ids for o in default_llm.generate(
         [{"prompt_token_ids": p} for p in prompts], GREEDY, use_tqdm=False)]
-    a, _ = run(None, prompts, num_kv_blocks=64, enable_prefix_caching=False, max_num_batched_tokens=16,
+    a, _ = run(None, prompts, device, num_kv_blocks=64, enable_prefix_caching=False, max_num_batched_tokens=16,
                block_size=32)
     assert a == base
-    b, stats = run(None, prompts, num_kv_blocks=12, block_size=16, preemption_mode="swap", swap_space=0.05,
+    b, stats = run(None, prompts, device, num_kv_blocks=12, block_size=16, preemption_mode="swap", swap_space=0.05,
                    max_model_len=512)
     assert stats.num_preemptions > 0
     assert b == base

@@ -1,5 +1,7 @@
-"""Same function as the reference: greedy tokens identical to HF transformers in fp32 on CPU,
-and top-5 logprobs within 1e-3 of HF's log-softmax."""
+"""Same function as the reference: greedy tokens identical to HF transformers in fp32, and top-5
+logprobs within 1e-3 of HF's log-softmax.  On the CPU always; on CUDA too where the machine has a GPU
+(our engine on CUDA -- Triton attention, fused ops, CUDA graphs for decodes -- against HF on the same
+GPU, both fp32)."""
 
 from __future__ import annotations
 
@@ -7,7 +9,9 @@ import pytest
 import torch
 
 from roofline import LLM, SamplingParams
-from tests.reference.hf_models import hf_greedy, hf_logprobs, random_prompts
+from tests.reference.hf_models import hf_greedy, hf_logprobs, hf_on, parity_devices, random_prompts
+
+DEVICES = parity_devices()
 
 CHATS = [
     "What is the capital of France?",
@@ -22,7 +26,10 @@ CHATS = [
 ]
 
 
-def test_smollm2_greedy_matches_hf(default_llm, hf_default_model):
+@pytest.mark.parametrize("device", DEVICES)
+def test_smollm2_greedy_matches_hf(device, smollm2_on, hf_default_model):
+    default_llm = smollm2_on(device)
+    hf_default_model = hf_on(hf_default_model, device)
     tok = default_llm.get_tokenizer()
     prompts = [tok.apply_chat_template([{"role": "user", "content": c}], tokenize=False, add_generation_prompt=True)
                for c in CHATS]
@@ -46,24 +53,53 @@ def test_smollm2_greedy_matches_hf(default_llm, hf_default_model):
             assert set(top5) <= set(lp)
 
 
+# On CUDA the same check runs three ways: the default (Triton attention, decode steps replayed in CUDA
+# graphs), Triton eagerly, and the torch reference backend.
+ENGINE_VARIANTS = {"cpu": [{}], "cuda": [{}, {"enforce_eager": True}, {"attention_backend": "torch"}]}
+
+
+def assert_runs_the_gpu_fast_path(llm, variant):
+    """What a CUDA engine of `variant` must have run: its attention backend, and graphs replayed
+    exactly when they are on."""
+    worker = llm.llm_engine.executor.worker
+    backend = worker.model.model.layers[0].self_attn.backend.name
+    graphs = worker.runner.graph_runner
+    if variant.get("attention_backend") == "torch":
+        assert backend == "torch" and graphs is None
+    elif variant.get("enforce_eager"):
+        assert backend == "triton" and graphs is None
+    else:
+        assert backend == "triton" and graphs is not None and graphs.graphs and graphs.num_replays > 0
+
+
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
-def test_tiny_random_models_match_hf(arch, tiny_models):
+def test_tiny_random_models_match_hf(arch, device, tiny_models):
     path, hf_model = tiny_models[arch]
-    llm = LLM(path, dtype="float32", device="cpu", num_kv_blocks=128, show_progress=False)
+    hf_model = hf_on(hf_model, device)
     prompts = random_prompts(6, hf_model.config.vocab_size, 3, 40, seed=3)
-    outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
-                        SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, logprobs=5), use_tqdm=False)
-    for p, out in zip(prompts, outs):
-        assert out.outputs[0].token_ids == hf_greedy(hf_model, p, 24)
-        ref_lp = hf_logprobs(hf_model, p + out.outputs[0].token_ids[:-1])[len(p) - 1 :]
-        for pos, lp in enumerate(out.outputs[0].logprobs):
-            for tid, entry in lp.items():
-                assert abs(entry.logprob - ref_lp[pos, tid].item()) < 1e-3
+    refs = [hf_greedy(hf_model, p, 24) for p in prompts]
+    for variant in ENGINE_VARIANTS[device]:
+        llm = LLM(path, dtype="float32", device=device, num_kv_blocks=128, show_progress=False, **variant)
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
+                            SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, logprobs=5),
+                            use_tqdm=False)
+        for p, ref, out in zip(prompts, refs, outs):
+            assert out.outputs[0].token_ids == ref, variant
+            ref_lp = hf_logprobs(hf_model, p + out.outputs[0].token_ids[:-1])[len(p) - 1 :]
+            for pos, lp in enumerate(out.outputs[0].logprobs):
+                for tid, entry in lp.items():
+                    assert abs(entry.logprob - ref_lp[pos, tid].item()) < 1e-3, variant
+        if device == "cuda":
+            assert_runs_the_gpu_fast_path(llm, variant)
+        del llm
 
 
-def test_prompt_logprobs_match_hf(tiny_models):
+@pytest.mark.parametrize("device", DEVICES)
+def test_prompt_logprobs_match_hf(device, tiny_models):
     path, hf_model = tiny_models["llama"]
-    llm = LLM(path, dtype="float32", device="cpu", num_kv_blocks=64, max_num_batched_tokens=16,
+    hf_model = hf_on(hf_model, device)
+    llm = LLM(path, dtype="float32", device=device, num_kv_blocks=64, max_num_batched_tokens=16,
               show_progress=False)
     prompt = random_prompts(1, hf_model.config.vocab_size, 40, 40, seed=5)[0]
     out = llm.generate({"prompt_token_ids": prompt}, SamplingParams(temperature=0, max_tokens=2, prompt_logprobs=3),

@@ -194,21 +194,24 @@ def test_llama_forward_with_fused_layers_matches_torch(monkeypatch):
     with torch.no_grad():
         for p in model.parameters():
             p.copy_(torch.randn_like(p) * 0.2 + (1.0 if p.dim() == 1 else 0.0))
+    model.to(DEVICE)
 
     n_tok, bs = 7, 16
-    ids = torch.randint(0, cfg.vocab_size, (n_tok,))
-    pos = torch.arange(n_tok)
+    ids = torch.randint(0, cfg.vocab_size, (n_tok,), device=DEVICE)
+    pos = torch.arange(n_tok, device=DEVICE)
 
     def run():
-        caches = [torch.zeros(2, 2, bs, 2, 16) for _ in model.model.layers]
+        caches = [torch.zeros(2, 2, bs, 2, 16, device=DEVICE) for _ in model.model.layers]
         meta = AttentionMetadata(
             num_tokens=n_tok, num_reqs=1, num_decodes=0,
-            query_start_loc=torch.tensor([0, n_tok], dtype=torch.int32),
-            seq_lens=torch.tensor([n_tok], dtype=torch.int32),
-            block_tables=torch.tensor([[0, 1]], dtype=torch.int32), slot_mapping=torch.arange(n_tok),
+            query_start_loc=torch.tensor([0, n_tok], dtype=torch.int32, device=DEVICE),
+            seq_lens=torch.tensor([n_tok], dtype=torch.int32, device=DEVICE),
+            block_tables=torch.tensor([[0, 1]], dtype=torch.int32, device=DEVICE),
+            slot_mapping=torch.arange(n_tok, device=DEVICE),
             max_query_len=n_tok, max_seq_len=n_tok, query_start_loc_cpu=[0, n_tok], seq_lens_cpu=[n_tok],
         )  # fmt: skip
-        with torch.inference_mode(), cpu_ops.forced(False):  # torch layers, or the Triton patches below
+        # the torch layers (no built-in fused path on either device), or the Triton patches below
+        with torch.inference_mode(), cpu_ops.forced(False), fused_ops.forced(False):
             return model.compute_logits(model(ids, pos, caches, meta))
 
     expected = run()

@@ -45,9 +45,29 @@ def build_tiny_model(arch: str, path: str, seed: int = 0, **overrides):
     return model
 
 
+def parity_devices() -> list[str]:
+    """The devices the parity tests run on: the CPU always, CUDA where this machine has a GPU."""
+    return ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+
+
+_on_device: dict[tuple[int, str], torch.nn.Module] = {}
+
+
+def hf_on(model, device: str):
+    """The HF reference on `device` (a copy, made once per model and device; the CPU model is itself)."""
+    if device == "cpu":
+        return model
+    key = (id(model), device)
+    if key not in _on_device:
+        import copy
+
+        _on_device[key] = copy.deepcopy(model).to(device)
+    return _on_device[key]
+
+
 @torch.no_grad()
 def hf_greedy(model, prompt_ids: list[int], max_new_tokens: int, eos_token_id: Optional[int] = None) -> list[int]:
-    ids = torch.tensor([prompt_ids])
+    ids = torch.tensor([prompt_ids], device=model.device)
     out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens, do_sample=False,
                          eos_token_id=eos_token_id, pad_token_id=0, min_new_tokens=0 if eos_token_id else max_new_tokens)
     return out[0, len(prompt_ids):].tolist()
@@ -56,8 +76,8 @@ def hf_greedy(model, prompt_ids: list[int], max_new_tokens: int, eos_token_id: O
 @torch.no_grad()
 def hf_logprobs(model, token_ids: list[int]) -> torch.Tensor:
     """log-softmax of the next-token logits at every position of token_ids: [L x V]."""
-    logits = model(torch.tensor([token_ids])).logits[0].float()
-    return logits.log_softmax(-1)
+    logits = model(torch.tensor([token_ids], device=model.device)).logits[0].float()
+    return logits.log_softmax(-1).cpu()
 
 
 def random_prompts(n: int, vocab: int, lo: int, hi: int, seed: int = 0) -> list[list[int]]:
