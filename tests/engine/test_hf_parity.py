@@ -51,6 +51,8 @@ def test_smollm2_greedy_matches_hf(device, smollm2_on, hf_default_model):
                 assert abs(entry.logprob - ref_lp[pos, tid].item()) < 1e-3
             top5 = ref_lp[pos].topk(5).indices.tolist()
             assert set(top5) <= set(lp)
+    if device == "cuda":
+        assert_runs_the_gpu_fast_path(default_llm, {})
 
 
 # On CUDA the same check runs three ways: the default (Triton attention, decode steps replayed in CUDA

@@ -8,7 +8,7 @@ import pytest
 
 from roofline import LLM, SamplingParams
 from roofline.model_executor.loader.source import default_model_file, resolve_source
-from tests.reference.hf_models import tiny_config
+from tests.reference.hf_models import parity_devices, tiny_config
 
 
 def test_default_model_is_the_packaged_gguf():
@@ -100,3 +100,24 @@ def test_gguf_config_and_tokenizer_are_cached_in_hf_format(tmp_path, monkeypatch
     text = "héllo wörld 你好 🤖 <|im_start|>user"
     assert tok.encode(text) == direct_tok.encode(text) and len(tok) == len(direct_tok)
     assert (tok.eos_token_id, tok.bos_token_id) == (direct_tok.eos_token_id, direct_tok.bos_token_id)
+
+
+@pytest.mark.parametrize("device", parity_devices())
+def test_dummy_weights_are_drawn_on_the_device_and_seeded(device):
+    """Same seed, same weights (drawn where the parameters live); another seed, others; within
+    +-0.05 (bf16 rounding); norms at 1."""
+    import torch
+
+    from roofline.model_executor.loader.weights import init_dummy_weights
+
+    def params(seed):
+        model = torch.nn.ModuleDict({"proj": torch.nn.Linear(64, 48), "input_layernorm": torch.nn.LayerNorm(64)})
+        model.to(device=device, dtype=torch.bfloat16)
+        init_dummy_weights(model, seed)
+        return {n: p.detach().float().cpu() for n, p in model.named_parameters()}
+
+    a, b, c = params(3), params(3), params(4)
+    assert all(torch.equal(a[n], b[n]) for n in a)
+    assert not torch.equal(a["proj.weight"], c["proj.weight"])
+    assert a["proj.weight"].abs().max() <= 0.0505 and a["proj.weight"].std() > 0.02
+    assert torch.equal(a["input_layernorm.weight"], torch.ones(64))
