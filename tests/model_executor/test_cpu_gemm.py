@@ -1,9 +1,5 @@
 """Natively packed CPU weights (cpu_gemm, cpu_ops.gemm_packed): same products as F.linear."""
 
-import ctypes
-import shutil
-import subprocess
-
 import pytest
 import torch
 import torch.nn.functional as F
@@ -165,16 +161,9 @@ def test_gate_up_silu_applies_only_where_it_can():
         cpu_ops.gemm_packed_silu_mul(x, lin.cpu_packed, 16)
 
 
-@pytest.mark.skipif(shutil.which("cc") is None, reason="needs cc to build the portable variant")
-def test_portable_build_without_simd_intrinsics(tmp_path):
+def test_portable_build_without_simd_intrinsics(portable_kernels):
     """Built without -march=native (no AVX2: e.g. aarch64), the packed GEMM takes its plain C tile."""
-    lib_path = tmp_path / "portable.so"
-    subprocess.run(["cc", "-O2", "-fPIC", "-shared", "-fopenmp", "-ffp-contract=off", "-std=c11",
-                    str(cpu_ops.SOURCE), "-o", str(lib_path), "-lm"], check=True)
-    lib = ctypes.CDLL(str(lib_path))
-    P, I = ctypes.c_void_p, ctypes.c_int64
-    lib.pack_panels_f32.argtypes = [P, I, I, I, P]
-    lib.gemm_packed_f32.argtypes = [P, I, P, P, P, I, I, I, I, ctypes.c_int]
+    lib = portable_kernels
     g = torch.Generator().manual_seed(1)
     w, b, x = torch.randn(21, 12, generator=g), torch.randn(21, generator=g), torch.randn(11, 12, generator=g)
     wt = w.t().contiguous()
@@ -183,7 +172,6 @@ def test_portable_build_without_simd_intrinsics(tmp_path):
     y = torch.empty(11, 21)
     lib.gemm_packed_f32(x.data_ptr(), 12, panels.data_ptr(), b.data_ptr(), y.data_ptr(), 21, 11, 12, 21, 2)
     torch.testing.assert_close(y, reference(x, w, b), atol=1e-5, rtol=1e-5)
-    lib.gemm_packed_silu_mul_f32.argtypes = [P, I, P, P, I, I, I, I, ctypes.c_int]
     wgu = torch.randn(64, 12, generator=g)
     panels = torch.empty(4 * 12 * 16)
     wgu_t = wgu.t().contiguous()  # kept alive through the call

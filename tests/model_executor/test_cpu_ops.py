@@ -274,20 +274,10 @@ def test_cpu_attention_backend_needs_the_kernels_and_the_cpu():
     assert get_attention_backend("cpu", "cpu").name == "cpu"
 
 
-@pytest.mark.skipif(shutil.which("cc") is None, reason="needs cc to build the portable variant")
-def test_attention_portable_build_without_simd_intrinsics(tmp_path, monkeypatch):
+def test_attention_portable_build_without_simd_intrinsics(portable_kernels, monkeypatch):
     """Built without -march=native (no AVX2: e.g. aarch64), decode and prefill attention and the row
     argmax take their plain C loops, with the same results."""
-    import ctypes
-
-    lib_path = tmp_path / "portable.so"
-    subprocess.run(["cc", "-O2", "-fPIC", "-shared", "-fopenmp", "-ffp-contract=off", "-std=c11",
-                    str(cpu_ops.SOURCE), "-o", str(lib_path), "-lm"], check=True)
-    lib = ctypes.CDLL(str(lib_path))
-    for name, argtypes in cpu_ops._SIGNATURES.items():
-        fn = getattr(lib, name)
-        fn.argtypes, fn.restype = argtypes, None
-    monkeypatch.setattr(cpu_ops, "_lib", lib)
+    monkeypatch.setattr(cpu_ops, "_lib", portable_kernels)
     monkeypatch.setattr(cpu_ops, "_tried", True)
     meta, q, k, v, cache, _ = make_batch([(20, 1), (3, 1)] + PREFILLS, block_size=16, num_heads=9, num_kv_heads=3,
                                          head_dim=32)
