@@ -115,6 +115,27 @@ class ModelRunner:
         )
         return torch.from_numpy(input_ids).to(dev), torch.from_numpy(positions).to(dev), meta
 
+    def _sample(self, hidden: torch.Tensor, rows: list[int], states: list[SamplingState]):
+        """Tokens (and logprobs) of hidden's rows: rows that only need the argmax ask the model for greedy
+        tokens without the full logits (greedy_head.py, where it applies); the rest go through the LM head
+        and the sampler."""
+        tokens: list[Optional[int]] = [None] * len(rows)
+        lps: list[Optional[PositionLogprobs]] = [None] * len(rows)
+        plain = [i for i, st in enumerate(states) if st.plain_greedy]
+        greedy_tokens = getattr(self.model, "greedy_tokens", None)
+        if plain and greedy_tokens is not None:
+            got = greedy_tokens(hidden[torch.tensor([rows[i] for i in plain], device=hidden.device)])
+            if got is not None:
+                for i, tok in zip(plain, got.tolist()):
+                    tokens[i] = tok
+        rest = [i for i, tok in enumerate(tokens) if tok is None]
+        if rest:
+            logits = self.model.compute_logits(hidden[torch.tensor([rows[i] for i in rest], device=hidden.device)])
+            rest_tokens, rest_lps = self.sampler(logits, [states[i] for i in rest])
+            for i, tok, lp in zip(rest, rest_tokens, rest_lps):
+                tokens[i], lps[i] = tok, lp
+        return tokens, lps
+
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> ModelRunnerOutput:
         self._update_states(out)
@@ -162,10 +183,11 @@ class ModelRunner:
             logits = self.model.compute_logits(hidden[row0 : row0 + count])
             result.prompt_logprobs[rid] = self.prompt_logprobs_rows(logits, next_tokens, k)
         if sample_rows:
-            rows = torch.tensor(sample_rows, device=hidden.device)
-            logits = graph_out.logits[rows] if graph_out is not None else self.model.compute_logits(hidden[rows])
             states = [self.states[rid] for rid in sample_reqs]
-            tokens, lps = self.sampler(logits, states)
+            if graph_out is not None:
+                tokens, lps = self.sampler(graph_out.logits[torch.tensor(sample_rows, device=hidden.device)], states)
+            else:
+                tokens, lps = self._sample(hidden, sample_rows, states)
             for rid, st, tok in zip(sample_reqs, states, tokens):
                 st.output_token_ids.append(tok)
             result.req_ids = sample_reqs

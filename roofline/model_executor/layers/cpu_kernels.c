@@ -467,30 +467,53 @@ static void gemv_rows(const float *x, const float *w, int64_t ldw, int64_t k0, i
     }
 }
 
+/* How many runs of weight rows a GEMV of K inputs cuts among nthreads threads (at least 16 rows a run). */
+static int64_t gemv_runs(int64_t K, int nthreads) {
+    const int64_t T = K / 16 < nthreads ? K / 16 : nthreads;
+    return T < 1 ? 1 : T;
+}
+
 /* y[N] = x[K] W (+ bias) for one row x and a weight stored [in x out]-major (row k of W at w + k * ldw):
- * a single-stream decode step's projections, bound by reading W.  The weight rows are cut among the
- * threads: each streams one contiguous run of whole rows into its own partial sums (in L1/L2), then
- * each adds up a slice of the columns over the partials (in thread order: the result depends on the
- * thread count, not on timing).  Cutting the columns instead made every thread read short strided
- * pieces of each row, which the hardware prefetcher follows worse (the default model's 121 projections
- * of a step, 2 threads: ~19-20 -> ~17-18.5 ms).  (MKL's GEMV runs on one thread whatever the count.) */
+ * a single-stream decode step's projections, bound by reading W.  The weight rows are cut into
+ * T = gemv_runs(K, nthreads) runs, each streamed by one thread into its own partial sums (in L1/L2),
+ * then each thread adds up a slice of the columns over the partials (in run order: the result depends
+ * on T alone, not on timing nor on how many threads OpenMP grants; gemv_column is the same sum for one
+ * column).  Cutting the columns instead made every thread read short strided pieces of each row, which
+ * the hardware prefetcher follows worse (the default model's 121 projections of a step, 2 threads:
+ * ~19-20 -> ~17-18.5 ms).  (MKL's GEMV runs on one thread whatever the count.) */
 void gemv_f32(const float *x, const float *w, const float *bias, float *y, int64_t K, int64_t N, int64_t ldw,
               int nthreads) {
-    int64_t T = K / 16 < nthreads ? K / 16 : nthreads;  /* at least 16 rows a thread */
-    if (T < 1) T = 1;
+    const int64_t T = gemv_runs(K, nthreads);
     float *part = (float *)malloc((size_t)(T * N) * sizeof(float));
-#pragma omp parallel num_threads(T) if (T > 1)
+#pragma omp parallel num_threads((int)T) if (T > 1)
     {
-        const int64_t t = omp_get_thread_num(), nt = omp_get_num_threads();  /* nt <= T */
-        gemv_rows(x, w, ldw, K * t / nt, K * (t + 1) / nt, N, part + t * N);
+        const int64_t t0 = omp_get_thread_num(), nt = omp_get_num_threads();  /* nt <= T */
+        for (int64_t t = t0; t < T; t += nt) gemv_rows(x, w, ldw, K * t / T, K * (t + 1) / T, N, part + t * N);
 #pragma omp barrier
-        for (int64_t j = N * t / nt; j < N * (t + 1) / nt; j++) {
+        for (int64_t j = N * t0 / nt; j < N * (t0 + 1) / nt; j++) {
             float s = part[j];
-            for (int64_t u = 1; u < nt; u++) s += part[u * N + j];
+            for (int64_t u = 1; u < T; u++) s += part[u * N + j];
             y[j] = bias ? s + bias[j] : s;
         }
     }
     free(part);
+}
+
+/* Column j of gemv_f32 without bias: the same runs, the same order of products and sums (gemv_rows
+ * for one column), so the same bits. */
+static float gemv_column(const float *x, const float *w, int64_t ldw, int64_t K, int64_t j, int64_t T) {
+    float s = 0.f;
+    for (int64_t t = 0; t < T; t++) {
+        const int64_t k1 = K * (t + 1) / T;
+        int64_t k = K * t / T;
+        float acc = 0.f;
+        for (; k + 4 <= k1; k += 4)
+            acc = (((acc + x[k] * w[k * ldw + j]) + x[k + 1] * w[(k + 1) * ldw + j]) + x[k + 2] * w[(k + 2) * ldw + j])
+                  + x[k + 3] * w[(k + 3) * ldw + j];
+        for (; k < k1; k++) acc += x[k] * w[k * ldw + j];
+        s = t ? s + acc : acc;
+    }
+    return s;
 }
 
 /* ---- GEMM over a weight packed into column panels ------------------------------------------------
@@ -923,6 +946,255 @@ static int64_t argmax_row(const float *x, int64_t n) {
 void argmax_rows_f32(const float *x, int64_t ld, int64_t rows, int64_t n, int64_t *out, int nthreads) {
 #pragma omp parallel for num_threads(nthreads) schedule(static) if (rows > 1)
     for (int64_t r = 0; r < rows; r++) out[r] = argmax_row(x + r * ld, n);
+}
+
+/* ---- greedy decoding without the full fp32 logits ------------------------------------------------
+ * For rows that only need argmax_v(h . W_v) (greedy, no logprobs or penalties) the LM head runs as an
+ * int8 screen plus an exact rescoring of the few tokens that could be the maximum (greedy_head.py builds
+ * the screen and holds the bound's derivation):
+ *   1. h is quantized per row to int16: h ~ t hq (|hq| <= 32767);
+ *   2. A_v = t sum_b s_vb (hq_b . Wq_vb) for every v, from int8 weights Wq with a scale per token and
+ *      block of GQ_BLOCK inputs, in panels of 16 tokens (vpmaddwd on int16 pairs, exact int32 sums per
+ *      block: 4x fewer weight bytes than fp32; weights dequantized from GGUF Q8_0 are held exactly);
+ *   3. |F_v - A_v| <= B_v = |h| bw_v + |dh| bq_v + 1e-5 |A_v|, where F_v is the logit the fp32 route would
+ *      compute (bw_v bounds |W_v - What_v| and both routes' rounding, bq_v = |What_v|, dh = h - t hq);
+ *   4. every v with A_v + B_v >= max_u (A_u - B_u) is rescored exactly as the fp32 route computes it
+ *      (route 0: the packed GEMM's FMA chain over the panel; route T > 0: gemv_f32's T runs) and the
+ *      first maximum wins, as in argmax_rows_f32.  Any token it misses has F_v < some F_u.
+ * Returns 0, or 1 when a row is not finite or its logits could overflow (the caller takes the full path). */
+#define GQ_PAIR 32  /* int8 bytes per panel and input pair: 16 tokens x 2 inputs */
+#define GQ_BLOCK 32  /* inputs per scale */
+#define GQ_MR 3  /* rows per tile: 6 int32 + 6 float accumulators, 2 weight vectors, 1 broadcast */
+
+/* rows hp[0..MR) (KP int16 pairs each) times one int8 panel (nb blocks of GQ_BLOCK/2 pairs, scales
+ * [nb x 16]) -> c[MR x 16] = sum_b s_b (hq_b . Wq_b) (without the row scale t) */
+static inline __attribute__((always_inline)) void screen_tile(const int MR, const int32_t *hp, int64_t KP,
+                                                              const int8_t *b, const float *scales, float *c) {
+    const int64_t nb = (2 * KP + GQ_BLOCK - 1) / GQ_BLOCK;
+#ifdef HAVE_AVX2
+    __m256 acc[GQ_MR][2];
+#pragma GCC unroll 3
+    for (int i = 0; i < MR; i++) acc[i][0] = acc[i][1] = _mm256_setzero_ps();
+    for (int64_t blk = 0; blk < nb; blk++) {
+        const int64_t k0 = blk * (GQ_BLOCK / 2), k1 = KP < k0 + GQ_BLOCK / 2 ? KP : k0 + GQ_BLOCK / 2;
+        __m256i iacc[GQ_MR][2];
+#pragma GCC unroll 3
+        for (int i = 0; i < MR; i++) iacc[i][0] = iacc[i][1] = _mm256_setzero_si256();
+        for (int64_t k = k0; k < k1; k++) {
+            const __m256i b0 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(b + GQ_PAIR * k)));
+            const __m256i b1 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(b + GQ_PAIR * k + 16)));
+#pragma GCC unroll 3
+            for (int i = 0; i < MR; i++) {
+                const __m256i a = _mm256_set1_epi32(hp[i * KP + k]);
+                iacc[i][0] = _mm256_add_epi32(iacc[i][0], _mm256_madd_epi16(a, b0));
+                iacc[i][1] = _mm256_add_epi32(iacc[i][1], _mm256_madd_epi16(a, b1));
+            }
+        }
+        const __m256 s0 = _mm256_loadu_ps(scales + blk * GEMM_NR), s1 = _mm256_loadu_ps(scales + blk * GEMM_NR + 8);
+#pragma GCC unroll 3
+        for (int i = 0; i < MR; i++) {
+            acc[i][0] = _mm256_add_ps(acc[i][0], _mm256_mul_ps(_mm256_cvtepi32_ps(iacc[i][0]), s0));
+            acc[i][1] = _mm256_add_ps(acc[i][1], _mm256_mul_ps(_mm256_cvtepi32_ps(iacc[i][1]), s1));
+        }
+    }
+#pragma GCC unroll 3
+    for (int i = 0; i < MR; i++) {
+        _mm256_storeu_ps(c + i * GEMM_NR, acc[i][0]);
+        _mm256_storeu_ps(c + i * GEMM_NR + 8, acc[i][1]);
+    }
+#else
+    for (int i = 0; i < MR; i++) {
+        float acc[GEMM_NR] = {0};
+        for (int64_t blk = 0; blk < nb; blk++) {
+            const int64_t k0 = blk * (GQ_BLOCK / 2), k1 = KP < k0 + GQ_BLOCK / 2 ? KP : k0 + GQ_BLOCK / 2;
+            int32_t iacc[GEMM_NR] = {0};
+            for (int64_t k = k0; k < k1; k++) {
+                const int32_t pair = hp[i * KP + k];
+                const int32_t h0 = (int16_t)(pair & 0xffff), h1 = (int16_t)((uint32_t)pair >> 16);
+                const int8_t *bk = b + GQ_PAIR * k;
+                for (int j = 0; j < GEMM_NR; j++) {
+                    const int8_t *q = bk + (j / 8) * 16 + (j % 8) * 2;
+                    iacc[j] += h0 * q[0] + h1 * q[1];
+                }
+            }
+            for (int j = 0; j < GEMM_NR; j++) acc[j] += (float)iacc[j] * scales[blk * GEMM_NR + j];
+        }
+        memcpy(c + i * GEMM_NR, acc, sizeof(acc));
+    }
+#endif
+}
+
+static void screen_tile_rows(int rows, const int32_t *hp, int64_t KP, const int8_t *b, const float *scales,
+                             float *c) {
+    switch (rows) {
+    case 1: screen_tile(1, hp, KP, b, scales, c); break;
+    case 2: screen_tile(2, hp, KP, b, scales, c); break;
+    default: screen_tile(3, hp, KP, b, scales, c); break;
+    }
+}
+
+/* the screen's bound B_v = |h| bw_v + |dh| bq_v + 1e-5 |A_v| (separate roundings, no FMA, in both builds) */
+static inline float screen_bound(float a, float bwv, float bqv, float hn, float dn) {
+    return hn * bwv + dn * bqv + 1e-5f * fabsf(a);
+}
+
+/* max_v (A_v - B_v) over one row */
+static float screen_lower_bound(const float *a, const float *bw, const float *bq, float hn, float dn, int64_t N) {
+    float lo = -INFINITY;
+    int64_t v = 0;
+#ifdef HAVE_AVX2
+    const __m256 h8 = _mm256_set1_ps(hn), d8 = _mm256_set1_ps(dn), e8 = _mm256_set1_ps(1e-5f);
+    const __m256 sign = _mm256_set1_ps(-0.0f);
+    __m256 m8 = _mm256_set1_ps(-INFINITY);
+    for (; v + 8 <= N; v += 8) {
+        const __m256 av = _mm256_loadu_ps(a + v);
+        const __m256 b = _mm256_add_ps(_mm256_add_ps(_mm256_mul_ps(h8, _mm256_loadu_ps(bw + v)),
+                                                     _mm256_mul_ps(d8, _mm256_loadu_ps(bq + v))),
+                                       _mm256_mul_ps(e8, _mm256_andnot_ps(sign, av)));
+        m8 = _mm256_max_ps(m8, _mm256_sub_ps(av, b));
+    }
+    float m[8];
+    _mm256_storeu_ps(m, m8);
+    for (int l = 0; l < 8; l++) lo = m[l] > lo ? m[l] : lo;
+#endif
+    for (; v < N; v++) {
+        const float l = a[v] - screen_bound(a[v], bw[v], bq[v], hn, dn);
+        lo = l > lo ? l : lo;
+    }
+    return lo;
+}
+
+/* bit i set: token v0 + i (i < n <= 64) has A + B >= lo, so it may be the maximum */
+static uint64_t screen_reach(const float *a, const float *bw, const float *bq, float hn, float dn, float lo,
+                             int64_t v0, int64_t n) {
+    uint64_t hits = 0;
+    int64_t i = 0;
+#ifdef HAVE_AVX2
+    const __m256 h8 = _mm256_set1_ps(hn), d8 = _mm256_set1_ps(dn), e8 = _mm256_set1_ps(1e-5f);
+    const __m256 sign = _mm256_set1_ps(-0.0f), lo8 = _mm256_set1_ps(lo);
+    for (; i + 8 <= n; i += 8) {
+        const int64_t v = v0 + i;
+        const __m256 av = _mm256_loadu_ps(a + v);
+        const __m256 b = _mm256_add_ps(_mm256_add_ps(_mm256_mul_ps(h8, _mm256_loadu_ps(bw + v)),
+                                                     _mm256_mul_ps(d8, _mm256_loadu_ps(bq + v))),
+                                       _mm256_mul_ps(e8, _mm256_andnot_ps(sign, av)));
+        hits |= (uint64_t)_mm256_movemask_ps(_mm256_cmp_ps(_mm256_add_ps(av, b), lo8, _CMP_GE_OQ)) << i;
+    }
+#endif
+    for (; i < n; i++) {
+        const int64_t v = v0 + i;
+        if (a[v] + screen_bound(a[v], bw[v], bq[v], hn, dn) >= lo) hits |= 1ull << i;
+    }
+    return hits;
+}
+
+/* the fp32 route's logit of token v (no bias): route 0 = the packed GEMM tile's chain, T > 0 = gemv_f32 */
+static float route_logit(const float *h, int64_t K, int64_t v, const float *panels, const float *dense, int64_t ldw,
+                         int64_t T) {
+    if (T > 0) return gemv_column(h, dense, ldw, K, v, T);
+    const float *b = panels + (v / GEMM_NR) * K * GEMM_NR + v % GEMM_NR;
+    float acc = 0.f;
+    for (int64_t k = 0; k < K; k++)
+#ifdef HAVE_AVX2
+        acc = fmaf(h[k], b[k * GEMM_NR], acc);
+#else
+        acc += h[k] * b[k * GEMM_NR];
+#endif
+    return acc + 0.f;  /* the tile's store adds a zero bias vector */
+}
+
+/* out[i] = the fp32 route's logit of token ids[i] for row h (route_logit): what greedy_head_f32 rescores */
+void route_logits_f32(const float *h, int64_t K, const int64_t *ids, int64_t n, const float *panels, const float *dense,
+                      int64_t ldw, int64_t route_T, float *out) {
+    for (int64_t i = 0; i < n; i++) out[i] = route_logit(h, K, ids[i], panels, dense, ldw, route_T);
+}
+
+int64_t greedy_head_f32(const float *h, int64_t ldh, int64_t R, int64_t K, int64_t N, const int8_t *qpanels,
+                        const float *qscales, const float *bw, const float *bq, float wnorm_max, int32_t hq_max,
+                        const float *panels, const float *dense, int64_t ldw, int64_t route_T, float *approx,
+                        int64_t *tokens, int64_t *candidates, int nthreads) {
+    const int64_t KP = (K + 1) / 2, np = (N + GEMM_NR - 1) / GEMM_NR;
+    int32_t *hp = (int32_t *)malloc((size_t)(R * KP) * sizeof(int32_t));
+    float *t = (float *)malloc((size_t)R * 3 * sizeof(float)), *hn = t + R, *dn = t + 2 * R;
+    int bad = 0;
+    for (int64_t r = 0; r < R && !bad; r++) {  /* 1. quantize the rows (|h|, |dh| in double, rounded up) */
+        const float *x = h + r * ldh;
+        float amax = 0.f;
+        double ss = 0.0;
+        for (int64_t k = 0; k < K; k++) {
+            const float a = fabsf(x[k]);
+            if (!(a <= 3.0e38f)) bad = 1;  /* NaN or inf */
+            amax = a > amax ? a : amax;
+            ss += (double)x[k] * x[k];
+        }
+        const double norm = sqrt(ss);
+        if (bad || norm * wnorm_max > 1.0e30) {
+            bad = 1;
+            break;
+        }
+        t[r] = amax > 0.f ? amax / (float)hq_max : 1.f;
+        double dd = 0.0;
+        int16_t q[2];
+        for (int64_t k = 0; k < 2 * KP; k++) {
+            int32_t v = 0;
+            if (k < K) {
+                v = (int32_t)lrintf(x[k] / t[r]);
+                v = v > hq_max ? hq_max : (v < -hq_max ? -hq_max : v);
+                const double e = (double)x[k] - (double)t[r] * v;
+                dd += e * e;
+            }
+            q[k & 1] = (int16_t)v;
+            if (k & 1) hp[r * KP + k / 2] = (int32_t)(((uint32_t)(uint16_t)q[1] << 16) | (uint16_t)q[0]);
+        }
+        hn[r] = (float)(norm * (1.0 + 1e-5));
+        dn[r] = (float)(sqrt(dd) * (1.0 + 1e-5));
+    }
+    if (bad) {
+        free(hp);
+        free(t);
+        return 1;
+    }
+    /* 2. A: panels shared by the threads, every row tile per panel (the panel stays in L1) */
+    const int64_t tiles = (R + GQ_MR - 1) / GQ_MR, nb = (2 * KP + GQ_BLOCK - 1) / GQ_BLOCK;
+#pragma omp parallel for num_threads(nthreads) schedule(static) if (np > 1)
+    for (int64_t p = 0; p < np; p++) {
+        float c[GQ_MR * GEMM_NR];
+        const int64_t n0 = p * GEMM_NR, nn = N - n0 < GEMM_NR ? N - n0 : GEMM_NR;
+        int64_t m0 = 0;
+        for (int64_t ti = 0; ti < tiles; ti++) {
+            const int64_t rows = (R - m0 + (tiles - ti) - 1) / (tiles - ti);
+            screen_tile_rows((int)rows, hp + m0 * KP, KP, qpanels + p * KP * GQ_PAIR, qscales + p * nb * GEMM_NR, c);
+            for (int64_t i = 0; i < rows; i++)
+                for (int64_t j = 0; j < nn; j++) approx[(m0 + i) * N + n0 + j] = c[i * GEMM_NR + j] * t[m0 + i];
+            m0 += rows;
+        }
+    }
+    /* 3-4. per row: the best lower bound, then the exact logits of the tokens that can reach it */
+#pragma omp parallel for num_threads(nthreads) schedule(dynamic, 1) if (R > 1)
+    for (int64_t r = 0; r < R; r++) {
+        const float *a = approx + r * N;
+        const float lo = screen_lower_bound(a, bw, bq, hn[r], dn[r], N);
+        int64_t best = -1, n = 0;
+        float bestv = 0.f;
+        for (int64_t v0 = 0; v0 < N; v0 += 64) {
+            uint64_t hits = screen_reach(a, bw, bq, hn[r], dn[r], lo, v0, N - v0 < 64 ? N - v0 : 64);
+            while (hits) {
+                const int64_t v = v0 + __builtin_ctzll(hits);
+                hits &= hits - 1;
+                const float f = route_logit(h + r * ldh, K, v, panels, dense, ldw, route_T);
+                n++;
+                if (best < 0 || f > bestv) {  /* increasing v: the first maximum wins */
+                    best = v;
+                    bestv = f;
+                }
+            }
+        }
+        tokens[r] = best;
+        if (candidates) candidates[r] = n;
+    }
+    free(hp);
+    free(t);
+    return 0;
 }
 
 /* ---- the decoder stack of a Llama-family model in one call --------------------------------------

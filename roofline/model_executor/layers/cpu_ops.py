@@ -21,6 +21,8 @@ Contracts (all tensors fp32 on CPU, unit stride in the last dim):
     pack_panels(weight) -> panels          weight [out, in] (any strides) re-laid for gemm_packed
     gemm_packed(x, panels, out_features, bias)  F.linear over the packed weight, any number of rows
     llama_stack(...)                       every decoder layer of a step (models/llama_cpu_stack.py)
+    greedy_head(...)                       argmax of the LM head's logits via an int8 screen (greedy_head.py)
+    route_logits(h, ids, panels, dense, T)  chosen tokens' logits as the packed GEMM / the GEMV computes them
 """
 
 from __future__ import annotations
@@ -68,11 +70,14 @@ _SIGNATURES = {
     "pack_panels_f32": [_P, _I, _I, _I, _P],
     "gemm_packed_f32": [_P, _I, _P, _P, _P, _I, _I, _I, _I, ctypes.c_int],
     "gemm_packed_silu_mul_f32": [_P, _I, _P, _P, _I, _I, _I, _I, ctypes.c_int],
+    "greedy_head_f32": [_P, _I, _I, _I, _I, _P, _P, _P, _P, _F, ctypes.c_int32, _P, _P, _I, _I, _P, _P, _P,
+                        ctypes.c_int],
+    "route_logits_f32": [_P, _I, _P, _I, _P, _P, _I, _I, _P],
     "llama_stack_fields": [],
     "llama_stack_f32": [_P, _P, _I, _P, _I, _P, _F, _F, _P, _P, _P, _P, _I, _I, _P, _P, _P, _I, _P, _I,
                         ctypes.c_int],
 }
-_RESTYPES = {"llama_stack_fields": _I}  # the rest return nothing
+_RESTYPES = {"llama_stack_fields": _I, "greedy_head_f32": _I}  # the rest return nothing
 
 
 def _cpu_flags() -> str:
@@ -355,6 +360,39 @@ def gemm_packed_silu_mul(x: torch.Tensor, panels: torch.Tensor, d: int) -> torch
     _need().gemm_packed_silu_mul_f32(x.data_ptr(), x.stride(0), panels.data_ptr(), y.data_ptr(), d, m, k, d,
                                      torch.get_num_threads())
     return y
+
+
+def greedy_head(hidden: torch.Tensor, screen, fp32_panels: Optional[torch.Tensor], dense: torch.Tensor,
+                route_runs: int, approx: torch.Tensor, out: torch.Tensor, candidates: Optional[torch.Tensor]) -> int:
+    """cpu_kernels.c greedy_head_f32 for a greedy_head.GreedyScreen: out[r] = the first argmax of row r's
+    logits as the fp32 route computes them (route_runs 0: packed GEMM over fp32_panels; T > 0: gemv_f32's
+    T runs over dense, [in x out]-major).  hidden [R, K] unit-stride rows; approx [R, V] scratch;
+    candidates: None or int64 [R].  Returns 1 (out unset) when a row is not finite or could overflow."""
+    r, k = hidden.shape
+    if k != screen.k or approx.shape != (r, screen.vocab) or out.shape != (r,):
+        raise ValueError(f"greedy_head: hidden {tuple(hidden.shape)} / approx {tuple(approx.shape)} do not fit a "
+                         f"[{screen.vocab} x {screen.k}] screen")
+    if route_runs == 0 and (fp32_panels is None or fp32_panels.numel() < -(-screen.vocab // PANEL) * PANEL * k):
+        raise ValueError("greedy_head: the packed route needs the LM head's fp32 panels")
+    if route_runs > 0 and not (dense.dim() == 2 and dense.stride(0) == 1 and dense.shape[1] == k
+                               and dense.shape[0] >= screen.vocab):
+        raise ValueError("greedy_head: the GEMV route needs the dense weight stored [in x out]-major")
+    return int(_need().greedy_head_f32(
+        hidden.data_ptr(), hidden.stride(0), r, k, screen.vocab, screen.panels.data_ptr(), screen.scales.data_ptr(),
+        screen.bound_w.data_ptr(), screen.bound_q.data_ptr(), screen.wnorm_max, screen.hq_max,
+        _ptr(fp32_panels), dense.data_ptr(), dense.stride(1), route_runs, approx.data_ptr(), out.data_ptr(),
+        _ptr(candidates), torch.get_num_threads()))
+
+
+def route_logits(h: torch.Tensor, ids: torch.Tensor, fp32_panels: Optional[torch.Tensor], dense: torch.Tensor,
+                 route_runs: int) -> torch.Tensor:
+    """The logits of tokens ids (int64) for one row h [K] as greedy_head rescores them: the fp32 route's
+    products and sums in its order (route_runs 0: packed GEMM, T > 0: GEMV with T runs)."""
+    h, ids = h.contiguous(), ids.to(torch.int64).contiguous()
+    out = torch.empty(ids.shape[0], dtype=torch.float32)
+    _need().route_logits_f32(h.data_ptr(), h.shape[0], ids.data_ptr(), ids.shape[0], _ptr(fp32_panels),
+                             dense.data_ptr(), dense.stride(1), route_runs, out.data_ptr())
+    return out
 
 
 def llama_stack_fields() -> int:

@@ -31,6 +31,14 @@ class SamplingState:
         return self.spec.temperature < 1e-5
 
     @property
+    def plain_greedy(self) -> bool:
+        """Only the argmax of the raw logits is needed: greedy, no logprobs, penalties or stop-token
+        suppression (the LM head may then skip the full logits: greedy_head.py)."""
+        s = self.spec
+        return (self.greedy and s.logprobs is None and not self.has_penalties
+                and not (s.stop_token_ids and len(self.output_token_ids) < s.min_tokens))
+
+    @property
     def has_penalties(self) -> bool:
         s = self.spec
         return s.repetition_penalty != 1.0 or s.presence_penalty != 0.0 or s.frequency_penalty != 0.0

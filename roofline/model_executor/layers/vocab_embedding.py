@@ -6,6 +6,8 @@ LM head: each rank computes logits for its slice; an all-gather joins them (samp
 
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -40,6 +42,21 @@ class VocabParallelEmbedding(nn.Module):
 
 class ParallelLMHead(VocabParallelEmbedding):
     cpu_packed = None  # set by cpu_gemm.pack_model after loading (CPU)
+    cpu_greedy = None  # greedy_head.GreedyScreen, set by cpu_gemm.prepare_model (CPU, tp 1)
+
+    def greedy_tokens(self, hidden: torch.Tensor) -> Optional[torch.Tensor]:
+        """compute_logits(hidden).argmax(-1) (first maximum) without the full logits, through the int8
+        screen of greedy_head.py, or None where it does not apply (then compute the logits)."""
+        from roofline.model_executor.layers import greedy_head
+
+        screen = self.cpu_greedy
+        if (screen is None or self.tp_size != 1 or not greedy_head.SWITCH.on() or hidden.dtype != torch.float32
+                or hidden.shape[0] > greedy_head.MAX_ROWS):
+            return None
+        runs = greedy_head.route_runs_for(hidden, self.weight, self.cpu_packed)
+        if runs is None:
+            return None
+        return screen.tokens(hidden, self.cpu_packed, self.weight, runs)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         logits = cpu_gemm.linear(hidden, self.weight, self.cpu_packed)  # [T, V/tp]
