@@ -124,7 +124,7 @@ class ModelRunner:
         plain = [i for i, st in enumerate(states) if st.plain_greedy]
         greedy_tokens = getattr(self.model, "greedy_tokens", None)
         if plain and greedy_tokens is not None:
-            got = greedy_tokens(hidden[torch.tensor([rows[i] for i in plain], device=hidden.device)])
+            got = greedy_tokens(hidden, [rows[i] for i in plain])
             if got is not None:
                 for i, tok in zip(plain, got.tolist()):
                     tokens[i] = tok

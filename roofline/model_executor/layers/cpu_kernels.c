@@ -1132,7 +1132,8 @@ int64_t greedy_head_f32(const float *h, int64_t ldh, int64_t R, int64_t K, int64
             bad = 1;
             break;
         }
-        t[r] = amax > 0.f ? amax / (float)hq_max : 1.f;
+        t[r] = amax / (float)hq_max;
+        if (!(t[r] > 0.f)) t[r] = 1.f;  /* a zero row, or one so small its scale underflows: hq = 0, dh = h */
         double dd = 0.0;
         int16_t q[2];
         for (int64_t k = 0; k < 2 * KP; k++) {

@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from roofline.distributed.parallel_state import get_tp_rank, get_tp_size, tp_all_gather, tp_all_reduce
-from roofline.model_executor.layers import cpu_gemm
+from roofline.model_executor.layers import cpu_gemm, greedy_head
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -44,19 +44,18 @@ class ParallelLMHead(VocabParallelEmbedding):
     cpu_packed = None  # set by cpu_gemm.pack_model after loading (CPU)
     cpu_greedy = None  # greedy_head.GreedyScreen, set by cpu_gemm.prepare_model (CPU, tp 1)
 
-    def greedy_tokens(self, hidden: torch.Tensor) -> Optional[torch.Tensor]:
-        """compute_logits(hidden).argmax(-1) (first maximum) without the full logits, through the int8
-        screen of greedy_head.py, or None where it does not apply (then compute the logits)."""
-        from roofline.model_executor.layers import greedy_head
-
+    def greedy_tokens(self, hidden: torch.Tensor, rows: list[int]) -> Optional[torch.Tensor]:
+        """compute_logits(hidden[rows]).argmax(-1) (first maximum) without the full logits, through the
+        int8 screen of greedy_head.py, or None where it does not apply (then compute the logits)."""
         screen = self.cpu_greedy
         if (screen is None or self.tp_size != 1 or not greedy_head.SWITCH.on() or hidden.dtype != torch.float32
-                or hidden.shape[0] > greedy_head.MAX_ROWS):
+                or len(rows) > greedy_head.MAX_ROWS):
             return None
-        runs = greedy_head.route_runs_for(hidden, self.weight, self.cpu_packed)
+        h = hidden[torch.tensor(rows, device=hidden.device)]
+        runs = greedy_head.route_runs_for(h, self.weight, self.cpu_packed)
         if runs is None:
             return None
-        return screen.tokens(hidden, self.cpu_packed, self.weight, runs)
+        return screen.tokens(h, self.cpu_packed, self.weight, runs)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         logits = cpu_gemm.linear(hidden, self.weight, self.cpu_packed)  # [T, V/tp]

@@ -177,9 +177,9 @@ class LlamaForCausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head.compute_logits(hidden)
 
-    def greedy_tokens(self, hidden: torch.Tensor) -> Optional[torch.Tensor]:
-        """compute_logits(hidden).argmax(-1) where the LM head can skip the full logits, else None."""
-        return self.lm_head.greedy_tokens(hidden)
+    def greedy_tokens(self, hidden: torch.Tensor, rows: list[int]) -> Optional[torch.Tensor]:
+        """compute_logits(hidden[rows]).argmax(-1) where the LM head can skip the full logits, else None."""
+        return self.lm_head.greedy_tokens(hidden, rows)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         """Load checkpoint tensors named as in HF; returns the parameters that were filled."""
