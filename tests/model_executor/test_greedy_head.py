@@ -126,8 +126,8 @@ def test_the_bound_holds_for_every_token(case):
     out, cand = torch.empty(rows, dtype=torch.int64), torch.empty(rows, dtype=torch.int64)
     assert cpu_ops.greedy_head(h, screen, packed, dense, 0, approx, out, cand) == 0
     f = cpu_gemm.linear(h, dense, packed)
-    t = h.abs().amax(dim=1) / screen.hq_max  # as the kernel quantizes (fp32)
-    hq = torch.round(h / t[:, None]).clamp(-screen.hq_max, screen.hq_max)
+    t = h.abs().amax(dim=1) / greedy_head.HQ_MAX  # as the kernel quantizes (fp32)
+    hq = torch.round(h / t[:, None]).clamp(-greedy_head.HQ_MAX, greedy_head.HQ_MAX)
     hn = h.double().norm(dim=1)
     dn = (h.double() - t.double()[:, None] * hq.double()).norm(dim=1)
     bound = hn[:, None] * screen.bound_w.double() + dn[:, None] * screen.bound_q.double() + 1e-5 * approx.double().abs()
@@ -183,7 +183,7 @@ def test_portable_build_gives_the_same_tokens(portable_kernels):
     lib.gemm_packed_f32(h.data_ptr(), k, packed.data_ptr(), None, logits.data_ptr(), v, rows, k, v, 2)
     approx, out = torch.empty(rows, v), torch.empty(rows, dtype=torch.int64)
     rc = fn(h.data_ptr(), k, rows, k, v, screen.panels.data_ptr(), screen.scales.data_ptr(), screen.bound_w.data_ptr(),
-            screen.bound_q.data_ptr(), screen.wnorm_max, screen.hq_max, packed.data_ptr(), dense.data_ptr(),
+            screen.bound_q.data_ptr(), screen.wnorm_max, greedy_head.HQ_MAX, packed.data_ptr(), dense.data_ptr(),
             dense.stride(1), 0, approx.data_ptr(), out.data_ptr(), None, 2)
     assert rc == 0 and torch.equal(out, logits.argmax(dim=1))
 

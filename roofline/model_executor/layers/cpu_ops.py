@@ -50,6 +50,7 @@ SOURCE = Path(__file__).with_name("cpu_kernels.c")
 
 SWITCH = Switch(ENV_VAR)
 PANEL = 16  # output columns per packed panel (GEMM_NR in cpu_kernels.c); head sizes prefill takes
+GREEDY_HQ_MAX = 32767  # greedy_head's int16 hidden states: |hq| <= this (a block's int32 sum: 32 x 32767 x 127)
 
 _lock = threading.Lock()
 _lib: Optional[ctypes.CDLL] = None
@@ -379,7 +380,7 @@ def greedy_head(hidden: torch.Tensor, screen, fp32_panels: Optional[torch.Tensor
         raise ValueError("greedy_head: the GEMV route needs the dense weight stored [in x out]-major")
     return int(_need().greedy_head_f32(
         hidden.data_ptr(), hidden.stride(0), r, k, screen.vocab, screen.panels.data_ptr(), screen.scales.data_ptr(),
-        screen.bound_w.data_ptr(), screen.bound_q.data_ptr(), screen.wnorm_max, screen.hq_max,
+        screen.bound_w.data_ptr(), screen.bound_q.data_ptr(), screen.wnorm_max, GREEDY_HQ_MAX,
         _ptr(fp32_panels), dense.data_ptr(), dense.stride(1), route_runs, approx.data_ptr(), out.data_ptr(),
         _ptr(candidates), torch.get_num_threads()))
 

@@ -44,7 +44,7 @@ from roofline.model_executor.layers import cpu_gemm, cpu_ops
 SWITCH = Switch("ROOFLINE_CPU_GREEDY_HEAD")
 
 W_MAX = 127  # int8 weights
-HQ_MAX = 32767  # int16 hidden states (a block's int32 sum stays far from overflow: 32 x 32767 x 127)
+HQ_MAX = cpu_ops.GREEDY_HQ_MAX  # int16 hidden states (a block's int32 sum stays far from overflow)
 BLOCK = 32  # inputs per weight scale (GQ_BLOCK)
 PANEL = cpu_ops.PANEL  # tokens per panel (GEMM_NR)
 ROUNDING_SLACK = 1 + 1e-5  # per-token bound terms are stored rounded up by this factor
@@ -72,7 +72,6 @@ class GreedyScreen:
     bound_w: torch.Tensor  # fp32 [V]: (|dw_v| + c |W_v|) rounded up
     bound_q: torch.Tensor  # fp32 [V]: |What_v| rounded up
     wnorm_max: float  # max_v |W_v|: rows whose |h| max|W_v| could overflow fp32 go the full path
-    hq_max: int = HQ_MAX
 
     @staticmethod
     def build(weight: torch.Tensor, vocab: Optional[int] = None) -> Optional["GreedyScreen"]:
