@@ -32,14 +32,14 @@ from roofline.distributed.protocol import (
     encode_bootstrap,
     encoder,
 )
-from roofline.executor.base import Executor
+from roofline.executor.base import Executor, ExecutorDeadError
 from roofline.model_executor.loader.source import ModelSource
 
 logger = logging.getLogger(__name__)
 
 
-class WorkerDeadError(RuntimeError):
-    """A tensor-parallel rank died or failed; the engine cannot continue."""
+class WorkerDeadError(ExecutorDeadError):
+    """A tensor-parallel rank died, hung or failed; the engine cannot continue."""
 
 
 def execute_timeout_s() -> float:
@@ -132,7 +132,7 @@ class MultiprocExecutor(Executor):
         if self._dead is not None:
             raise WorkerDeadError(self._dead)
         if self._closed:
-            raise RuntimeError("the executor was shut down")
+            raise ExecutorDeadError("the executor was shut down")
         problem = self.ranks.dead()
         if problem:
             raise self._fail(problem, in_background)
