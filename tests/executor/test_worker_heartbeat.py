@@ -62,6 +62,9 @@ def test_killing_rank_0_blames_rank_0(tiny_models):
     path, _ = tiny_models["llama"]
     llm = _tp2(path)
     engine = llm.llm_engine
+    # extreme seeds with n > 1 cross the msgpack link to the ranks (they used to break its encoder)
+    seeded = SamplingParams(temperature=1.0, seed=2**63 - 1, n=2, max_tokens=3)
+    assert len(llm.generate([{"prompt_token_ids": [5, 6]}], seeded, use_tqdm=False)[0].outputs) == 2
     engine.add_request("r", [5, 6, 7], PARAMS)
     engine.step()
     os.kill(_ranks(llm).by_rank(0).proc.pid, signal.SIGKILL)
