@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import logging
 import os
 import signal
@@ -35,11 +36,9 @@ from roofline.entrypoints.openai.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     DetokenizeRequest,
-    DetokenizeResponse,
     ModelCard,
     ModelList,
     TokenizeRequest,
-    TokenizeResponse,
 )
 from roofline.entrypoints.openai.serving_chat import OpenAIServingChat, apply_chat_template
 from roofline.entrypoints.openai.serving_completion import OpenAIServingCompletion
@@ -59,6 +58,7 @@ from roofline.metrics.stats import LoggingStatLogger
 logger = logging.getLogger(__name__)
 
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
+LARGE_BODY_BYTES = 1 << 20  # request bodies past this are validated off the event loop
 DEFAULT_MODEL_ALIASES = ("HuggingFaceTB/SmolLM2-135M-Instruct",)
 
 
@@ -138,8 +138,17 @@ def build_app(engine: AsyncLLM, config: Optional[ServerConfig] = None, *, shutdo
     chat = OpenAIServingChat(engine, tokenizer, model_name, max_model_len)
     limit = config.max_request_body_bytes
 
-    async def body(request: Request) -> dict:
-        return await read_json_body(request, limit, config.request_body_timeout)
+    async def parse(request: Request, cls: Any) -> Any:
+        """The request body as a `cls`; large bodies are validated off the event loop."""
+        obj = await read_json_body(request, limit, config.request_body_timeout)
+        if int(request.headers.get("content-length") or 0) > LARGE_BODY_BYTES:
+            return await asyncio.to_thread(parse_model, cls, obj)
+        return parse_model(cls, obj)
+
+    async def large_json(payload: dict) -> Response:
+        """A JSON answer serialized off the event loop (a 3M-token /tokenize answer takes ~0.5 s)."""
+        data = await asyncio.to_thread(lambda: json.dumps(payload, ensure_ascii=False).encode())
+        return Response(data, media_type="application/json")
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -236,7 +245,7 @@ def build_app(engine: AsyncLLM, config: Optional[ServerConfig] = None, *, shutdo
 
     @v1.post("/completions")
     async def create_completion(request: Request) -> Response:
-        req = parse_model(CompletionRequest, await body(request))
+        req = await parse(request, CompletionRequest)
         check_model(req.model)
         if req.stream:
             return respond(await completions.create(req))
@@ -244,7 +253,7 @@ def build_app(engine: AsyncLLM, config: Optional[ServerConfig] = None, *, shutdo
 
     @v1.post("/chat/completions")
     async def create_chat_completion(request: Request) -> Response:
-        req = parse_model(ChatCompletionRequest, await body(request))
+        req = await parse(request, ChatCompletionRequest)
         check_model(req.model)
         if req.stream:
             return respond(await chat.create(req))
@@ -273,7 +282,7 @@ def build_app(engine: AsyncLLM, config: Optional[ServerConfig] = None, *, shutdo
 
     @app.post("/tokenize")
     async def tokenize(request: Request) -> Any:
-        req = parse_model(TokenizeRequest, await body(request))
+        req = await parse(request, TokenizeRequest)
         check_model(req.model)
         if tokenizer is None:
             raise bad_request("this model has no tokenizer")
@@ -284,12 +293,14 @@ def build_app(engine: AsyncLLM, config: Optional[ServerConfig] = None, *, shutdo
         else:
             ids = await tokenizer.encode(req.prompt, add_special_tokens=req.add_special_tokens, bounded=False)
         strs = await tokenizer.convert_ids_to_tokens(ids) if req.return_token_strs else None
-        return TokenizeResponse(count=len(ids), max_model_len=max_model_len, tokens=ids, token_strs=strs).model_dump(
-            exclude_none=True)
+        answer = {"count": len(ids), "max_model_len": max_model_len, "tokens": ids}  # TokenizeResponse's shape
+        if strs is not None:
+            answer["token_strs"] = strs
+        return await large_json(answer)
 
     @app.post("/detokenize")
     async def detokenize(request: Request) -> Any:
-        req = parse_model(DetokenizeRequest, await body(request))
+        req = await parse(request, DetokenizeRequest)
         check_model(req.model)
         if tokenizer is None:
             raise bad_request("this model has no tokenizer")
@@ -301,7 +312,7 @@ def build_app(engine: AsyncLLM, config: Optional[ServerConfig] = None, *, shutdo
             text = await tokenizer.decode(req.tokens)
         except Exception as e:
             raise bad_request(f"cannot decode tokens: {e}", param="tokens")
-        return DetokenizeResponse(prompt=text).model_dump()
+        return await large_json({"prompt": text})  # DetokenizeResponse's shape
 
     return app
 
