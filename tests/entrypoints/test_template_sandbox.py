@@ -38,3 +38,31 @@ def test_hostile_templates_fail_cleanly_and_the_next_renders(renderer, template,
         renderer.render(template, VARS)
     assert time.monotonic() - t0 < 15
     assert renderer.render(SIMPLE, VARS) == "<user>hi<a>"
+
+
+def test_server_tokenizer_renders_request_templates_only_when_trusted():
+    import asyncio
+
+    from roofline.entrypoints.openai.serving_engine import APIError
+    from roofline.entrypoints.openai.tokenization import ServerTokenizer
+    from roofline.model_executor.loader.source import load_tokenizer, resolve_source
+
+    tok = load_tokenizer(resolve_source(None))
+    messages = [{"role": "user", "content": "hi"}]
+
+    async def render(server_tok, template):
+        return await server_tok.render_chat(messages, add_generation_prompt=True, chat_template=template)
+
+    closed = ServerTokenizer(tok, 512)
+    with pytest.raises(APIError, match="--trust-request-chat-template"):
+        asyncio.run(render(closed, SIMPLE))
+    trusted = ServerTokenizer(tok, 512, trust_request_chat_template=True)
+    try:
+        assert asyncio.run(render(trusted, SIMPLE)) == "<user>hi<a>"
+        with pytest.raises(APIError, match="chat template"):
+            asyncio.run(render(trusted, "{{ 'hello ' * 1000000000 }}"))
+        own = asyncio.run(render(trusted, None))  # the model's own template, in the thread pool
+        assert "hi" in own and own == tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    finally:
+        trusted.close()
+        closed.close()
