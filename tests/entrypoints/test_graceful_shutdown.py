@@ -19,7 +19,7 @@ def test_shutdown_drains_then_ends_streams_cleanly(tiny_models):
     path, _ = tiny_models["llama"]
     engine = AsyncLLM.from_engine_args(EngineArgs(model=path, device="cpu", dtype="float32", num_kv_blocks=64,
                                                   max_num_seqs=1))
-    config = ServerConfig(uvicorn_log_level="warning", access_log=False, shutdown_timeout=1.5)
+    config = ServerConfig(uvicorn_log_level="warning", access_log=False, shutdown_timeout=0.3)
     srv = ServerThread(build_app(engine, config, shutdown_engine=False), config=config).start()
     events, short = [], {}
     started = threading.Event()
