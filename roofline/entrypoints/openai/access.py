@@ -1,7 +1,9 @@
 """Who may call which route: the API key and the shutdown gate, as one ASGI middleware.
 
 With --api-key every route needs `Authorization: Bearer <key>` except /health (load balancers probe
-it) and, when --no-metrics-require-key, /metrics; that covers /docs, /openapi.json, /tokenize and
+it), /dashboard (a static page with no data: a browser cannot attach a bearer token to a page's URL,
+and the page sends the key itself when it polls /stats, which needs it) and, when
+--no-metrics-require-key, /metrics; that covers /docs, /openapi.json, /tokenize and
 whatever a module adds later, without each route remembering to ask.  While the server drains for a
 shutdown, every new request but /health and /metrics gets 503 (and /health says "draining").
 """
@@ -12,7 +14,7 @@ import hmac
 import json
 from typing import Any, Callable, Optional
 
-OPEN_PATHS = ("/health",)
+OPEN_PATHS = ("/health", "/dashboard")
 
 
 def _error_body(status: int, message: str, type_: str, code: str) -> bytes:
