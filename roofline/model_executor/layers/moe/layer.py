@@ -90,10 +90,6 @@ class FusedMoE(nn.Module):
         """(expert, shard) pairs no checkpoint tensor has filled (after per-expert or stacked loading)."""
         return [(e, s) for e in range(self.num_experts) for s in SHARDS if (e, s) not in self._loaded]
 
-    def mark_loaded(self) -> None:
-        """Every expert counts as filled (dummy weights)."""
-        self._loaded = {(e, s) for e in range(self.num_experts) for s in SHARDS}
-
     def prepare_cpu(self) -> None:
         """After loading on the CPU: per-expert packed copies for the native kernels (cpu_gemm.prepare_model)."""
         self.cpu_experts = CpuExperts.build(self.w13_weight, self.w2_weight)
