@@ -100,3 +100,59 @@ def test_unservable_routing_fails_at_load_naming_the_field(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(ValueError, match=r"num_experts_per_tok \(9\)"):
         LLM(str(tmp_path), load_format="dummy", device="cpu", num_kv_blocks=16, show_progress=False)
+
+
+def _to_gguf_names(tensors: dict) -> dict:
+    """HF checkpoint tensors -> llama.cpp's qwen2moe/qwen3moe names, experts stacked [E, out, in]."""
+    from roofline.model_executor.loader.weights import _GGUF_LAYER, _GGUF_NAMES
+
+    to_gguf = {hf: g for g, hf in _GGUF_NAMES.items()}
+    layer_part = {hf: g for g, hf in _GGUF_LAYER.items()}
+    out = {}
+    for name, t in _stack_experts(tensors).items():
+        if name in to_gguf:
+            out[to_gguf[name]] = t
+            continue
+        parts = name.split(".")  # model.layers.<i>.<module path>.<weight|bias>
+        layer, module, leaf = parts[2], ".".join(parts[3:-1]), parts[-1]
+        if module == "mlp.experts" and leaf == "gate_up_proj":  # split back into llama.cpp's two stacks
+            gate, up = t.chunk(2, dim=1)
+            out[f"blk.{layer}.ffn_gate_exps.weight"] = gate.contiguous()
+            out[f"blk.{layer}.ffn_up_exps.weight"] = up.contiguous()
+        elif module == "mlp.experts":
+            out[f"blk.{layer}.ffn_down_exps.weight"] = t
+        elif module == "mlp.shared_expert_gate":
+            out[f"blk.{layer}.ffn_gate_inp_shexp.{leaf}"] = t[0]  # llama.cpp keeps this [1, H] gate 1-D
+        else:
+            out[f"blk.{layer}.{layer_part[module]}.{leaf}"] = t
+    return out
+
+
+@pytest.mark.parametrize("arch,gguf_arch", [("qwen2_moe", "qwen2moe"), ("qwen3_moe", "qwen3moe")])
+def test_gguf_expert_stacks_load_as_safetensors(tmp_path, arch, gguf_arch):
+    """A GGUF file's MoE tensors (router, ffn_{gate,up,down}_exps stacks, shared expert and its gate)
+    fill every parameter with the values the safetensors checkpoint gives."""
+    import gguf
+
+    from roofline.attention.torch_backend import TorchAttentionBackend
+    from roofline.model_executor.loader.weights import gguf_weights, safetensors_weights
+    from roofline.model_executor.models.registry import resolve_architecture
+
+    src = str(tmp_path / "st")
+    hf = build_tiny_model(arch, src, seed=5)
+    writer = gguf.GGUFWriter(str(tmp_path / "m.gguf"), gguf_arch)
+    for name, t in _to_gguf_names(load_file(os.path.join(src, "model.safetensors"))).items():
+        writer.add_tensor(name, t.numpy())
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    _, cls = resolve_architecture(hf.config)
+    models = []
+    for weights in (safetensors_weights(src, False), gguf_weights(str(tmp_path / "m.gguf"), hf.config, False)):
+        model = cls(hf.config, TorchAttentionBackend())
+        loaded = model.load_weights(weights)
+        assert loaded == {n for n, _ in model.named_parameters()}
+        models.append(dict(model.named_parameters()))
+    for name, p in models[0].items():
+        assert torch.equal(p, models[1][name]), name

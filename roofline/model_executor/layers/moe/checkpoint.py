@@ -5,7 +5,9 @@ Two layouts are read:
                  <prefix>.experts.<e>.{w1|w3|w2}.weight (Mixtral): what transformers 5's save_pretrained
                  writes (it converts its fused in-memory experts back to these names)
     stacked 3-D  <prefix>.experts.gate_up_proj [E, 2I, H] and <prefix>.experts.down_proj [E, H, I]
-                 (transformers 5's in-memory parameters, as some converted checkpoints store them)
+                 (transformers 5's in-memory parameters, as some converted checkpoints store them), or
+                 <prefix>.experts.{gate_proj|up_proj}.weight [E, I, H] one projection each (GGUF's
+                 ffn_{gate,up,down}_exps, named so by loader/weights.py)
 `load_expert_tensor` loads one such tensor into the FusedMoE at <prefix>.experts; `check_experts_complete`
 names every expert projection that no tensor filled.
 """
@@ -24,7 +26,7 @@ _SHARD_OF = {"gate_proj": "w1", "w1": "w1", "up_proj": "w3", "w3": "w3", "down_p
 _SHARD_NAME = {"w1": "gate_proj/w1", "w3": "up_proj/w3", "w2": "down_proj/w2"}
 _PER_EXPERT = re.compile(r"^(?P<module>.+\.experts)\.(?P<expert>\d+)\.(?P<proj>gate_proj|up_proj|down_proj|w1|w2|w3)"
                          r"\.weight$")
-_STACKED = re.compile(r"^(?P<module>.+\.experts)\.(?P<kind>gate_up_proj|down_proj)(\.weight)?$")
+_STACKED = re.compile(r"^(?P<module>.+\.experts)\.(?P<kind>gate_up_proj|gate_proj|up_proj|down_proj)(\.weight)?$")
 
 
 def load_expert_tensor(model: nn.Module, name: str, tensor: torch.Tensor) -> Optional[str]:
@@ -46,7 +48,7 @@ def load_expert_tensor(model: nn.Module, name: str, tensor: torch.Tensor) -> Opt
         moe.weight_loader(param, tensor, shard, int(m["expert"]))
         return f"{m['module']}.{'w2_weight' if shard == 'w2' else 'w13_weight'}"
     moe.load_stacked(m["kind"], tensor)
-    return f"{m['module']}.{'w13_weight' if m['kind'] == 'gate_up_proj' else 'w2_weight'}"
+    return f"{m['module']}.{'w2_weight' if m['kind'] == 'down_proj' else 'w13_weight'}"
 
 
 def check_experts_complete(model: nn.Module) -> None:

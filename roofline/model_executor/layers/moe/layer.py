@@ -71,20 +71,22 @@ class FusedMoE(nn.Module):
         self._loaded.add((expert_id, shard_id))
 
     def load_stacked(self, kind: str, loaded: torch.Tensor) -> None:
-        """A fused 3-D checkpoint tensor (transformers' in-memory layout): "gate_up_proj" [E, 2I, H]
-        (gate rows then up rows) or "down_proj" [E, H, I]."""
-        i, h = self.intermediate_size, self.hidden_size
-        want = {"gate_up_proj": (self.num_experts, 2 * i, h), "down_proj": (self.num_experts, h, i)}
+        """A stacked 3-D checkpoint tensor holding every expert: "gate_up_proj" [E, 2I, H] (gate rows then
+        up rows: transformers' in-memory layout), "gate_proj" / "up_proj" [E, I, H] or "down_proj" [E, H, I]."""
+        i, h, e_ = self.intermediate_size, self.hidden_size, self.num_experts
+        want = {"gate_up_proj": (e_, 2 * i, h), "gate_proj": (e_, i, h), "up_proj": (e_, i, h), "down_proj": (e_, h, i)}
         if kind not in want:
-            raise ValueError(f"unknown stacked expert tensor {kind!r} (expected gate_up_proj or down_proj)")
+            raise ValueError(f"unknown stacked expert tensor {kind!r} (expected one of {sorted(want)})")
         if tuple(loaded.shape) != want[kind]:
             raise ValueError(f"experts.{kind}: checkpoint shape {tuple(loaded.shape)}, expected {list(want[kind])}")
         for e in range(self.num_experts):
             if kind == "gate_up_proj":
                 self.weight_loader(self.w13_weight, loaded[e, :i], "w1", e)
                 self.weight_loader(self.w13_weight, loaded[e, i:], "w3", e)
-            else:
+            elif kind == "down_proj":
                 self.weight_loader(self.w2_weight, loaded[e], "w2", e)
+            else:
+                self.weight_loader(self.w13_weight, loaded[e], "w1" if kind == "gate_proj" else "w3", e)
 
     def missing_experts(self) -> list[tuple[int, str]]:
         """(expert, shard) pairs no checkpoint tensor has filled (after per-expert or stacked loading)."""
