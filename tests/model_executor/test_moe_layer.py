@@ -10,7 +10,7 @@ import torch
 
 from roofline.distributed.parallel_state import tp_group_as
 from roofline.model_executor.layers import cpu_ops
-from roofline.model_executor.layers.moe import FusedMoE, RoutingConfig, select_experts
+from roofline.model_executor.layers.moe import FusedMoE, RoutingConfig, cpu_experts, select_experts
 from roofline.model_executor.layers.moe.torch_experts import torch_experts
 
 E, H = 8, 64
@@ -74,8 +74,10 @@ def test_cpu_experts_match_reference(inter, n, k):
     assert layer.w13_weight.stride(1) == 1  # each expert's dense matrix [in x out]-major for the GEMV
     got = layer(x, logits)
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
-    with cpu_ops.forced(False):  # the switch off: the torch reference on the relaid weights
-        torch.testing.assert_close(layer(x, logits), expected, rtol=1e-6, atol=1e-6)
+    for switch in (cpu_ops.SWITCH, cpu_experts.SWITCH):  # either off: the torch reference on the relaid weights
+        with switch.forced(False):
+            assert not layer.cpu_experts.takes(x)
+            torch.testing.assert_close(layer(x, logits), expected, rtol=1e-6, atol=1e-6)
 
 
 def test_stacked_checkpoint_tensors_load_as_per_expert():

@@ -10,7 +10,8 @@ back per token (index_add_).
 `CpuExperts.build` makes, once after loading (cpu_gemm.prepare_model), a packed copy of every
 expert's two weights (cpu_ops.pack_panels) and lays the dense stacks out [in x out]-major per expert
 (the GEMV's layout; shapes unchanged).  Not bit-for-bit the torch reference (other summation order),
-within fp32 rounding of it (tested).
+within fp32 rounding of it (tested).  Switch: ROOFLINE_CPU_MOE (on by default; off runs the torch
+reference, for A/B runs).
 """
 
 from __future__ import annotations
@@ -20,8 +21,11 @@ from typing import Optional
 
 import torch
 
+from roofline.config import Switch
 from roofline.model_executor.layers import cpu_ops
 from roofline.model_executor.layers.moe.torch_experts import grouped_by_expert
+
+SWITCH = Switch("ROOFLINE_CPU_MOE")
 
 
 def _gemv_major(w: torch.Tensor) -> torch.Tensor:
@@ -49,7 +53,8 @@ class CpuExperts:
         return CpuExperts(w13_packed, w2_packed, inter=w2.shape[2], hidden=w2.shape[1])
 
     def takes(self, x: torch.Tensor) -> bool:
-        return x.dtype == torch.float32 and x.device.type == "cpu" and x.dim() == 2 and cpu_ops.available()
+        return (SWITCH.on() and x.dtype == torch.float32 and x.device.type == "cpu" and x.dim() == 2
+                and cpu_ops.available())
 
     def _expert(self, rows: torch.Tensor, e: int, w13: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
         """rows [c, H] through expert e -> [c, H]."""
