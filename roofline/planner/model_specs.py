@@ -61,6 +61,7 @@ class ModelSpec:
     num_experts_per_tok: int = 0
     moe_intermediate_size: int = 0
     shared_intermediate_size: int = 0  # total width of always-on shared expert(s) per MoE layer
+    shared_expert_gate: bool = False  # Qwen2-MoE: a [1 x hidden] gate scales the shared expert per token
     num_moe_layers: int = 0
     native_dtype: str = "bf16"  # dtype of the released checkpoint
 
@@ -106,8 +107,9 @@ class ModelSpec:
         return self.mlp_matrices * self.hidden_size * self.moe_intermediate_size
 
     def moe_always_on_params(self) -> int:
-        """Shared experts + router of one MoE layer (read and computed for every token)."""
-        return self.mlp_matrices * self.hidden_size * self.shared_intermediate_size + self.hidden_size * self.num_experts
+        """Shared experts (and their gate) + router of one MoE layer (read and computed for every token)."""
+        return (self.mlp_matrices * self.hidden_size * self.shared_intermediate_size
+                + self.hidden_size * (self.num_experts + self.shared_expert_gate))
 
     @property
     def embedding_params(self) -> int:
@@ -238,6 +240,8 @@ class ModelSpec:
                 moe_intermediate_size=moe_inter,
                 shared_intermediate_size=shared,
                 num_moe_layers=_count_moe_layers(cfg, layers),
+                shared_expert_gate=bool(shared) and get("shared_expert_intermediate_size") is not None
+                and not get("n_shared_experts"),
             )
 
         qk_norm = str(get("model_type", "")).startswith("qwen3") or bool(get("use_qk_norm", False))

@@ -12,9 +12,24 @@ TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_atte
             initializer_range=0.25, tie_word_embeddings=False)
 
 
-def tiny_config(arch: str, **overrides):
-    from transformers import LlamaConfig, Qwen2Config, Qwen3Config
+# mixtures of experts: 8 experts of width 32 (Mixtral: intermediate_size), top-2 or top-3
+TINY_MOE = {
+    "mixtral": dict(num_local_experts=8, num_experts_per_tok=2, intermediate_size=32),
+    # sparse layers: (i + 1) % 2 == 0 and not in mlp_only_layers -> 1 and 5; 0, 2, 3, 4 dense (width 96)
+    "qwen2_moe": dict(num_hidden_layers=6, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
+                      shared_expert_intermediate_size=48, decoder_sparse_step=2, mlp_only_layers=[3],
+                      intermediate_size=96, norm_topk_prob=False),
+    "qwen3_moe": dict(num_experts=8, num_experts_per_tok=3, moe_intermediate_size=32, norm_topk_prob=True,
+                      head_dim=16),
+}
 
+
+def tiny_config(arch: str, **overrides):
+    from transformers import LlamaConfig, MixtralConfig, Qwen2Config, Qwen2MoeConfig, Qwen3Config, Qwen3MoeConfig
+
+    if arch in TINY_MOE:
+        kw = dict(TINY, **dict(TINY_MOE[arch], **overrides))
+        return {"mixtral": MixtralConfig, "qwen2_moe": Qwen2MoeConfig, "qwen3_moe": Qwen3MoeConfig}[arch](**kw)
     kw = dict(TINY, **overrides)
     if arch == "llama":
         cfg = LlamaConfig(**kw)

@@ -13,7 +13,7 @@ its O projection, MLP and final norm run on the wanted rows alone (`output_rows`
 
 from __future__ import annotations
 
-from typing import Iterable, Optional
+from typing import Callable, Iterable, Optional
 
 import torch
 from torch import nn
@@ -71,13 +71,14 @@ class LlamaAttention(nn.Module):
 
 
 class LlamaMLP(nn.Module):
-    def __init__(self, config):
+    def __init__(self, config, intermediate_size: Optional[int] = None, reduce_results: bool = True):
+        """intermediate_size: config.intermediate_size unless given (an MoE model's shared expert);
+        reduce_results=False leaves the tensor-parallel partial sums un-reduced (the caller reduces)."""
         super().__init__()
         bias = getattr(config, "mlp_bias", False)
-        self.gate_up_proj = MergedColumnParallelLinear(
-            config.hidden_size, [config.intermediate_size] * 2, bias=bias
-        )
-        self.down_proj = RowParallelLinear(config.intermediate_size, config.hidden_size, bias=bias)
+        width = intermediate_size or config.intermediate_size
+        self.gate_up_proj = MergedColumnParallelLinear(config.hidden_size, [width] * 2, bias=bias)
+        self.down_proj = RowParallelLinear(width, config.hidden_size, bias=bias, reduce_results=reduce_results)
         act = getattr(config, "hidden_act", "silu")
         if act != "silu":
             raise ValueError(f"unsupported hidden_act {act!r} (only silu)")
@@ -91,10 +92,13 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, config, layer_idx: int, backend: AttentionBackend, qk_norm: bool, qkv_bias: bool, o_bias: bool):
+    def __init__(self, config, layer_idx: int, backend: AttentionBackend, qk_norm: bool, qkv_bias: bool, o_bias: bool,
+                 make_mlp: Callable[[object, int], nn.Module]):
+        """make_mlp(config, layer_idx): the layer's feed-forward block, x [N, d] -> [N, d] (LlamaMLP, or a
+        mixture of experts); built after the attention, whose split errors come first."""
         super().__init__()
         self.self_attn = LlamaAttention(config, layer_idx, backend, qk_norm, qkv_bias, o_bias)
-        self.mlp = LlamaMLP(config)
+        self.mlp = make_mlp(config, layer_idx)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
@@ -114,11 +118,14 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, config, backend: AttentionBackend, qk_norm: bool, qkv_bias: bool, o_bias: bool):
+    def __init__(self, config, backend: AttentionBackend, qk_norm: bool, qkv_bias: bool, o_bias: bool,
+                 make_mlp: Callable[[object, int], nn.Module]):
+        """make_mlp(config, layer_idx): each layer's feed-forward block."""
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(config, i, backend, qk_norm, qkv_bias, o_bias) for i in range(config.num_hidden_layers)
+            LlamaDecoderLayer(config, i, backend, qk_norm, qkv_bias, o_bias, make_mlp)
+            for i in range(config.num_hidden_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.cpu_stack = None  # llama_cpu_stack.CpuLayerStack where it applies (set after loading, CPU)
@@ -163,13 +170,20 @@ class LlamaForCausalLM(nn.Module):
     def __init__(self, config, backend: AttentionBackend):
         super().__init__()
         self.config = config
-        qkv_bias = getattr(config, "attention_bias", self.qkv_bias_default)
+        qkv_bias = self.qkv_bias(config)
         o_bias = qkv_bias and self.o_bias_follows_qkv
-        self.model = LlamaModel(config, backend, self.qk_norm, qkv_bias, o_bias)
+        self.model = LlamaModel(config, backend, self.qk_norm, qkv_bias, o_bias, self.make_mlp)
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
         self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size)
         if self.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
+
+    def qkv_bias(self, config) -> bool:
+        return bool(getattr(config, "attention_bias", self.qkv_bias_default))
+
+    def make_mlp(self, config, layer_idx: int) -> nn.Module:
+        """Layer layer_idx's feed-forward block (mixture-of-experts models override this)."""
+        return LlamaMLP(config)
 
     def forward(self, input_ids, positions, kv_caches, meta, output_rows: Optional[torch.Tensor] = None) -> torch.Tensor:
         return self.model(input_ids, positions, kv_caches, meta, output_rows)
@@ -190,28 +204,32 @@ class LlamaForCausalLM(nn.Module):
                 continue
             if self.tie_word_embeddings and name.startswith("lm_head."):
                 continue  # tied to the embedding
-            for frag, ours, shard in self.stacked_params:
-                if frag in name:
-                    target = name.replace(frag, ours)
-                    if target not in params:
-                        break
-                    p = params[target]
-                    self._owner(target).weight_loader(p, tensor.to(p.dtype), shard)
-                    loaded.add(target)
-                    break
-            else:
-                if name not in params:
-                    raise ValueError(f"checkpoint tensor {name!r} has no matching parameter in {type(self).__name__}")
-                p = params[name]
-                owner = self._owner(name)
-                if hasattr(owner, "weight_loader"):
-                    owner.weight_loader(p, tensor.to(p.dtype))
-                else:
-                    p.data.copy_(tensor.to(p.dtype))
-                loaded.add(name)
+            target = self._load_tensor(name, tensor, params)
+            if target is not None:
+                loaded.add(target)
         if self.tie_word_embeddings:
             loaded.add("lm_head.weight")
         return loaded
+
+    def _load_tensor(self, name: str, tensor: torch.Tensor, params: dict[str, nn.Parameter]) -> Optional[str]:
+        """Copy one checkpoint tensor into its parameter (this rank's slice); returns the parameter's name."""
+        for frag, ours, shard in self.stacked_params:
+            if frag in name:
+                target = name.replace(frag, ours)
+                if target not in params:
+                    return None
+                p = params[target]
+                self._owner(target).weight_loader(p, tensor.to(p.dtype), shard)
+                return target
+        if name not in params:
+            raise ValueError(f"checkpoint tensor {name!r} has no matching parameter in {type(self).__name__}")
+        p = params[name]
+        owner = self._owner(name)
+        if hasattr(owner, "weight_loader"):
+            owner.weight_loader(p, tensor.to(p.dtype))
+        else:
+            p.data.copy_(tensor.to(p.dtype))
+        return name
 
     def _owner(self, param_name: str) -> nn.Module:
         return self.get_submodule(param_name.rsplit(".", 1)[0])

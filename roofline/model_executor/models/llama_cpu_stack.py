@@ -104,6 +104,8 @@ class CpuLayerStack:
             return "the kernel's per-layer fields do not match"
         for i, layer in enumerate(layers):
             a, m = layer.self_attn, layer.mlp
+            if not hasattr(m, "gate_up_proj"):
+                return f"layer {i}: the feed-forward block is not a dense MLP (mixture of experts)"
             if not isinstance(a.backend, CpuAttentionBackend):
                 return f"attention backend {a.backend.name!r}, not 'cpu'"
             if a.o_proj.tp_size != 1 or a.qkv_proj.tp_size != 1:
