@@ -18,6 +18,7 @@ from typing import Iterable, Optional
 import torch
 from torch import nn
 
+from roofline.attention import kv_spec
 from roofline.attention.backend import AttentionBackend, AttentionMetadata
 from roofline.model_executor.layers import cpu_gemm
 from roofline.model_executor.layers.activation import SiluAndMul
@@ -53,6 +54,10 @@ class LlamaAttention(nn.Module):
         self.q_norm = RMSNorm(self.head_dim, eps) if qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, eps) if qk_norm else None
 
+    def kv_cache_spec(self) -> kv_spec.KVCacheSpec:
+        """K and V of this rank's KV heads (the backend's [2, blocks, block_size, H_kv, D] layout)."""
+        return kv_spec.attention_spec(self.num_kv_heads, self.head_dim)
+
     def forward(self, positions, x, kv_cache: torch.Tensor, meta: AttentionMetadata, cos_sin=None,
                 keep: Optional[torch.Tensor] = None):
         """keep: only these rows' outputs are returned (the O projection runs on them alone)."""
@@ -71,13 +76,15 @@ class LlamaAttention(nn.Module):
 
 
 class LlamaMLP(nn.Module):
-    def __init__(self, config):
+    """down(silu(gate x) * up x).  intermediate_size overrides the config's (DeepSeek's shared experts);
+    reduce_results=False leaves the tensor-parallel partial sums for the caller to all-reduce."""
+
+    def __init__(self, config, intermediate_size: Optional[int] = None, reduce_results: bool = True):
         super().__init__()
         bias = getattr(config, "mlp_bias", False)
-        self.gate_up_proj = MergedColumnParallelLinear(
-            config.hidden_size, [config.intermediate_size] * 2, bias=bias
-        )
-        self.down_proj = RowParallelLinear(config.intermediate_size, config.hidden_size, bias=bias)
+        inter = intermediate_size or config.intermediate_size
+        self.gate_up_proj = MergedColumnParallelLinear(config.hidden_size, [inter] * 2, bias=bias)
+        self.down_proj = RowParallelLinear(inter, config.hidden_size, bias=bias, reduce_results=reduce_results)
         act = getattr(config, "hidden_act", "silu")
         if act != "silu":
             raise ValueError(f"unsupported hidden_act {act!r} (only silu)")
@@ -165,6 +172,7 @@ class LlamaForCausalLM(nn.Module):
         self.config = config
         qkv_bias = getattr(config, "attention_bias", self.qkv_bias_default)
         o_bias = qkv_bias and self.o_bias_follows_qkv
+        self.attention_backend = backend
         self.model = LlamaModel(config, backend, self.qk_norm, qkv_bias, o_bias)
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
         self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size)
@@ -173,6 +181,10 @@ class LlamaForCausalLM(nn.Module):
 
     def forward(self, input_ids, positions, kv_caches, meta, output_rows: Optional[torch.Tensor] = None) -> torch.Tensor:
         return self.model(input_ids, positions, kv_caches, meta, output_rows)
+
+    def kv_cache_specs(self) -> list[kv_spec.KVCacheSpec]:
+        """What each layer caches, in layer order (the worker sizes and allocates the pool from it)."""
+        return [layer.self_attn.kv_cache_spec() for layer in self.model.layers]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head.compute_logits(hidden)
