@@ -119,13 +119,16 @@ def pack_model(model: torch.nn.Module) -> int:
 
 
 def prepare_model(model: torch.nn.Module) -> None:
-    """After loading a model onto the CPU: dense weights [in x out]-major, packed copies beside them,
-    and the LM head's int8 screen for greedy rows (greedy_head.py; tp 1)."""
+    """After loading a model onto the CPU: dense weights [in x out]-major, packed copies beside them
+    (and each module's own `prepare_cpu()`), and the LM head's int8 screen for greedy rows (greedy_head.py; tp 1)."""
     from roofline.model_executor.layers.greedy_head import GreedyScreen
     from roofline.model_executor.layers.vocab_embedding import ParallelLMHead
 
     relayout(model)
     pack_model(model)
+    for module in model.modules():  # layers with their own packed copies (moe.FusedMoE's experts)
+        if hasattr(module, "prepare_cpu"):
+            module.prepare_cpu()
     for module in model.modules():
         if isinstance(module, ParallelLMHead) and module.tp_size == 1 and module.cpu_packed is not None:
             module.cpu_greedy = GreedyScreen.build(module.weight, module.vocab_size)

@@ -1,0 +1,81 @@
+"""The expert compute of a MoE layer on the CPU in fp32, on the native kernels of cpu_ops.py.
+
+Tokens are grouped by expert with one stable argsort of the chosen ids (no Python loop over tokens);
+each ACTIVE expert then runs its rows through one native call per projection: the packed GEMM with
+the SiLU-and-mul fused into the gate/up pass (cpu_ops.gemm_packed_silu_mul; gemm_packed + silu_and_mul
+when the expert width is not 16-aligned) and the packed down GEMM, or for a single row the threaded
+GEMV over the dense weight.  The rows' outputs are scaled by their routing weights and scatter-added
+back per token (index_add_).
+
+`CpuExperts.build` makes, once after loading (cpu_gemm.prepare_model), a packed copy of every
+expert's two weights (cpu_ops.pack_panels) and lays the dense stacks out [in x out]-major per expert
+(the GEMV's layout; shapes unchanged).  Not bit-for-bit the torch reference (other summation order),
+within fp32 rounding of it (tested).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+from roofline.model_executor.layers import cpu_ops
+from roofline.model_executor.layers.moe.torch_experts import grouped_by_expert
+
+
+def _gemv_major(w: torch.Tensor) -> torch.Tensor:
+    """[E, out, in] -> the same values with each expert's matrix stored [in x out]-major."""
+    return w.transpose(1, 2).contiguous().transpose(1, 2)
+
+
+@dataclass
+class CpuExperts:
+    w13_packed: torch.Tensor  # [E, panels of the [2I, H] gate/up weight]
+    w2_packed: torch.Tensor  # [E, panels of the [H, I] down weight]
+    inter: int
+    hidden: int
+
+    @staticmethod
+    def build(w13: torch.nn.Parameter, w2: torch.nn.Parameter) -> Optional["CpuExperts"]:
+        """Pack the experts for the native kernels (and relayout the dense stacks in place), or None
+        where they do not apply (kernels off, not fp32 on the CPU)."""
+        if not cpu_ops.available() or w13.dtype != torch.float32 or w13.device.type != "cpu":
+            return None
+        w13.data = _gemv_major(w13.data)
+        w2.data = _gemv_major(w2.data)
+        w13_packed = torch.stack([cpu_ops.pack_panels(w13[e]) for e in range(w13.shape[0])])
+        w2_packed = torch.stack([cpu_ops.pack_panels(w2[e]) for e in range(w2.shape[0])])
+        return CpuExperts(w13_packed, w2_packed, inter=w2.shape[2], hidden=w2.shape[1])
+
+    def takes(self, x: torch.Tensor) -> bool:
+        return x.dtype == torch.float32 and x.device.type == "cpu" and x.dim() == 2 and cpu_ops.available()
+
+    def _expert(self, rows: torch.Tensor, e: int, w13: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
+        """rows [c, H] through expert e -> [c, H]."""
+        if rows.shape[0] == 1 and cpu_ops.can_gemv(rows, w13[e]):
+            h = cpu_ops.silu_and_mul(cpu_ops.gemv(rows, w13[e]))
+            if cpu_ops.can_gemv(h, w2[e]):
+                return cpu_ops.gemv(h, w2[e])
+            return cpu_ops.gemm_packed(h, self.w2_packed[e], self.hidden)
+        if self.inter % cpu_ops.PANEL == 0:
+            h = cpu_ops.gemm_packed_silu_mul(rows, self.w13_packed[e], self.inter)
+        else:
+            h = cpu_ops.silu_and_mul(cpu_ops.gemm_packed(rows, self.w13_packed[e], 2 * self.inter))
+        return cpu_ops.gemm_packed(h, self.w2_packed[e], self.hidden)
+
+    def __call__(self, x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor,
+                 ids: torch.Tensor) -> torch.Tensor:
+        """As torch_experts.torch_experts (x [N, H], weights/ids [N, k] -> [N, H])."""
+        n, k = ids.shape
+        order, counts = grouped_by_expert(ids, w13.shape[0])
+        tokens = order // k
+        x_sorted = x.index_select(0, tokens)  # [N*k, H], rows of one expert together
+        y_sorted = torch.empty_like(x_sorted)
+        start = 0
+        for e, c in enumerate(counts.tolist()):  # experts, not tokens: the idle ones cost nothing
+            if c:
+                y_sorted[start:start + c] = self._expert(x_sorted[start:start + c], e, w13, w2)
+                start += c
+        y_sorted *= weights.reshape(-1).index_select(0, order).to(x.dtype)[:, None]
+        return torch.zeros_like(x).index_add_(0, tokens, y_sorted)

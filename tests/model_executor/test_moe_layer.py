@@ -1,0 +1,133 @@
+"""FusedMoE (roofline/model_executor/layers/moe/layer.py): the torch reference expert compute against
+HF transformers' experts module on the same weights, the native CPU path (packed per-expert GEMMs,
+GEMV for lone rows) against the reference, per-expert and stacked 3-D loading, tensor-parallel
+slices that sum to the whole, and load-time errors that name the field."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from roofline.distributed.parallel_state import tp_group_as
+from roofline.model_executor.layers import cpu_ops
+from roofline.model_executor.layers.moe import FusedMoE, RoutingConfig, select_experts
+from roofline.model_executor.layers.moe.torch_experts import torch_experts
+
+E, H = 8, 64
+
+
+def _experts(inter: int, seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    gate = torch.randn(E, inter, H, generator=g) * 0.2
+    up = torch.randn(E, inter, H, generator=g) * 0.2
+    down = torch.randn(E, H, inter, generator=g) * 0.2
+    return gate, up, down
+
+
+def _layer(inter: int, gate, up, down, routing=None, tp=(0, 1)) -> FusedMoE:
+    with tp_group_as(*tp):
+        layer = FusedMoE(E, H, inter, routing or RoutingConfig(top_k=2, renormalize=True))
+    for e in range(E):
+        layer.weight_loader(layer.w13_weight, gate[e], "w1", e)
+        layer.weight_loader(layer.w13_weight, up[e], "w3", e)
+        layer.weight_loader(layer.w2_weight, down[e], "w2", e)
+    assert layer.missing_experts() == []
+    return layer
+
+
+def _route(n: int, k: int, seed: int = 1):
+    g = torch.Generator().manual_seed(seed)
+    logits = torch.randn(n, E, generator=g)
+    x = torch.randn(n, H, generator=g)
+    w, ids = select_experts(logits, RoutingConfig(top_k=k, renormalize=True))
+    return x, logits, w, ids
+
+
+def test_reference_matches_hf_experts():
+    from transformers import MixtralConfig
+    from transformers.models.mixtral.modeling_mixtral import MixtralExperts
+
+    inter = 48
+    gate, up, down = _experts(inter)
+    hf = MixtralExperts(MixtralConfig(hidden_size=H, intermediate_size=inter, num_local_experts=E)).eval()
+    with torch.no_grad():
+        hf.gate_up_proj.copy_(torch.cat([gate, up], dim=1))
+        hf.down_proj.copy_(down)
+    layer = _layer(inter, gate, up, down)
+    x, _, w, ids = _route(19, 2)
+    with torch.no_grad():
+        expected = hf(x, ids, w)
+    torch.testing.assert_close(torch_experts(x, layer.w13_weight, layer.w2_weight, w, ids), expected,
+                               rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.skipif(not cpu_ops.available(), reason="native CPU kernels not built here")
+@pytest.mark.parametrize("inter", [32, 40])  # 16-aligned (fused SiLU GEMM) and not
+@pytest.mark.parametrize("n,k", [(1, 2), (2, 1), (5, 2), (37, 3)])
+def test_cpu_experts_match_reference(inter, n, k):
+    gate, up, down = _experts(inter, seed=inter)
+    layer = _layer(inter, gate, up, down, RoutingConfig(top_k=k, renormalize=True))
+    x, logits, w, ids = _route(n, k, seed=n)
+    expected = torch_experts(x, layer.w13_weight.detach().clone(), layer.w2_weight.detach().clone(), w, ids)
+    layer.prepare_cpu()
+    assert layer.cpu_experts is not None and layer.cpu_experts.takes(x)
+    assert layer.w13_weight.stride(1) == 1  # each expert's dense matrix [in x out]-major for the GEMV
+    got = layer(x, logits)
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+    with cpu_ops.forced(False):  # the switch off: the torch reference on the relaid weights
+        torch.testing.assert_close(layer(x, logits), expected, rtol=1e-6, atol=1e-6)
+
+
+def test_stacked_checkpoint_tensors_load_as_per_expert():
+    inter = 32
+    gate, up, down = _experts(inter)
+    per_expert = _layer(inter, gate, up, down)
+    stacked = FusedMoE(E, H, inter, RoutingConfig(top_k=2))
+    stacked.load_stacked("gate_up_proj", torch.cat([gate, up], dim=1))
+    assert {s for _, s in stacked.missing_experts()} == {"w2"}
+    stacked.load_stacked("down_proj", down)
+    assert stacked.missing_experts() == []
+    assert torch.equal(stacked.w13_weight, per_expert.w13_weight)
+    assert torch.equal(stacked.w2_weight, per_expert.w2_weight)
+    with pytest.raises(ValueError, match="gate_up_proj"):
+        stacked.load_stacked("gate_up_proj", torch.cat([gate, up], dim=2))
+
+
+def test_tensor_parallel_slices_sum_to_the_whole():
+    """Two ranks' un-reduced outputs add up to the unsharded layer's output."""
+    inter = 32
+    gate, up, down = _experts(inter)
+    whole = _layer(inter, gate, up, down)
+    x, logits, _, _ = _route(9, 2)
+    parts = []
+    for rank in range(2):
+        with tp_group_as(rank, 2):
+            layer = FusedMoE(E, H, inter, RoutingConfig(top_k=2, renormalize=True), reduce_results=False)
+        assert layer.w13_weight.shape == (E, inter, H) and layer.w2_weight.shape == (E, H, inter // 2)
+        for e in range(E):
+            layer.weight_loader(layer.w13_weight, gate[e], "w1", e)
+            layer.weight_loader(layer.w13_weight, up[e], "w3", e)
+            layer.weight_loader(layer.w2_weight, down[e], "w2", e)
+        parts.append(layer(x, logits))
+    torch.testing.assert_close(parts[0] + parts[1], whole(x, logits), rtol=1e-5, atol=1e-5)
+
+
+def test_tp_that_does_not_divide_the_expert_width_names_the_field():
+    with tp_group_as(0, 3), pytest.raises(ValueError, match="moe_intermediate_size .32. is not divisible"):
+        FusedMoE(E, H, 32, RoutingConfig(top_k=2))
+    with tp_group_as(0, 3), pytest.raises(ValueError, match="intermediate_size"):
+        FusedMoE(E, H, 32, RoutingConfig(top_k=2), width_field="intermediate_size")
+
+
+def test_missing_expert_tensor_is_reported():
+    inter = 32
+    gate, up, down = _experts(inter)
+    layer = FusedMoE(E, H, inter, RoutingConfig(top_k=2))
+    for e in range(E):
+        layer.weight_loader(layer.w13_weight, gate[e], "w1", e)
+        layer.weight_loader(layer.w2_weight, down[e], "w2", e)
+        if e != 3:
+            layer.weight_loader(layer.w13_weight, up[e], "w3", e)
+    assert layer.missing_experts() == [(3, "w3")]
+    with pytest.raises(ValueError, match="expected"):
+        layer.weight_loader(layer.w2_weight, gate[0], "w2", 0)
