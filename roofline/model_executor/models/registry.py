@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from roofline.model_executor.models.deepseek import DeepseekV2ForCausalLM, DeepseekV3ForCausalLM
 from roofline.model_executor.models.llama import (
     LlamaForCausalLM,
     MistralForCausalLM,
@@ -10,6 +11,8 @@ from roofline.model_executor.models.llama import (
 )
 
 MODEL_REGISTRY = {
+    "DeepseekV2ForCausalLM": DeepseekV2ForCausalLM,
+    "DeepseekV3ForCausalLM": DeepseekV3ForCausalLM,
     "LlamaForCausalLM": LlamaForCausalLM,
     "MistralForCausalLM": MistralForCausalLM,
     "Qwen2ForCausalLM": Qwen2ForCausalLM,
