@@ -82,14 +82,10 @@ def deepseek(tmp_path_factory):
 
 def run(path, prompts, sampling=GREEDY, **engine_args):
     llm = LLM(path, dtype="float32", device="cpu", show_progress=False, **engine_args)
-    try:
-        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], sampling, use_tqdm=False)
-        stats = llm.llm_engine.get_stats()
-        assert stats.num_free_blocks == stats.num_total_blocks  # every block back in the pool
-        return outs, stats, llm
-    finally:
-        if engine_args.get("tensor_parallel_size", 1) > 1:
-            llm.llm_engine.shutdown()
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], sampling, use_tqdm=False)
+    stats = llm.llm_engine.get_stats()
+    assert stats.num_free_blocks == stats.num_total_blocks  # every block back in the pool
+    return outs, stats, llm
 
 
 VARIANTS = {
@@ -119,9 +115,18 @@ def test_greedy_matches_hf(deepseek, name, variant):
 @pytest.mark.parametrize("name", list(CHECKPOINTS))
 def test_tensor_parallel_2_matches_hf(deepseek, name):
     """Heads split over two ranks, the latent cache replicated on both."""
-    path, prompts, reference, _ = deepseek(name)
-    outs, _, _ = run(path, prompts, num_kv_blocks=64, tensor_parallel_size=2)
-    assert [o.outputs[0].token_ids for o in outs] == reference
+    path, prompts, reference, hf = deepseek(name)
+    llm = LLM(path, dtype="float32", device="cpu", show_progress=False, num_kv_blocks=64, tensor_parallel_size=2)
+    try:
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY, use_tqdm=False)
+        assert [o.outputs[0].token_ids for o in outs] == reference
+        stats = llm.llm_engine.get_stats()
+        assert stats.num_free_blocks == stats.num_total_blocks
+        cfg = hf.config  # each rank holds the whole latent: a block's bytes are tp=1's
+        latent_block = (cfg.kv_lora_rank + cfg.qk_rope_head_dim) * 4 * cfg.num_hidden_layers * 16
+        assert llm.llm_engine.executor.block_bytes() == latent_block
+    finally:
+        llm.llm_engine.shutdown()
 
 
 def test_logprobs_within_1e3_of_hf(deepseek):
