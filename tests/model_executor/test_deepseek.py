@@ -187,3 +187,29 @@ def test_missing_expert_tensor_fails_naming_it(deepseek, tmp_path):
     (tmp_path / "config.json").write_text(open(os.path.join(path, "config.json")).read())
     with pytest.raises(ValueError, match=r"experts\.5\.up_proj"):
         LLM(str(tmp_path), dtype="float32", device="cpu", num_kv_blocks=8, show_progress=False)
+
+
+def test_rope_on_pairs_matches_hf_v3_and_v2():
+    """V3's interleaved rope bit for bit; V2's complex-number rope up to the output layout (pairs
+    interleaved there, halves here), which q and k share, so every q.k product is the same."""
+    from transformers.models.deepseek_v2.modeling_deepseek_v2 import apply_rotary_emb
+    from transformers.models.deepseek_v3.modeling_deepseek_v3 import apply_rotary_pos_emb_interleave
+
+    from roofline.model_executor.layers.rotary import RotaryEmbedding
+    from roofline.model_executor.models.deepseek import rope_on_pairs
+
+    g = torch.Generator().manual_seed(0)
+    n, h, r = 5, 3, 16
+    q, k = torch.randn(n, h, r, generator=g), torch.randn(n, 1, r, generator=g)
+    positions = torch.tensor([0, 3, 7, 100, 511])
+    rotary = RotaryEmbedding(r, 512, dict(YARN))
+    cos, sin = rotary.cos_sin(positions, torch.float32)  # [N, 1, R]
+    ours_q, ours_k = rope_on_pairs(q, cos, sin), rope_on_pairs(k, cos, sin)
+    hf_q, hf_k = apply_rotary_pos_emb_interleave(q.transpose(0, 1)[None], k.transpose(0, 1)[None], cos[:, 0][None],
+                                                 sin[:, 0][None])
+    assert torch.equal(ours_q, hf_q[0].transpose(0, 1)) and torch.equal(ours_k, hf_k[0].transpose(0, 1))
+    # V2: x * freqs_cis * attention_scaling in complex numbers; cos/sin already carry the scaling
+    freqs = torch.complex(cos[:, 0, : r // 2], sin[:, 0, : r // 2])
+    v2_q, v2_k = apply_rotary_emb(q.transpose(0, 1)[None], k.transpose(0, 1)[None], freqs[None])
+    dots = torch.einsum("nhr,nkr->nhk", ours_q, ours_k)
+    torch.testing.assert_close(dots, torch.einsum("hnr,knr->nhk", v2_q[0], v2_k[0]), atol=1e-5, rtol=1e-5)
