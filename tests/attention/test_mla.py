@@ -27,8 +27,8 @@ def mla_batch(specs, block_size=16, heads=H, seed=0, device="cpu", dtype=torch.f
                                                     head_dim=P + R, seed=seed, device=device, dtype=dtype)
     g = torch.Generator().manual_seed(seed + 1)
     n = q.shape[0]
-    latent = kv[:1].clone()  # [1, blocks, bs, 1, L + R]: random prefix rows
-    latent = torch.randn(latent.shape[:-1] + (L + R,), generator=g).to(dtype).to(device)
+    # the latent cache [1, blocks, bs, 1, L + R] over the batch's pool: random rows for the cached prefixes
+    latent = torch.randn((1,) + tuple(kv.shape[1:4]) + (L + R,), generator=g).to(dtype).to(device)
     new_rows = torch.randn(n, L + R, generator=g).to(dtype).to(device)
     kv_b = torch.randn(heads * (P + V), L, generator=g).to(dtype).to(device) / math.sqrt(L)
     w = MLAWeights.from_kv_b(kv_b, heads, P, V)
