@@ -5,6 +5,9 @@ W3  shared prefix: throughput, mean TTFT and hit rate with prefix caching on and
 W4  long-prompt interference: ITL of 16 decoding requests while a 2048-token prompt is prefilled,
     with max_num_batched_tokens=256 and with chunking effectively off
 W5  single-stream TPOT against the bandwidth bound weight_bytes / measured memory bandwidth
+W6  MoE + MLA (DeepSeek-V3 shape, small): W1's requests against HF static batches of 16, single-stream
+    TPOT against the bytes a token reads (always-on weights + its routed experts + KV), and the KV tokens
+    2 GiB holds with MLA against the same model with ordinary MHA (engine and planner)
 """
 
 from __future__ import annotations
@@ -13,6 +16,7 @@ import argparse
 import gc
 import json
 import statistics
+import sys
 import time
 from typing import Any, Optional
 
@@ -66,8 +70,6 @@ def _run_offline(llm, reqs) -> dict[str, Any]:
 # ---- W1 ---------------------------------------------------------------------------------------
 def hf_static_batches(model_path: Optional[str], reqs, batch_size: int = 16, dtype: str = "float32") -> dict:
     """HF transformers generate in static batches (left-padded, each batch runs to its longest output)."""
-    import os
-
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -79,6 +81,13 @@ def hf_static_batches(model_path: Optional[str], reqs, batch_size: int = 16, dty
         model = AutoModelForCausalLM.from_pretrained(src.path, gguf_file=src.gguf_file, dtype=torch_dtype)
     else:
         model = AutoModelForCausalLM.from_pretrained(src.path, dtype=torch_dtype)
+    return hf_generate_static(model, reqs, batch_size)
+
+
+def hf_generate_static(model, reqs, batch_size: int = 16) -> dict:
+    """Time HF `generate` over reqs in static batches of batch_size (the model is released afterwards)."""
+    import torch
+
     model.eval()
     pad = 0
     warm = torch.tensor([[100 + i for i in range(16)]])
@@ -228,7 +237,115 @@ def w5(args) -> dict:
             "bound_ms": 1000 * bound, "ratio": tpot / bound}
 
 
-WORKLOADS = {"w1": w1, "w3": w3, "w4": w4, "w5": w5}
+# ---- W6 ---------------------------------------------------------------------------------------
+W6_CONFIG = dict(vocab_size=49152, hidden_size=1024, num_hidden_layers=8, first_k_dense_replace=1,
+                 intermediate_size=2816, moe_intermediate_size=256, n_routed_experts=64, num_experts_per_tok=6,
+                 n_shared_experts=2, n_group=8, topk_group=4, routed_scaling_factor=2.5, num_attention_heads=16,
+                 num_key_value_heads=16, kv_lora_rank=256, q_lora_rank=512, qk_rope_head_dim=32,
+                 qk_nope_head_dim=64, v_head_dim=64, max_position_embeddings=4096)
+KV_COMPARE_BYTES = 2 << 30
+W6_RUN_KV_BYTES = 512 << 20  # the run's pool: 58k tokens, W6's 64 requests hold at most 33k at once
+
+
+def token_read_bytes(model, context: int, dtype_bytes: int) -> dict:
+    """Bytes one decoded token reads at `context`: every weight but the input embedding (one row of it),
+    of each MoE layer only the k of E experts it routes to, and the KV cache of its context."""
+    from roofline.model_executor.layers.moe import FusedMoE
+
+    experts = routed = 0.0
+    for m in model.modules():
+        if isinstance(m, FusedMoE):
+            size = (m.w13_weight.numel() + m.w2_weight.numel()) * m.w13_weight.element_size()
+            experts += size
+            routed += size * m.routing.top_k / m.num_experts
+    embed = model.model.embed_tokens.weight
+    embed_bytes = 0 if getattr(model, "tie_word_embeddings", False) else embed.numel() * embed.element_size()
+    always = weight_bytes(model) - embed_bytes - experts
+    kv = context * sum(s.values_per_token for s in model.kv_cache_specs()) * dtype_bytes
+    return {"always_on_weight_bytes": always, "routed_expert_bytes": routed, "kv_bytes": kv,
+            "total": always + routed + kv}
+
+
+def kv_capacity_2gib(hf_config: dict, engine_tokens: int, block_size: int) -> dict:
+    """KV tokens 2 GiB holds: MLA as the engine allocated it and as the planner predicts, and the same
+    model with ordinary MHA (K and V of every head, head size qk_nope + qk_rope) as the planner and
+    the engine's own sizing (kv_spec) give it."""
+    import dataclasses
+
+    import torch
+
+    from roofline.attention import kv_spec
+    from roofline.planner.cost_model import kv_pool
+    from roofline.planner.model_specs import ModelSpec
+
+    spec = ModelSpec.from_hf_config(hf_config)
+    mha = dataclasses.replace(spec, kv_lora_rank=0, num_kv_heads=spec.num_heads)
+    mha_specs = [kv_spec.attention_spec(mha.num_kv_heads, mha.head_dim)] * spec.num_layers
+    mha_engine = KV_COMPARE_BYTES // kv_spec.bytes_per_block(mha_specs, block_size, torch.float32) * block_size
+    return {
+        "budget_bytes": KV_COMPARE_BYTES,
+        "mla_engine_tokens": engine_tokens,
+        "mla_planner_tokens": kv_pool(KV_COMPARE_BYTES, spec.kv_bytes_per_token(4), block_size)["kv_tokens"],
+        "mha_engine_sizing_tokens": mha_engine,
+        "mha_planner_tokens": kv_pool(KV_COMPARE_BYTES, mha.kv_bytes_per_token(4), block_size)["kv_tokens"],
+        "mla_bytes_per_token": spec.kv_bytes_per_token(4),
+        "mha_bytes_per_token": mha.kv_bytes_per_token(4),
+    }
+
+
+def w6(args) -> dict:
+    """MoE + MLA (DeepSeek-V3 shape, small), dummy weights: throughput vs HF static batches of 16,
+    single-stream TPOT vs the bytes a token reads, KV tokens in 2 GiB for MLA vs MHA."""
+    import os
+    import tempfile
+
+    from roofline import SamplingParams
+    from roofline.planner.measure import measure_bandwidth
+
+    from transformers import DeepseekV3Config
+
+    hf_cfg = DeepseekV3Config(**W6_CONFIG)
+    config = dict(hf_cfg.to_dict(), architectures=["DeepseekV3ForCausalLM"])
+    with tempfile.TemporaryDirectory() as tmp:
+        with open(os.path.join(tmp, "config.json"), "w") as f:
+            json.dump(config, f)
+        # the run needs < 0.5 GiB of KV; the 2 GiB figure is the engine's own sizing (determine_num_blocks)
+        llm = _make_llm(args, model=tmp, load_format="dummy", dtype="float32", kv_cache_memory=W6_RUN_KV_BYTES)
+        engine = llm.llm_engine
+        reqs = random_requests(64, (64, 256), (32, 256), seed=0, vocab_size=_vocab(llm))
+        _warmup(llm)
+        res = _run_offline(llm, reqs)
+        res.pop("outputs")
+        # single stream, W5's shape: 128-token prompt, 256 tokens out
+        one = random_requests(1, (128, 128), (256, 256), seed=0, vocab_size=_vocab(llm))[0]
+        out = llm.generate({"prompt_token_ids": one.prompt},
+                           SamplingParams(temperature=0, max_tokens=256, ignore_eos=True), use_tqdm=False)[0]
+        m = out.metrics
+        tpot = (m.finished_time - m.first_token_time) / (len(out.outputs[0].token_ids) - 1)
+        worker = engine.executor.worker
+        reads = token_read_bytes(worker.model, 128 + 128, 4)  # the mean context of the decode
+        bw = measure_bandwidth(str(worker.device))
+        block_size = engine.config.cache_config.block_size
+        kv = kv_capacity_2gib(config, KV_COMPARE_BYTES // worker.block_bytes() * block_size, block_size)
+        del llm, engine, worker
+        gc.collect()
+    result = {"workload": "W6", "roofline": res,
+              "single_stream": {"tpot_ms": 1000 * tpot, **reads, "bandwidth_gb_s": bw / 1e9,
+                                "bound_ms": 1000 * reads["total"] / bw, "ratio": tpot * bw / reads["total"]},
+              "kv_tokens_2gib": kv}
+    print(json.dumps(result), file=sys.stderr, flush=True)  # ours, before the (long) HF peer run
+    if args.compare_hf:
+        import torch
+        from transformers import AutoModelForCausalLM
+
+        torch.manual_seed(0)
+        hf = hf_generate_static(AutoModelForCausalLM.from_config(hf_cfg, dtype=torch.float32), reqs, 16)
+        result["hf_static_batch16"] = hf
+        result["ratio_output_tok_s"] = res["output_tok_s"] / hf["output_tok_s"]
+    return result
+
+
+WORKLOADS = {"w1": w1, "w3": w3, "w4": w4, "w5": w5, "w6": w6}
 
 
 def _fmt(d: dict, indent: int = 0) -> str:
@@ -261,9 +378,9 @@ def run(args: argparse.Namespace) -> int:
 
 
 def register(bench_subparsers) -> None:
-    p = bench_subparsers.add_parser("throughput", help="offline workloads W1, W3, W4, W5 (BENCHMARKS.md)")
+    p = bench_subparsers.add_parser("throughput", help="offline workloads W1, W3, W4, W5, W6 (BENCHMARKS.md)")
     p.add_argument("--workload", choices=[*WORKLOADS, "all"], default="w1")
-    p.add_argument("--compare-hf", action="store_true", help="W1: also run HF transformers static batches of 16")
+    p.add_argument("--compare-hf", action="store_true", help="W1, W6: also run HF transformers static batches of 16")
     p.add_argument("--json", action="store_true")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
     add_engine_args(p)

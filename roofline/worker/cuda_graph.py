@@ -183,7 +183,9 @@ def graphs_unsupported_reason(model, device, enforce_eager: bool, tp_size: int =
     layers = getattr(getattr(model, "model", None), "layers", None)
     if not layers:
         return "model has no decoder layers"
-    backend = getattr(getattr(layers[0], "self_attn", None), "backend", None)
+    if any(spec.kind != "attention" for spec in model.kv_cache_specs()):
+        return "the model's KV cache is not K/V attention (MLA decode graphs not captured)"
+    backend = getattr(model, "attention_backend", None)
     if getattr(backend, "name", None) != "triton":
         return f"attention backend {getattr(backend, 'name', '?')!r} reads host metadata (needs 'triton')"
     return None

@@ -13,6 +13,7 @@ from typing import Optional
 
 import torch
 
+from roofline.attention import kv_spec
 from roofline.attention.backend import get_attention_backend
 from roofline.config import GiB, EngineConfig, Switch
 from roofline.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
@@ -39,10 +40,9 @@ def resolve_dtype(dtype: str, device: str) -> torch.dtype:
     return _DTYPES[dtype]
 
 
-def kv_bytes_per_block(hf_config, model: torch.nn.Module, block_size: int, dtype: torch.dtype) -> int:
-    attn = model.model.layers[0].self_attn
-    per_token = 2 * attn.num_kv_heads * attn.head_dim * torch.tensor([], dtype=dtype).element_size()
-    return per_token * block_size * len(model.model.layers)
+def kv_bytes_per_block(model: torch.nn.Module, block_size: int, dtype: torch.dtype) -> int:
+    """One KV block's bytes over all layers, from the model's per-layer KV cache specs."""
+    return kv_spec.bytes_per_block(model.kv_cache_specs(), block_size, dtype)
 
 
 _HUGE_PAGE = 2 << 20
@@ -142,7 +142,7 @@ class Worker:
 
     # ---- KV pool ------------------------------------------------------------------------------
     def block_bytes(self) -> int:
-        return kv_bytes_per_block(self.hf_config, self.model, self.config.cache_config.block_size, self.dtype)
+        return kv_bytes_per_block(self.model, self.config.cache_config.block_size, self.dtype)
 
     def determine_num_blocks(self) -> int:
         cc = self.config.cache_config
@@ -161,11 +161,10 @@ class Worker:
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(self.device)
         n = self.config.scheduler_config.max_num_batched_tokens
-        attn = self.model.model.layers[0].self_attn
         bs = self.config.cache_config.block_size
         nblocks = -(-n // bs)
-        caches = [torch.zeros(2, nblocks, bs, attn.num_kv_heads, attn.head_dim, dtype=self.dtype, device=self.device)
-                  for _ in self.model.model.layers]
+        caches = kv_spec.allocate(self.model.kv_cache_specs(), nblocks, bs,
+                                  lambda shape: torch.zeros(shape, dtype=self.dtype, device=self.device))
         ids = torch.zeros(n, dtype=torch.long, device=self.device)
         pos = torch.arange(n, device=self.device) % self.hf_config.max_position_embeddings
         meta = AttentionMetadata(
@@ -191,19 +190,19 @@ class Worker:
         return blocks
 
     def init_kv_cache(self, num_blocks: int, num_swap_blocks: int = 0) -> None:
-        attn = self.model.model.layers[0].self_attn
+        specs = self.model.kv_cache_specs()
         bs = self.config.cache_config.block_size
-        shape = (2, num_blocks, bs, attn.num_kv_heads, attn.head_dim)
         # zeros, not empty: masked-out (never written) slots must not hold NaN bit patterns
         if self.device.type == "cpu":
-            caches = [zeros_on_huge_pages(shape, self.dtype) for _ in self.model.model.layers]
+            caches = kv_spec.allocate(specs, num_blocks, bs, lambda shape: zeros_on_huge_pages(shape, self.dtype))
         else:
-            caches = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in self.model.model.layers]
+            caches = kv_spec.allocate(specs, num_blocks, bs,
+                                      lambda shape: torch.zeros(shape, dtype=self.dtype, device=self.device))
         swap = None
         if num_swap_blocks:
-            swap_shape = (2, num_swap_blocks, bs, attn.num_kv_heads, attn.head_dim)
-            swap = [torch.zeros(swap_shape, dtype=self.dtype, device="cpu",
-                                pin_memory=self.device.type == "cuda") for _ in self.model.model.layers]
+            pin = self.device.type == "cuda"
+            swap = kv_spec.allocate(specs, num_swap_blocks, bs,
+                                    lambda shape: torch.zeros(shape, dtype=self.dtype, device="cpu", pin_memory=pin))
         self.num_blocks = num_blocks
         self.runner = ModelRunner(self.model, caches, bs, self.device, swap)
         from roofline.worker.cuda_graph import create_graph_runner

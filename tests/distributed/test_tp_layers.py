@@ -94,11 +94,11 @@ def test_kv_pool_holds_only_this_ranks_heads(as_rank):
     from roofline.worker.worker import kv_bytes_per_block
 
     cfg, state = _hf_state("llama", num_key_value_heads=2)
-    full = kv_bytes_per_block(cfg, _build("llama", cfg, state), 16, torch.float32)
+    full = kv_bytes_per_block(_build("llama", cfg, state), 16, torch.float32)
     as_rank(1, 2)
-    half = kv_bytes_per_block(cfg, _build("llama", cfg, state), 16, torch.float32)
+    half = kv_bytes_per_block(_build("llama", cfg, state), 16, torch.float32)
     as_rank(1, 4)  # 2 KV heads over 4 ranks: one (replicated) head each
-    replicated = kv_bytes_per_block(cfg, _build("llama", cfg, state), 16, torch.float32)
+    replicated = kv_bytes_per_block(_build("llama", cfg, state), 16, torch.float32)
     assert half * 2 == full and replicated * 2 == full
 
 

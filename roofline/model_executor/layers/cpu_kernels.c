@@ -1314,3 +1314,90 @@ void llama_stack_f32(const float *x, float *out, int64_t N, const int64_t *layer
     free(mid);
     free(gate_up);
 }
+
+/* ==== MLA latent decode (DeepSeek multi-head latent attention) ===================================
+ * Self-contained section: cpu_ops.py's "MLA latent decode" section wraps it (cpu_ops.mla_decode).
+ *
+ * Decode rows attend over the paged latent cache as one shared KV head (roofline/attention/mla/backend.py):
+ *   q      [num_seqs, H, W] contiguous, W = L + R: the absorbed query [W_UK^T q_nope, q_pe] of each head
+ *   cache  rows of W floats; token t of sequence s sits at row block_tables[s][t / bs] * bs + t % bs
+ *   out    [num_seqs, H, L]: out_h = sum_t softmax_t(scale * q_h . row_t) * row_t[0:L]
+ * Every head of a work item reads a latent row once (scores for all of its heads, then the weighted
+ * sums), so the cache is streamed once per item.  Items are (sequence, group of heads): whole
+ * sequences when there are enough of them for the threads, else each sequence's heads are split. */
+static void mla_item(const float *q, float *out, const float *cache, const int32_t *bt, int64_t S, int64_t nh,
+                     int64_t L, int64_t W, int64_t bs, float scale, float *scores, float *acc, float *mx) {
+    for (int64_t g = 0; g < nh; g++) mx[g] = -INFINITY;
+    for (int64_t t = 0; t < S; t++) {  /* pass 1: scores, all heads per row */
+        const float *row = cache + ((int64_t)bt[t / bs] * bs + t % bs) * W;
+        for (int64_t g = 0; g < nh; g++) {
+            const float *qg = q + g * W;
+            float d = 0.f;
+#pragma omp simd reduction(+ : d)
+            for (int64_t i = 0; i < W; i++) d += qg[i] * row[i];
+            d *= scale;
+            scores[g * S + t] = d;
+            if (d > mx[g]) mx[g] = d;
+        }
+    }
+    memset(acc, 0, (size_t)(nh * L) * sizeof(float));
+    for (int64_t g = 0; g < nh; g++) {  /* pass 2: softmax numerators, their sum in mx[g]'s place below */
+        float sum = 0.f;
+        float *sg = scores + g * S;
+        for (int64_t t = 0; t < S; t++) {
+            sg[t] = expf(sg[t] - mx[g]);
+            sum += sg[t];
+        }
+        mx[g] = sum;
+    }
+    for (int64_t t = 0; t < S; t++) {  /* pass 3: weighted latent rows, all heads per row */
+        const float *row = cache + ((int64_t)bt[t / bs] * bs + t % bs) * W;
+        for (int64_t g = 0; g < nh; g++) {
+            const float p = scores[g * S + t];
+            float *a = acc + g * L;
+#pragma omp simd
+            for (int64_t i = 0; i < L; i++) a[i] += p * row[i];
+        }
+    }
+    for (int64_t g = 0; g < nh; g++) {
+        const float inv = 1.0f / mx[g];
+        for (int64_t i = 0; i < L; i++) out[g * L + i] = acc[g * L + i] * inv;
+    }
+}
+
+void mla_decode_f32(const float *q, float *out, const float *cache, const int32_t *block_tables, int64_t bt_stride,
+                    const int32_t *seq_lens, int64_t num_seqs, int64_t num_heads, int64_t latent_rank, int64_t width,
+                    int64_t block_size, float scale, int nthreads) {
+    int64_t groups = 1;
+    if (num_seqs < nthreads) {
+        groups = (nthreads + num_seqs - 1) / num_seqs;
+        if (groups > num_heads) groups = num_heads;
+    }
+    const int64_t per = (num_heads + groups - 1) / groups;  /* heads per item */
+    const int64_t items = num_seqs * groups;
+#pragma omp parallel num_threads(nthreads) if (items > 1)
+    {
+        int64_t cap = 0;
+        float *scores = NULL;
+        float *acc = (float *)malloc((size_t)(per * latent_rank) * sizeof(float));
+        float *mx = (float *)malloc((size_t)per * sizeof(float));
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t it = 0; it < items; it++) {
+            const int64_t s = it / groups, h0 = (it % groups) * per;
+            const int64_t nh = num_heads - h0 < per ? num_heads - h0 : per;
+            const int64_t S = seq_lens[s];
+            if (nh <= 0 || S <= 0) continue;
+            if (S * nh > cap) {
+                cap = S * nh;
+                free(scores);
+                scores = (float *)malloc((size_t)cap * sizeof(float));
+            }
+            mla_item(q + (s * num_heads + h0) * width, out + (s * num_heads + h0) * latent_rank, cache,
+                     block_tables + s * bt_stride, S, nh, latent_rank, width, block_size, scale, scores, acc, mx);
+        }
+        free(scores);
+        free(acc);
+        free(mx);
+    }
+}
+/* ==== end of MLA latent decode ================================================================ */

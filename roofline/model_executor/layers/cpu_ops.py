@@ -421,3 +421,31 @@ def llama_stack(x: torch.Tensor, out: torch.Tensor, layers: torch.Tensor, dims: 
                             num_decodes, seq_lens.shape[0], qsl.data_ptr(), lens.data_ptr(), tables.data_ptr(),
                             tables.stride(0), 0 if kept is None else kept.data_ptr(),
                             0 if kept is None else kept.shape[0], torch.get_num_threads())
+
+
+# ---- MLA latent decode (cpu_kernels.c's section of the same name; self-contained) -----------------
+
+_SIGNATURES["mla_decode_f32"] = [_P, _P, _P, _P, _I, _P, _I, _I, _I, _I, _I, _F, ctypes.c_int]
+
+
+def can_mla_decode(q_abs: torch.Tensor, cache: torch.Tensor) -> bool:
+    """Absorbed decode queries [n, h, L + R] and a contiguous fp32 latent cache [1, blocks, bs, 1, L + R]."""
+    return (accepts(q_abs) and q_abs.dim() == 3 and cache.dtype == torch.float32 and cache.is_contiguous()
+            and cache.dim() == 5 and cache.shape[0] == 1 and cache.shape[3] == 1 and cache.shape[4] == q_abs.shape[2])
+
+
+def mla_decode(q_abs: torch.Tensor, cache: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor,
+               latent_rank: int, scale: float) -> torch.Tensor:
+    """Each decode row's heads attend over its latent rows as one shared KV head: [n, h, L + R] -> [n, h, L]
+    (values = the first latent_rank entries of each row); the torch reference is
+    MLAAttentionBackend.latent_attention."""
+    n, h, width = q_abs.shape
+    q_abs = q_abs.contiguous()
+    tables = block_tables.to(torch.int32)
+    if tables.dim() != 2 or tables.stride(1) != 1:
+        tables = tables.contiguous()
+    lens = seq_lens.to(torch.int32).contiguous()
+    out = torch.empty((n, h, latent_rank), dtype=torch.float32)
+    _need().mla_decode_f32(q_abs.data_ptr(), out.data_ptr(), cache.data_ptr(), tables.data_ptr(), tables.stride(0),
+                           lens.data_ptr(), n, h, latent_rank, width, cache.shape[2], scale, torch.get_num_threads())
+    return out

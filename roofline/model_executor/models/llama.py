@@ -18,6 +18,7 @@ from typing import Callable, Iterable, Optional
 import torch
 from torch import nn
 
+from roofline.attention import kv_spec
 from roofline.attention.backend import AttentionBackend, AttentionMetadata
 from roofline.model_executor.layers import cpu_gemm
 from roofline.model_executor.layers.activation import SiluAndMul
@@ -52,6 +53,10 @@ class LlamaAttention(nn.Module):
         eps = config.rms_norm_eps
         self.q_norm = RMSNorm(self.head_dim, eps) if qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, eps) if qk_norm else None
+
+    def kv_cache_spec(self) -> kv_spec.KVCacheSpec:
+        """K and V of this rank's KV heads (the backend's [2, blocks, block_size, H_kv, D] layout)."""
+        return kv_spec.attention_spec(self.num_kv_heads, self.head_dim)
 
     def forward(self, positions, x, kv_cache: torch.Tensor, meta: AttentionMetadata, cos_sin=None,
                 keep: Optional[torch.Tensor] = None):
@@ -172,6 +177,7 @@ class LlamaForCausalLM(nn.Module):
         self.config = config
         qkv_bias = self.qkv_bias(config)
         o_bias = qkv_bias and self.o_bias_follows_qkv
+        self.attention_backend = backend
         self.model = LlamaModel(config, backend, self.qk_norm, qkv_bias, o_bias, self.make_mlp)
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
         self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size)
@@ -187,6 +193,10 @@ class LlamaForCausalLM(nn.Module):
 
     def forward(self, input_ids, positions, kv_caches, meta, output_rows: Optional[torch.Tensor] = None) -> torch.Tensor:
         return self.model(input_ids, positions, kv_caches, meta, output_rows)
+
+    def kv_cache_specs(self) -> list[kv_spec.KVCacheSpec]:
+        """What each layer caches, in layer order (the worker sizes and allocates the pool from it)."""
+        return [layer.self_attn.kv_cache_spec() for layer in self.model.layers]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head.compute_logits(hidden)

@@ -24,6 +24,7 @@ from typing import Optional
 
 import torch
 
+from roofline.attention import kv_spec
 from roofline.attention.backend import AttentionMetadata
 from roofline.config import Switch
 from roofline.model_executor.layers import cpu_ops
@@ -41,6 +42,14 @@ def _gemv_layout(weight: torch.Tensor) -> bool:
     return weight.dim() == 2 and weight.stride(0) == 1 and weight.stride(1) == weight.shape[0]
 
 
+def _shared(layers, value):
+    """value(layer), the same for every layer (supports() checked it)."""
+    values = {value(layer) for layer in layers}
+    if len(values) != 1:
+        raise ValueError(f"layers differ: {sorted(values)}")
+    return values.pop()
+
+
 def _addr(t: Optional[torch.Tensor]) -> int:
     return 0 if t is None else t.data_ptr()
 
@@ -51,12 +60,13 @@ class CpuLayerStack:
     def __init__(self, model) -> None:
         inner = model.model
         layers = list(inner.layers)
-        attn0 = layers[0].self_attn
-        self.num_heads, self.num_kv_heads, self.head_dim = attn0.num_heads, attn0.num_kv_heads, attn0.head_dim
+        spec = kv_spec.uniform(model.kv_cache_specs())  # the cache tensors' shape comes from the spec
+        self.num_kv_heads, self.head_dim = spec.num_kv_heads, spec.head_size
+        self.num_heads = _shared(layers, lambda layer: layer.self_attn.num_heads)
         self.hidden = model.config.hidden_size
-        self.intermediate = layers[0].mlp.gate_up_proj.weight.shape[0] // 2
-        self.rot = attn0.rotary.rotary_dim
-        self.scale = float(attn0.scale)
+        self.intermediate = _shared(layers, lambda layer: layer.mlp.gate_up_proj.weight.shape[0] // 2)
+        self.rot = _shared(layers, lambda layer: layer.self_attn.rotary.rotary_dim)
+        self.scale = float(_shared(layers, lambda layer: layer.self_attn.scale))
         self.eps = float(inner.norm.eps)
         self.final_norm = inner.norm.weight.detach()
         self.table = torch.zeros((len(layers), FIELDS), dtype=torch.int64)
@@ -102,6 +112,9 @@ class CpuLayerStack:
             return "native CPU kernels not loaded"
         if cpu_ops.llama_stack_fields() != FIELDS:
             return "the kernel's per-layer fields do not match"
+        specs = model.kv_cache_specs()
+        if any(spec.kind != "attention" for spec in specs) or len(set(specs)) != 1:
+            return "layers do not all cache K/V of one shape"
         for i, layer in enumerate(layers):
             a, m = layer.self_attn, layer.mlp
             if not hasattr(m, "gate_up_proj"):
@@ -115,11 +128,15 @@ class CpuLayerStack:
                 return f"layer {i}: a projection is not a packed fp32 weight"
             if m.gate_up_proj.bias is not None or (m.gate_up_proj.weight.shape[0] // 2) % cpu_ops.PANEL:
                 return "gate/up projection with a bias or halves not 16-aligned"
-            if a.head_dim % cpu_ops.PANEL or a.num_heads % a.num_kv_heads:
+            if specs[i].head_size % cpu_ops.PANEL or a.num_heads % specs[i].num_kv_heads:
                 return "head size not a multiple of 16, or query heads not a multiple of KV heads"
             norms = [layer.input_layernorm, layer.post_attention_layernorm] + [n for n in (a.q_norm, a.k_norm) if n]
-            if any(n.eps != inner.norm.eps for n in norms) or a.scale != layers[0].self_attn.scale:
-                return "layers differ in norm eps or attention scale"
+            if any(n.eps != inner.norm.eps for n in norms):
+                return "layers differ in norm eps"
+        for what in (lambda layer: layer.self_attn.num_heads, lambda layer: layer.self_attn.scale,
+                     lambda layer: layer.self_attn.rotary.rotary_dim, lambda layer: layer.mlp.gate_up_proj.weight.shape[0]):
+            if len({what(layer) for layer in layers}) != 1:
+                return "layers differ in query heads, attention scale, rope width or MLP width"
         return None
 
     def takes(self, x: torch.Tensor) -> bool:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from roofline.model_executor.models.deepseek import DeepseekV2ForCausalLM, DeepseekV3ForCausalLM
 from roofline.model_executor.models.llama import (
     LlamaForCausalLM,
     MistralForCausalLM,
@@ -12,6 +13,8 @@ from roofline.model_executor.models.mixtral import MixtralForCausalLM
 from roofline.model_executor.models.qwen_moe import Qwen2MoeForCausalLM, Qwen3MoeForCausalLM
 
 MODEL_REGISTRY = {
+    "DeepseekV2ForCausalLM": DeepseekV2ForCausalLM,
+    "DeepseekV3ForCausalLM": DeepseekV3ForCausalLM,
     "LlamaForCausalLM": LlamaForCausalLM,
     "MistralForCausalLM": MistralForCausalLM,
     "Qwen2ForCausalLM": Qwen2ForCausalLM,
