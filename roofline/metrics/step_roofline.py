@@ -33,6 +33,7 @@ import logging
 import math
 import statistics
 import threading
+from collections import deque
 from typing import Any, Iterable, Optional
 
 import msgspec
@@ -237,3 +238,20 @@ def format_phase_medians(summary: dict[str, dict[str, float]]) -> str:
             parts.append(f"{phase} {s['median_ratio']:.2f}x ({int(s['steps'])} steps, "
                          f"{s['median_step_ms']:.1f} / {s['median_bound_ms']:.2f} ms, {roof}-bound)")
     return "live roofline (step time / bound, median): " + ("; ".join(parts) if parts else "no steps recorded")
+
+
+class RatioWindow:
+    """Median step-vs-bound ratio over the last `size` steps, overall and per phase (the gauge)."""
+
+    def __init__(self, size: int = 64) -> None:
+        self.size = size
+        self._by: dict[str, deque] = {p: deque(maxlen=size) for p in ("all",) + PHASES}
+
+    def add(self, record: StepRoofline) -> None:
+        r = record.ratio
+        if math.isfinite(r):
+            self._by["all"].append(r)
+            self._by[record.phase].append(r)
+
+    def medians(self) -> dict[str, float]:
+        return {p: statistics.median(xs) for p, xs in self._by.items() if xs}

@@ -27,6 +27,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from roofline.engine.async_llm import AsyncLLM
+from roofline.entrypoints.openai.dashboard import add_dashboard_routes
 from roofline.entrypoints.openai.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -141,6 +142,7 @@ def build_app(engine: AsyncLLM, config: Optional[ServerConfig] = None, *, shutdo
     app.state.metrics = metrics
     app.state.config = config
     app.state.model_names = names
+    add_dashboard_routes(app, engine)  # /stats and /dashboard (the live roofline heartbeat)
 
     # ------------------------------------------------------------------ errors
     def error_response(e: APIError) -> JSONResponse:
