@@ -205,3 +205,43 @@ def metric_value(metrics: dict[str, float], name: str, **labels: str) -> float:
             total += value
             found = True
     return total if found else 0.0
+
+
+def histogram_quantile(q: float, buckets: list[tuple[float, float]]) -> float:
+    """Prometheus' histogram_quantile on cumulative (upper bound, count) pairs: linear within the bucket."""
+    buckets = sorted(buckets)
+    if not buckets or buckets[-1][1] <= 0:
+        return float("nan")
+    rank = q * buckets[-1][1]
+    lower_bound, lower_count = 0.0, 0.0
+    for bound, count in buckets:
+        if count >= rank:
+            if bound == float("inf"):
+                return lower_bound
+            if count == lower_count:
+                return bound
+            return lower_bound + (bound - lower_bound) * (rank - lower_count) / (count - lower_count)
+        lower_bound, lower_count = bound, count
+    return lower_bound
+
+
+def step_roofline_delta(before: dict[str, float], after: dict[str, float]) -> dict[str, dict[str, float]]:
+    """The live roofline between two /metrics scrapes, per phase (and "all"): steps, median ratio
+    (from the roofline:step_ratio histogram), mean step and bound (ms), share of memory-bound steps."""
+    out: dict[str, dict[str, float]] = {}
+    for phase in ("all",) + PHASES:
+        sel = {} if phase == "all" else {"phase": phase}
+        d = {n: metric_value(after, PREFIX + n, **sel) - metric_value(before, PREFIX + n, **sel)
+             for n in ("steps_total", "step_time_seconds_sum", "step_bound_seconds_sum")}
+        steps = d["steps_total"]
+        if steps <= 0:
+            continue
+        mem = (metric_value(after, PREFIX + "steps_total", roof="memory", **sel)
+               - metric_value(before, PREFIX + "steps_total", roof="memory", **sel))
+        les = {k.split('le="')[1].split('"')[0] for k in after if k.startswith(PREFIX + "step_ratio_bucket")}
+        buckets = [(float(le), metric_value(after, PREFIX + "step_ratio_bucket", le=le, **sel)
+                    - metric_value(before, PREFIX + "step_ratio_bucket", le=le, **sel)) for le in les]
+        out[phase] = {"steps": steps, "median_ratio": histogram_quantile(0.5, buckets),
+                      "mean_step_ms": 1e3 * d["step_time_seconds_sum"] / steps,
+                      "mean_bound_ms": 1e3 * d["step_bound_seconds_sum"] / steps, "memory_bound_share": mem / steps}
+    return out

@@ -211,6 +211,11 @@ def model_for_engine(hf_config: Any, device: str, dtype: str, kv_cache_dtype: st
 # summaries
 # ---------------------------------------------------------------------------------------------
 
+def bound_on(record: StepRoofline, bandwidth: float, peak_flops: float) -> float:
+    """The record's bound on other hardware figures (same bytes and FLOPs): max(bytes / BW, FLOPs / F)."""
+    return max(record.bytes_read / bandwidth, record.flops / peak_flops if peak_flops else 0.0)
+
+
 def phase_medians(records: Iterable[StepRoofline]) -> dict[str, dict[str, float]]:
     """Per phase (and "all"): steps, median ratio, median step and bound (ms), share of memory-bound steps."""
     by: dict[str, list[StepRoofline]] = {"all": []}
@@ -229,14 +234,16 @@ def phase_medians(records: Iterable[StepRoofline]) -> dict[str, dict[str, float]
 
 
 def format_phase_medians(summary: dict[str, dict[str, float]]) -> str:
-    """One line: `live roofline (step / bound, median): prefill 3.1x (12 steps, compute), decode ...`."""
+    """One line: `live roofline (step time / bound, median): prefill 3.10x (12 steps, step 40.1 / bound
+    12.9 ms median, compute-bound); decode ...` (`mean` where the summary has means, as from /metrics)."""
     parts = []
     for phase in ("prefill", "mixed", "decode"):
         s = summary.get(phase)
         if s:
             roof = "memory" if s["memory_bound_share"] >= 0.5 else "compute"
-            parts.append(f"{phase} {s['median_ratio']:.2f}x ({int(s['steps'])} steps, "
-                         f"{s['median_step_ms']:.1f} / {s['median_bound_ms']:.2f} ms, {roof}-bound)")
+            stat = "median" if "median_step_ms" in s else "mean"
+            parts.append(f"{phase} {s['median_ratio']:.2f}x ({int(s['steps'])} steps, step {s[stat + '_step_ms']:.1f}"
+                         f" / bound {s[stat + '_bound_ms']:.2f} ms {stat}, {roof}-bound)")
     return "live roofline (step time / bound, median): " + ("; ".join(parts) if parts else "no steps recorded")
 
 

@@ -98,3 +98,31 @@ def test_stats_endpoint_and_dashboard_page(server):
     page = http.get("/dashboard")
     assert page.status_code == 200 and page.headers["content-type"].startswith("text/html")
     assert 'fetch("/stats"' in page.text and "<canvas" in page.text
+
+
+def test_bench_serve_reports_the_live_ratio_per_phase(server):
+    """`roofline bench serve`'s live roofline: the server's step metrics between two scrapes."""
+    import asyncio
+
+    from roofline.benchmarks import serve as bench
+    from roofline.benchmarks.datasets import random_requests
+    from roofline.metrics.step_roofline import format_phase_medians
+
+    http = server
+    cfg = bench.BenchConfig(base_url=str(http.base_url).rstrip("/"), disable_tqdm=True, num_warmups=0)
+    reqs = random_requests(6, (40, 60), (6, 10), seed=0, vocab_size=384)
+    before = bench.scrape_metrics(cfg)
+    steps_before = metric_value(before, "roofline:steps_total")
+    results, duration = asyncio.run(bench.run_requests(cfg, reqs))  # the model from /v1/models
+    assert all(r.success for r in results), [r.error for r in results]
+    after = _wait(http, lambda m: metric_value(m, "roofline:num_requests_running") == 0)
+    live = bench.live_roofline(before, after)
+    assert live["all"]["steps"] == metric_value(after, "roofline:steps_total") - steps_before
+    assert live["decode"]["steps"] >= 5 and live["decode"]["median_ratio"] >= 1.0
+    assert sum(live[p]["steps"] for p in ("prefill", "decode", "mixed") if p in live) == live["all"]["steps"]
+    assert live["all"]["mean_step_ms"] > live["all"]["mean_bound_ms"] > 0
+    m = bench.compute_metrics(results, duration)
+    m["live_roofline"] = live
+    report = bench.format_report(m)
+    assert "live roofline (step time / bound, median)" in report and "decode" in report
+    assert format_phase_medians(live) in report

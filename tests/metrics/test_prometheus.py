@@ -124,3 +124,15 @@ def test_step_roofline_metrics_move_with_each_step():
     assert metric_value(m, "roofline:step_roofline_ratio", phase="decode") == pytest.approx(3.0)  # median(2, 4)
     assert metric_value(m, "roofline:step_roofline_ratio", phase="prefill") == pytest.approx(5.0)
     assert metric_value(m, "roofline:step_roofline_ratio", phase="all") == pytest.approx(4.0)
+
+
+def test_histogram_quantile_matches_prometheus():
+    from roofline.metrics.prometheus import histogram_quantile
+
+    # 10 observations: 4 in (0, 1], 4 in (1, 2], 2 in (2, 4]
+    b = [(1.0, 4.0), (2.0, 8.0), (4.0, 10.0), (float("inf"), 10.0)]
+    assert histogram_quantile(0.5, b) == pytest.approx(1.25)  # rank 5: a quarter into (1, 2]
+    assert histogram_quantile(0.2, b) == pytest.approx(0.5)
+    assert histogram_quantile(0.9, b) == pytest.approx(3.0)
+    assert histogram_quantile(0.5, [(1.0, 0.0), (float("inf"), 0.0)]) != histogram_quantile(0.5, b)  # nan
+    assert histogram_quantile(0.99, [(1.0, 1.0), (float("inf"), 5.0)]) == 1.0  # in the +Inf bucket: its lower bound
