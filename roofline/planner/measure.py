@@ -22,6 +22,10 @@ In one process it
 3. predicts each step time with the planner's formula, `max(bytes/BW, FLOPs/F) + overhead(b)`,
    using the BW and F measured just before, and prints prediction and measurement side by side,
    with the no-overlap sum `bytes/BW + FLOPs/F + overhead(b)` as an upper reference.
+4. reports beside them the engine's own live-roofline records of the same decode steps
+   (metrics/step_roofline.py, the accounting `/metrics` exports): their median step/bound ratio
+   (wall time over the bound on the engine's start-up hardware figures) and their median bound on
+   the BW and F of step 2a, which is the planner's roofline time (the same code, checked in tests).
 
 Clock: with one torch thread on a CPU (the default for --measure there), every duration above is
 the engine thread's CPU time (`time.thread_time`), so the neighbours of a shared machine do not
