@@ -126,3 +126,19 @@ def test_bench_serve_reports_the_live_ratio_per_phase(server):
     report = bench.format_report(m)
     assert "live roofline (step time / bound, median)" in report and "decode" in report
     assert format_phase_medians(live) in report
+
+
+def test_api_key_covers_stats_and_dashboard(tiny_models):
+    path = tiny_models["llama"][0]
+    engine = AsyncLLM.from_engine_args(EngineArgs(model=path, device="cpu", dtype="float32", num_kv_blocks=32,
+                                                  max_model_len=128, seed=0))
+    config = ServerConfig(api_key="sk-live", uvicorn_log_level="warning", access_log=False, shutdown_timeout=5.0)
+    srv = ServerThread(build_app(engine, config), config=config).start()
+    try:
+        with httpx.Client(base_url=srv.url, timeout=30) as http:
+            for route in ("/stats", "/dashboard"):
+                assert http.get(route).status_code == 401, route
+                assert http.get(route, headers={"Authorization": "Bearer sk-live"}).status_code == 200, route
+    finally:
+        srv.stop()
+        engine.shutdown()

@@ -2,9 +2,11 @@
 plain HTML page, no build step, that polls `/stats` and draws it).
 
 `add_dashboard_routes(app, engine)` registers a `Heartbeat` stat logger on the engine and the two
-routes on the app; the page itself is `dashboard.html` next to this module. The page sends the API
-key it is given (stored in the browser's localStorage) as a bearer token, so it keeps working when
-`/stats` sits behind `--api-key`.
+routes on the app; the page itself is `dashboard.html` next to this module. With `--api-key` the
+server's access middleware covers both routes; the page sends the key it is given (kept in the
+browser's localStorage) as a bearer token on every `/stats` poll, but a browser cannot attach one to
+the page's own URL, so it needs a proxy that adds the header (or the page left open by the middleware:
+it carries no data).
 """
 
 from __future__ import annotations
