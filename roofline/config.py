@@ -72,12 +72,19 @@ class DeviceConfig:
 
 
 @dataclass
+class ObservabilityConfig:
+    step_roofline: bool = True  # account every step's bytes/FLOPs against the device's bound
+    roofline_hardware: Optional[str] = None  # planner preset for the bound; None: GPU preset or measured
+
+
+@dataclass
 class EngineConfig:
     model_config: ModelConfig
     cache_config: CacheConfig
     scheduler_config: SchedulerConfig
     parallel_config: ParallelConfig
     device_config: DeviceConfig
+    observability_config: ObservabilityConfig = field(default_factory=ObservabilityConfig)
 
 
 def _default_device() -> str:
@@ -127,6 +134,9 @@ class EngineArgs:
     # device
     attention_backend: str = "auto"
     enforce_eager: bool = False
+    # observability
+    step_roofline: bool = True
+    roofline_hardware: Optional[str] = None
 
     @classmethod
     def field_names(cls) -> set[str]:
@@ -161,6 +171,13 @@ class EngineArgs:
             errors.append(f"swap_space must be >= 0, got {self.swap_space}")
         if self.max_num_batched_tokens is not None and self.max_num_batched_tokens <= 0:
             errors.append(f"max_num_batched_tokens must be positive, got {self.max_num_batched_tokens}")
+        if self.roofline_hardware not in (None, "measure"):
+            from roofline.planner.hardware import get_hardware
+
+            try:
+                get_hardware(self.roofline_hardware)
+            except ValueError as e:
+                errors.append(f"roofline_hardware must be 'measure' or a planner preset: {e}")
         if errors:
             raise ValueError("invalid engine arguments: " + "; ".join(errors))
         device = self.device or _default_device()
@@ -203,7 +220,8 @@ class EngineArgs:
         device_config = DeviceConfig(
             device=device, attention_backend=self.attention_backend, enforce_eager=self.enforce_eager
         )
-        return EngineConfig(model_config, cache_config, scheduler_config, parallel_config, device_config)
+        observability = ObservabilityConfig(step_roofline=self.step_roofline, roofline_hardware=self.roofline_hardware)
+        return EngineConfig(model_config, cache_config, scheduler_config, parallel_config, device_config, observability)
 
 
 def finalize_lengths(config: EngineConfig, model_max_len: int) -> None:

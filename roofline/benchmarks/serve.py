@@ -200,6 +200,29 @@ async def run_requests(cfg: BenchConfig, requests: Sequence[SampleRequest],
 
 
 # --------------------------------------------------------------------------- metrics
+def scrape_metrics(cfg: BenchConfig) -> Optional[dict[str, float]]:
+    """The server's /metrics, parsed; None when it has none (another engine, a proxy)."""
+    import httpx
+
+    from roofline.metrics.prometheus import parse_metrics
+
+    headers = {"Authorization": f"Bearer {cfg.api_key}"} if cfg.api_key else {}
+    try:
+        r = httpx.get(cfg.base_url.rstrip("/") + "/metrics", headers=headers, timeout=30.0)
+    except httpx.HTTPError:
+        return None
+    return parse_metrics(r.text) if r.status_code == 200 else None
+
+
+def live_roofline(before: Optional[dict[str, float]], after: Optional[dict[str, float]]) -> Optional[dict]:
+    """Per-phase step-vs-bound figures of the benchmark's steps, from the server's roofline:step_* metrics."""
+    from roofline.metrics.prometheus import step_roofline_delta
+
+    if before is None or after is None:
+        return None
+    return step_roofline_delta(before, after)
+
+
 def _stats_ms(values: Sequence[float]) -> dict[str, float]:
     import numpy as np
 
@@ -280,6 +303,10 @@ def format_report(m: dict[str, Any], title: str = "Serving benchmark") -> str:
         row(f"Median {key.split('_')[0].upper()} (ms):", s["median"])
         row(f"P99 {key.split('_')[0].upper()} (ms):", s["p99"])
     lines.append("=" * w)
+    if m.get("live_roofline") is not None:
+        from roofline.metrics.step_roofline import format_phase_medians
+
+        lines.append(format_phase_medians(m["live_roofline"]))
     return "\n".join(lines)
 
 
@@ -437,8 +464,10 @@ def run(args: argparse.Namespace) -> int:
     rate = "inf" if cfg.request_rate == float("inf") else f"{cfg.request_rate:g} req/s"
     print(f"benchmarking {model} at {cfg.base_url}: {len(requests)} requests, rate {rate}, "
           f"max concurrency {cfg.max_concurrency or 'unlimited'}")
+    before = scrape_metrics(cfg)
     results, duration = asyncio.run(run_requests(cfg, requests, model))
     metrics = compute_metrics(results, duration, cfg.goodput)
+    metrics["live_roofline"] = live_roofline(before, scrape_metrics(cfg))
     print(format_report(metrics))
     if metrics["failed"]:
         print(f"first errors: {metrics.get('errors', [])[:3]}")

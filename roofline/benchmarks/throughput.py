@@ -51,11 +51,24 @@ def _warmup(llm) -> None:
                  SamplingParams(temperature=0, max_tokens=4, ignore_eos=True), use_tqdm=False)
 
 
+def _step_records(llm) -> list:
+    """The engine's live-roofline step records since the previous call (empty with --no-step-roofline)."""
+    return llm.llm_engine.get_stats().step_roofline
+
+
+def _live_roofline(records: list) -> Any:
+    """Per-phase median step-vs-bound ratio of a run's steps (metrics/step_roofline.py), or "off"."""
+    from roofline.metrics.step_roofline import phase_medians
+
+    return phase_medians(records) if records else "off (--no-step-roofline)"
+
+
 def _run_offline(llm, reqs) -> dict[str, Any]:
     from roofline import SamplingParams
 
     prompts = [{"prompt_token_ids": r.prompt} for r in reqs]
     params = [SamplingParams(temperature=0, max_tokens=r.output_len, ignore_eos=True) for r in reqs]
+    _step_records(llm)
     t0 = time.monotonic()
     outs = llm.generate(prompts, params, use_tqdm=False)
     dt = time.monotonic() - t0
@@ -64,6 +77,7 @@ def _run_offline(llm, reqs) -> dict[str, Any]:
     ttfts = [o.metrics.first_token_time - o.metrics.arrival_time for o in outs]
     return {"seconds": dt, "output_tokens": n_out, "prompt_tokens": n_in,
             "output_tok_s": n_out / dt, "total_tok_s": (n_out + n_in) / dt,
+            "live_roofline": _live_roofline(_step_records(llm)),
             "mean_ttft_s": statistics.mean(ttfts), "outputs": outs}
 
 
@@ -225,16 +239,19 @@ def w5(args) -> dict:
     llm = _make_llm(args)
     _warmup(llm)
     req = random_requests(1, (128, 128), (256, 256), seed=0, vocab_size=_vocab(llm))[0]
+    _step_records(llm)
     out = llm.generate({"prompt_token_ids": req.prompt}, SamplingParams(temperature=0, max_tokens=256, ignore_eos=True),
                        use_tqdm=False)[0]
     m = out.metrics
     tpot = (m.finished_time - m.first_token_time) / (len(out.outputs[0].token_ids) - 1)
+    steps = _step_records(llm)
     model = llm.llm_engine.executor.worker.model
     wb = weight_bytes(model)
     bw = measure_bandwidth(str(llm.llm_engine.executor.worker.device))  # same run, same machine
     bound = wb / bw
+    live = _live_roofline(steps)
     return {"workload": "W5", "tpot_ms": 1000 * tpot, "weight_bytes": wb, "bandwidth_gb_s": bw / 1e9,
-            "bound_ms": 1000 * bound, "ratio": tpot / bound}
+            "bound_ms": 1000 * bound, "ratio": tpot / bound, "live_roofline": live}
 
 
 # ---- W6 ---------------------------------------------------------------------------------------
@@ -361,6 +378,19 @@ def _fmt(d: dict, indent: int = 0) -> str:
     return "\n".join(lines)
 
 
+def _live_lines(d: dict, where: str = "") -> list:
+    """(path, one-line summary) for every live_roofline summary in a result."""
+    from roofline.metrics.step_roofline import format_phase_medians
+
+    out = []
+    for k, v in d.items():
+        if k == "live_roofline" and isinstance(v, dict):
+            out.append((where or d.get("workload", ""), format_phase_medians(v)))
+        elif isinstance(v, dict):
+            out.extend(_live_lines(v, f"{where}/{k}" if where else k))
+    return out
+
+
 def run(args: argparse.Namespace) -> int:
     import torch
 
@@ -373,6 +403,8 @@ def run(args: argparse.Namespace) -> int:
     else:
         for r in results:
             print(_fmt(r))
+            for where, live in _live_lines(r):
+                print(f"{where}: {live}")
             print()
     return 0
 

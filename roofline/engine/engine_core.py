@@ -16,7 +16,8 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass
+from collections import deque
+from dataclasses import dataclass, field
 from typing import Iterable, Optional
 
 from roofline.config import EngineArgs, EngineConfig, GiB, finalize_lengths
@@ -25,6 +26,7 @@ from roofline.core.scheduler import Scheduler
 from roofline.core.scheduler_output import ModelRunnerOutput, SchedulerOutput, merge_runner_outputs
 from roofline.engine.output_processor import OutputProcessor
 from roofline.executor.base import ExecutorDeadError, create_executor
+from roofline.metrics.step_roofline import StepRoofline, model_for_engine
 from roofline.model_executor.loader.source import load_hf_config, load_tokenizer, resolve_source
 from roofline.outputs import RequestOutput
 from roofline.sampling_params import SamplingParams
@@ -49,6 +51,12 @@ class EngineStats:
     num_preemptions: int
     prompt_tokens: int
     generation_tokens: int
+    # live roofline: the steps since the previous snapshot (oldest first; empty when switched off)
+    step_roofline: list[StepRoofline] = field(default_factory=list)
+
+
+# steps kept for the next get_stats() (a caller that never asks keeps only the latest ones)
+STEP_RECORDS_KEPT = 16384
 
 
 class EngineCore:
@@ -78,6 +86,16 @@ class EngineCore:
         self.group_children: dict[str, list[str]] = {}
         self.prompt_tokens = 0
         self.generation_tokens = 0
+        self.step_roofline = None
+        if config.observability_config.step_roofline:
+            from roofline.worker.worker import resolve_dtype
+
+            dev = config.device_config.device
+            dtype = str(resolve_dtype(mc.dtype, dev)).replace("torch.", "")
+            self.step_roofline = model_for_engine(mc.hf_config, dev, dtype, cc.kv_cache_dtype,
+                                                  config.parallel_config.tensor_parallel_size,
+                                                  config.observability_config.roofline_hardware)
+        self._step_records: deque[StepRoofline] = deque(maxlen=STEP_RECORDS_KEPT)
         logger.info("engine ready in %.1f s: %s, max_model_len=%d, %d KV blocks",
                     time.monotonic() - t0, mc.served_model_name, mc.max_model_len, num_blocks)
 
@@ -186,6 +204,7 @@ class EngineCore:
         if not self.scheduler.has_unfinished_requests():
             outputs, self.pending_outputs = self.pending_outputs, []
             return outputs
+        t_start = time.perf_counter()
         sched_out = self.scheduler.schedule()
         now = time.monotonic()
         for item in sched_out.scheduled:
@@ -232,6 +251,9 @@ class EngineCore:
                 outputs.append(out)
                 if out.finished:
                     self.group_children.pop(gid, None)
+        if self.step_roofline is not None and sched_out.scheduled:
+            self._step_records.append(self.step_roofline.account(
+                sched_out.scheduled, time.perf_counter() - t_start, now, self.scheduler.kv.pool.usage()))
         return outputs
 
     def _execute_isolating(self, out: SchedulerOutput) -> ModelRunnerOutput:
@@ -270,8 +292,13 @@ class EngineCore:
             num_free_blocks=s.num_free_blocks, num_cached_blocks=s.num_cached_blocks,
             prefix_cache_queries=s.prefix_cache_queries, prefix_cache_hits=s.prefix_cache_hits,
             num_preemptions=s.num_preemptions, prompt_tokens=self.prompt_tokens,
-            generation_tokens=self.generation_tokens,
+            generation_tokens=self.generation_tokens, step_roofline=self._drain_step_records(),
         )
+
+    def _drain_step_records(self) -> list[StepRoofline]:
+        records = list(self._step_records)
+        self._step_records.clear()
+        return records
 
     def check_health(self) -> None:
         self.executor.check_health()

@@ -23,6 +23,10 @@ _HELP = {
     "master_addr": "address of node 0, where rank 0 hosts the rendezvous",
     "master_port": "rendezvous port on node 0 (a free one on one node; 29500 when unset with nnodes > 1)",
     "distributed_backend": "gloo | nccl for the model's collectives (gloo on CPU, nccl on CUDA when unset)",
+    "step_roofline": "live roofline: account each step's bytes and FLOPs against the device's bound "
+                     "(/metrics roofline:step_*, /dashboard); --no-step-roofline turns it off",
+    "roofline_hardware": "bandwidth/peak for the live roofline: a `roofline plan` preset (h100-sxm, h200, "
+                         "a100-80gb, l4) or 'measure'; unset: the matching GPU preset, else measured at start-up",
 }
 
 

@@ -12,6 +12,7 @@ from typing import Any, Optional
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 from roofline.metrics.stats import IterationStats, stat
+from roofline.metrics.step_roofline import PHASES, RatioWindow
 
 PREFIX = "roofline:"
 
@@ -22,7 +23,17 @@ ITL_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4,
 REQUEST_BUCKETS = (0.01, 0.05, 0.1, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0,
                    50.0, 60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
 
+TPOT_BUCKETS = (0.005, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75,
+                1.0, 2.5, 5.0)
+STEP_TIME_BUCKETS = (0.0005, 0.001, 0.002, 0.004, 0.006, 0.008, 0.01, 0.015, 0.02, 0.03, 0.04, 0.06, 0.08, 0.1,
+                     0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 2.0, 5.0, 10.0)
+STEP_BOUND_BUCKETS = (1e-5, 2e-5, 5e-5, 1e-4, 2e-4, 5e-4, 0.001, 0.002, 0.004, 0.006, 0.008, 0.01, 0.015, 0.02,
+                      0.03, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0)
+RATIO_BUCKETS = (0.25, 0.5, 0.75, 0.9, 1.0, 1.1, 1.25, 1.5, 1.75, 2.0, 2.5, 3.0, 3.5, 4.0, 5.0, 6.0, 7.0, 8.0, 10.0, 12.5, 15.0, 20.0,
+                 25.0, 30.0, 40.0, 50.0, 75.0, 100.0, 150.0, 200.0, 300.0, 500.0, 1000.0)
+
 FINISH_REASONS = ("stop", "length", "abort", "error")
+ROOFS = ("memory", "compute")
 
 
 class PrometheusStatLogger:
@@ -46,6 +57,8 @@ class PrometheusStatLogger:
                         ITL_BUCKETS)
         self.e2e = hist("e2e_request_latency_seconds", "Request latency from arrival to finish, seconds.",
                         REQUEST_BUCKETS)
+        self.tpot = hist("request_time_per_output_token_seconds",
+                         "Per request: (e2e latency - TTFT) / (output tokens - 1), seconds.", TPOT_BUCKETS)
         self.queue_time = hist("request_queue_time_seconds",
                                "Time from arrival to first scheduling, seconds.", REQUEST_BUCKETS)
 
@@ -68,6 +81,58 @@ class PrometheusStatLogger:
         self._success = success
         # Cumulative engine counters already exported, so each record() adds only the difference.
         self._last: dict[str, float] = {}
+        self._init_step_roofline(reg)
+
+    def _init_step_roofline(self, reg: CollectorRegistry) -> None:
+        """The live roofline (metrics/step_roofline.py): one observation per engine step."""
+        m = self.model_name
+        step_labels = ["model_name", "roof", "phase"]
+        time_h = Histogram(PREFIX + "step_time_seconds", "Measured wall time of an engine step, seconds.",
+                           step_labels, registry=reg, buckets=STEP_TIME_BUCKETS)
+        bound_h = Histogram(PREFIX + "step_bound_seconds",
+                            "Roofline bound of an engine step: max(bytes / bandwidth, FLOPs / peak), seconds.",
+                            step_labels, registry=reg, buckets=STEP_BOUND_BUCKETS)
+        ratio_h = Histogram(PREFIX + "step_ratio", "Per-step measured time / roofline bound.", step_labels,
+                            registry=reg, buckets=RATIO_BUCKETS)
+        steps = Counter(PREFIX + "steps", "Engine steps accounted by the live roofline.", step_labels, registry=reg)
+        nbytes = Counter(PREFIX + "step_bytes_read", "Bytes engine steps had to read (weights touched, KV of "
+                         "their context), by kind and binding roof.", ["model_name", "kind", "roof"], registry=reg)
+        flops = Counter(PREFIX + "step_flops", "FLOPs engine steps did (linear layers and attention).",
+                        ["model_name", "roof"], registry=reg)
+        tokens = Counter(PREFIX + "step_tokens", "Tokens fed to engine steps, by kind (prefill chunks, decode).",
+                         ["model_name", "kind"], registry=reg)
+        ratio_g = Gauge(PREFIX + "step_roofline_ratio", "Median measured step time / roofline bound over the "
+                        "last 64 steps (phase: all, prefill, decode, mixed).", ["model_name", "phase"], registry=reg)
+        keys = [(roof, phase) for roof in ROOFS for phase in PHASES]
+        self.step_time = {k: time_h.labels(m, *k) for k in keys}
+        self.step_bound = {k: bound_h.labels(m, *k) for k in keys}
+        self.step_ratio = {k: ratio_h.labels(m, *k) for k in keys}
+        self.steps = {k: steps.labels(m, *k) for k in keys}
+        self.step_bytes = {(kind, roof): nbytes.labels(m, kind, roof) for kind in ("weights", "kv") for roof in ROOFS}
+        self.step_flops = {roof: flops.labels(m, roof) for roof in ROOFS}
+        self.step_tokens = {kind: tokens.labels(m, kind) for kind in ("prefill", "decode")}
+        self.step_ratio_gauge = ratio_g
+        self.ratio_window = RatioWindow(64)
+
+    def _record_steps(self, records: Any) -> None:
+        if not records:
+            return
+        for r in records:
+            roof = r.roof
+            key = (roof, r.phase)
+            self.step_time[key].observe(r.step_time_s)
+            self.step_bound[key].observe(r.bound_s)
+            if r.bound_s > 0:
+                self.step_ratio[key].observe(r.ratio)
+            self.steps[key].inc()
+            self.step_bytes[("weights", roof)].inc(r.weight_bytes)
+            self.step_bytes[("kv", roof)].inc(r.kv_bytes)
+            self.step_flops[roof].inc(r.flops)
+            self.step_tokens["prefill"].inc(r.prefill_tokens)
+            self.step_tokens["decode"].inc(r.decode_tokens)
+            self.ratio_window.add(r)
+        for phase, value in self.ratio_window.medians().items():
+            self.step_ratio_gauge.labels(self.model_name, phase).set(value)
 
     def _inc_from_cumulative(self, counter: Any, engine_stats: Any, field: str) -> None:
         value = stat(engine_stats, field)
@@ -83,6 +148,8 @@ class PrometheusStatLogger:
             self.itl.observe(v)
         for f in stats.finished:
             self.e2e.observe(f.e2e_latency)
+            if f.ttft is not None and f.num_generation_tokens > 1:
+                self.tpot.observe((f.e2e_latency - f.ttft) / (f.num_generation_tokens - 1))
             if f.queue_time is not None:
                 self.queue_time.observe(f.queue_time)
             child = self.request_success.get(f.finish_reason)
@@ -104,6 +171,7 @@ class PrometheusStatLogger:
         self._inc_from_cumulative(self.preemptions, e, "num_preemptions")
         self._inc_from_cumulative(self.prompt_tokens, e, "prompt_tokens")
         self._inc_from_cumulative(self.generation_tokens, e, "generation_tokens")
+        self._record_steps(getattr(e, "step_roofline", None))
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
@@ -137,3 +205,43 @@ def metric_value(metrics: dict[str, float], name: str, **labels: str) -> float:
             total += value
             found = True
     return total if found else 0.0
+
+
+def histogram_quantile(q: float, buckets: list[tuple[float, float]]) -> float:
+    """Prometheus' histogram_quantile on cumulative (upper bound, count) pairs: linear within the bucket."""
+    buckets = sorted(buckets)
+    if not buckets or buckets[-1][1] <= 0:
+        return float("nan")
+    rank = q * buckets[-1][1]
+    lower_bound, lower_count = 0.0, 0.0
+    for bound, count in buckets:
+        if count >= rank:
+            if bound == float("inf"):
+                return lower_bound
+            if count == lower_count:
+                return bound
+            return lower_bound + (bound - lower_bound) * (rank - lower_count) / (count - lower_count)
+        lower_bound, lower_count = bound, count
+    return lower_bound
+
+
+def step_roofline_delta(before: dict[str, float], after: dict[str, float]) -> dict[str, dict[str, float]]:
+    """The live roofline between two /metrics scrapes, per phase (and "all"): steps, median ratio
+    (from the roofline:step_ratio histogram), mean step and bound (ms), share of memory-bound steps."""
+    out: dict[str, dict[str, float]] = {}
+    for phase in ("all",) + PHASES:
+        sel = {} if phase == "all" else {"phase": phase}
+        d = {n: metric_value(after, PREFIX + n, **sel) - metric_value(before, PREFIX + n, **sel)
+             for n in ("steps_total", "step_time_seconds_sum", "step_bound_seconds_sum")}
+        steps = d["steps_total"]
+        if steps <= 0:
+            continue
+        mem = (metric_value(after, PREFIX + "steps_total", roof="memory", **sel)
+               - metric_value(before, PREFIX + "steps_total", roof="memory", **sel))
+        les = {k.split('le="')[1].split('"')[0] for k in after if k.startswith(PREFIX + "step_ratio_bucket")}
+        buckets = [(float(le), metric_value(after, PREFIX + "step_ratio_bucket", le=le, **sel)
+                    - metric_value(before, PREFIX + "step_ratio_bucket", le=le, **sel)) for le in les]
+        out[phase] = {"steps": steps, "median_ratio": histogram_quantile(0.5, buckets),
+                      "mean_step_ms": 1e3 * d["step_time_seconds_sum"] / steps,
+                      "mean_bound_ms": 1e3 * d["step_bound_seconds_sum"] / steps, "memory_bound_share": mem / steps}
+    return out

@@ -22,6 +22,10 @@ In one process it
 3. predicts each step time with the planner's formula, `max(bytes/BW, FLOPs/F) + overhead(b)`,
    using the BW and F measured just before, and prints prediction and measurement side by side,
    with the no-overlap sum `bytes/BW + FLOPs/F + overhead(b)` as an upper reference.
+4. reports beside them the engine's own live-roofline records of the same decode steps
+   (metrics/step_roofline.py, the accounting `/metrics` exports): their median step/bound ratio
+   (wall time over the bound on the engine's start-up hardware figures) and their median bound on
+   the BW and F of step 2a, which is the planner's roofline time (the same code, checked in tests).
 
 Clock: with one torch thread on a CPU (the default for --measure there), every duration above is
 the engine thread's CPU time (`time.thread_time`), so the neighbours of a shared machine do not
@@ -250,6 +254,28 @@ def _make_engine(factory: Any, kwargs: Dict[str, Any], fallback: Optional[Dict[s
     return factory(**(fallback or kwargs))
 
 
+def _engine_step_records(llm: Any) -> Optional[list]:
+    """The engine's live-roofline step records since the previous call (None where it keeps none)."""
+    get = getattr(getattr(llm, "llm_engine", None), "get_stats", None)
+    if not callable(get):
+        return None
+    return getattr(get(), "step_roofline", None) or None
+
+
+def live_decode_figures(records: Optional[list], hw: HardwareSpec, weight_dtype: str) -> Dict[str, float]:
+    """The engine's own accounting of its decode steps (metrics/step_roofline.py): the median live
+    ratio (its wall time over its start-up bound) and the median bound recomputed with `hw`."""
+    from roofline.metrics.step_roofline import bound_on
+
+    dec = [r for r in records or [] if r.phase == "decode"]
+    if not dec:
+        return {}
+    peak = hw.flops_for(weight_dtype)
+    return {"live_steps": len(dec), "live_ratio": statistics.median(r.ratio for r in dec),
+            "live_bound_ms": 1e3 * statistics.median(r.bound_s for r in dec),
+            "live_roofline_ms": 1e3 * statistics.median(bound_on(r, hw.hbm_bandwidth, peak) for r in dec)}
+
+
 def _loadavg() -> Optional[float]:
     try:
         return os.getloadavg()[0]
@@ -340,7 +366,9 @@ def run_measure(
             if hw_overrides:
                 hw = hw.with_overrides(**hw_overrides)
             samples.append(hw)
+            _engine_step_records(llm)
             meas = decode_step_seconds(llm, b, prompt_len, new_tokens, spec.vocab_size, **gen)
+            live = live_decode_figures(_engine_step_records(llm), hw, wdt)
             ctx = dict(weight_dtype=wdt, kv_dtype=wdt, batch=b, context=int(prompt_len + new_tokens),
                        avg_context=max(int(round(avg_ctx)), 1))
             empty_s, empty_roof = 0.0, 0.0
@@ -375,6 +403,7 @@ def run_measure(
                 "ttft_ms": meas["ttft_s"] * 1e3,
                 "bandwidth_bytes_per_s": hw.hbm_bandwidth,
                 "peak_flops": hw.flops_for(wdt),
+                **live,
             })
     finally:
         del llm, empty

@@ -116,6 +116,15 @@ def render_measure_table(rows: Sequence[Dict[str, Any]]) -> str:
         out.append(f"{r['batch']:>5}  {r['context']:>5.0f}  {r['predicted_ms']:>12.2f}  {r['measured_ms']:>11.2f}  "
                    f"{r['ratio']:>9.2f}  {r['bound']:>7}  {r['predicted_tokens_per_s']:>10.1f}  "
                    f"{r['measured_tokens_per_s']:>10.1f}  {r.get('serial_ms', float('nan')):>13.2f}")
+    if any("live_ratio" in r for r in rows):
+        out.append("")
+        out.append("live roofline (the engine's own per-step accounting, metrics/step_roofline.py), decode steps:")
+        out.append(f"{'batch':>5}  {'steps':>5}  {'roofline ms (this BW, F)':>24}  {'live bound ms':>13}  "
+                   f"{'live step/bound':>15}")
+        for r in rows:
+            if "live_ratio" in r:
+                out.append(f"{r['batch']:>5}  {r['live_steps']:>5}  {r['live_roofline_ms']:>24.2f}  "
+                           f"{r['live_bound_ms']:>13.2f}  {r['live_ratio']:>15.2f}")
     return "\n".join(out)
 
 

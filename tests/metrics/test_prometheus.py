@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+
+import pytest
 
 from roofline.metrics.prometheus import PrometheusStatLogger, metric_value, parse_metrics
 from roofline.metrics.stats import FinishedRequestStats, IterationStats, LoggingStatLogger
@@ -22,6 +24,7 @@ class Snap:
     num_preemptions: int = 1
     prompt_tokens: int = 100
     generation_tokens: int = 20
+    step_roofline: list = field(default_factory=list)
 
 
 REQUIRED = [
@@ -89,3 +92,47 @@ def test_logging_stat_logger_logs_periodically(caplog):
                                   num_new_prompt_tokens=10, num_new_generation_tokens=5))
     assert "generation throughput" in caplog.text
     assert "running 2" in caplog.text
+
+
+def test_step_roofline_metrics_move_with_each_step():
+    from dataclasses import replace
+
+    from roofline.metrics.step_roofline import StepRoofline
+
+    def rec(step, memory, compute, pre, dec):
+        return StepRoofline(0.0, step, max(memory, compute), memory, compute, 100.0, 20.0, 1e6, pre, dec, 2, 0.3)
+
+    p = PrometheusStatLogger("m")
+    p.record(IterationStats(timestamp=1.0, engine=Snap()))
+    m = parse_metrics(p.render().decode())
+    assert metric_value(m, "roofline:steps_total") == 0
+    snap = replace(Snap(), step_roofline=[rec(0.02, 0.01, 0.001, 0, 2), rec(0.04, 0.01, 0.001, 0, 2),
+                                          rec(0.5, 0.01, 0.1, 64, 0)])
+    p.record(IterationStats(timestamp=2.0, engine=snap))
+    m = parse_metrics(p.render().decode())
+    assert metric_value(m, "roofline:steps_total", roof="memory", phase="decode") == 2
+    assert metric_value(m, "roofline:steps_total", roof="compute", phase="prefill") == 1
+    assert metric_value(m, "roofline:step_time_seconds_count") == 3
+    assert metric_value(m, "roofline:step_time_seconds_sum") == pytest.approx(0.56)
+    assert metric_value(m, "roofline:step_bound_seconds_sum") == pytest.approx(0.12)
+    assert metric_value(m, "roofline:step_ratio_count", phase="decode") == 2
+    assert metric_value(m, "roofline:step_bytes_read_total", kind="weights") == 300
+    assert metric_value(m, "roofline:step_bytes_read_total", kind="kv", roof="memory") == 40
+    assert metric_value(m, "roofline:step_flops_total", roof="compute") == 1e6
+    assert metric_value(m, "roofline:step_tokens_total", kind="prefill") == 64
+    assert metric_value(m, "roofline:step_tokens_total", kind="decode") == 4
+    assert metric_value(m, "roofline:step_roofline_ratio", phase="decode") == pytest.approx(3.0)  # median(2, 4)
+    assert metric_value(m, "roofline:step_roofline_ratio", phase="prefill") == pytest.approx(5.0)
+    assert metric_value(m, "roofline:step_roofline_ratio", phase="all") == pytest.approx(4.0)
+
+
+def test_histogram_quantile_matches_prometheus():
+    from roofline.metrics.prometheus import histogram_quantile
+
+    # 10 observations: 4 in (0, 1], 4 in (1, 2], 2 in (2, 4]
+    b = [(1.0, 4.0), (2.0, 8.0), (4.0, 10.0), (float("inf"), 10.0)]
+    assert histogram_quantile(0.5, b) == pytest.approx(1.25)  # rank 5: a quarter into (1, 2]
+    assert histogram_quantile(0.2, b) == pytest.approx(0.5)
+    assert histogram_quantile(0.9, b) == pytest.approx(3.0)
+    assert histogram_quantile(0.5, [(1.0, 0.0), (float("inf"), 0.0)]) != histogram_quantile(0.5, b)  # nan
+    assert histogram_quantile(0.99, [(1.0, 1.0), (float("inf"), 5.0)]) == 1.0  # in the +Inf bucket: its lower bound

@@ -164,6 +164,11 @@ def test_measure_default_model_within_2x(capsys):
     rows = {r["batch"]: r for r in d["rows"]}
     for b in (1, 32):
         assert 0.5 <= rows[b]["ratio"] <= 2.0, rows[b]
+        # the engine's own live accounting of the same decode steps, on the same BW and F, is the
+        # planner's roofline (the median step sits at the planner's average context)
+        assert rows[b]["live_steps"] == 15
+        assert rows[b]["live_roofline_ms"] == pytest.approx(rows[b]["roofline_ms"], rel=1e-9)
+        assert rows[b]["live_ratio"] > 0
     assert d["torch_threads"] == 1  # the CPU default for --measure
     kv = d["kv_pool_check"]
     if kv is not None:  # the planner's KV pool for the engine's own budget is the engine's pool

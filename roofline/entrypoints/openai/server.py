@@ -32,6 +32,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from roofline.engine.async_llm import AsyncLLM, RequestAbortedError
 from roofline.entrypoints.openai.access import AccessMiddleware
+from roofline.entrypoints.openai.dashboard import add_dashboard_routes
 from roofline.entrypoints.openai.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -168,6 +169,7 @@ def build_app(engine: AsyncLLM, config: Optional[ServerConfig] = None, *, shutdo
     app.state.draining = False
     app.add_middleware(AccessMiddleware, api_key=config.api_key, metrics_require_key=config.metrics_require_key,
                        draining=lambda: app.state.draining)
+    add_dashboard_routes(app, engine)  # /stats and /dashboard (the live roofline heartbeat)
 
     # ------------------------------------------------------------------ errors
     def error_response(e: APIError) -> JSONResponse:

@@ -1,0 +1,269 @@
+"""The live roofline: every engine step measured against its physical bound.
+
+`StepRooflineModel` turns one step's SchedulerOutput into the bytes the step had to read and the
+FLOPs it had to do, with the planner's cost model (roofline/planner/cost_model.py) and nothing
+else, and divides them by the device's bandwidth and peak FLOP/s::
+
+    tokens N      = sum of the new tokens of every scheduled request
+    weights read  = decode_weight_bytes_read(N)       (all weights once; an MoE its touched experts)
+    KV read       = sum over requests of (positions it attends to after the step) * K_tok
+    FLOPs         = (2 * active_params * N + sum over new tokens of attention_flops(positions)) / tp
+    bound         = max(bytes / BW, FLOPs / F_peak)   (the planner's decode_step_time, overhead 0)
+    ratio         = measured step wall time / bound;  roof = "memory" | "compute"
+
+A new token at position j (0-based) attends to j + 1 positions, so a decode step of `b` sequences at
+context S and a prefill of an n-token prompt give exactly the planner's `decode_at(b, S)` and
+`prefill(n)` figures (tests/metrics/test_step_roofline.py holds them equal). The cost per step is a
+loop over the scheduled requests (not over tokens) and a few multiplications: no device sync, no
+tensor touched. The bound has no per-step overhead term: what the framework costs beyond bytes and
+FLOPs is exactly what the ratio shows.
+
+Hardware (`resolve_hardware`): a named planner preset when given; on CUDA the preset matching the
+device name (datasheet figures); otherwise (the CPU, an unknown GPU) bandwidth and FLOP/s measured
+once per process at start-up with the planner's own probes (a tensor copy and a square matmul, sized
+to take about a second at most), the fastest of three runs of each: a roof is the best the device
+does, and on a shared machine a single probe can land in a neighbour's time slice.
+
+`StepRoofline` is one step's record (a msgspec Struct, so it travels with EngineStats across a
+process boundary); `phase_medians` summarises a list of them per phase for the benchmarks.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import statistics
+import threading
+from collections import deque
+from typing import Any, Iterable, Optional
+
+import msgspec
+
+from roofline.planner.cost_model import PlanInputs, decode_step_time, decode_weight_bytes_read, kv_bytes_per_token
+from roofline.planner.hardware import GPU_PRESETS, HardwareSpec, get_hardware, normalize_dtype
+from roofline.planner.model_specs import ModelSpec
+
+logger = logging.getLogger(__name__)
+
+PHASES = ("prefill", "decode", "mixed")
+
+
+class StepRoofline(msgspec.Struct, array_like=True):
+    """One engine step against its bound."""
+
+    timestamp: float  # time.monotonic() at the end of the step
+    step_time_s: float  # measured wall time of the step (schedule -> outputs)
+    bound_s: float  # max(memory_s, compute_s)
+    memory_s: float  # bytes_read / bandwidth
+    compute_s: float  # flops / peak FLOP/s
+    weight_bytes: float
+    kv_bytes: float
+    flops: float
+    prefill_tokens: int  # new tokens of requests fed more than one token this step
+    decode_tokens: int  # requests fed exactly one token
+    num_requests: int
+    kv_cache_usage: float  # fraction of KV blocks held after the step
+
+    @property
+    def bytes_read(self) -> float:
+        return self.weight_bytes + self.kv_bytes
+
+    @property
+    def ratio(self) -> float:
+        return self.step_time_s / self.bound_s if self.bound_s > 0 else math.inf
+
+    @property
+    def roof(self) -> str:
+        """The roof that binds: "compute" when FLOPs take longer than the bytes, else "memory"."""
+        return "compute" if self.compute_s > self.memory_s else "memory"
+
+    @property
+    def phase(self) -> str:
+        """ "decode" (every request fed one token), "prefill" (prefill tokens are at least half the
+        step's tokens: prefill-heavy), else "mixed"."""
+        if self.prefill_tokens == 0:
+            return "decode"
+        return "prefill" if self.prefill_tokens >= self.decode_tokens else "mixed"
+
+
+class StepRooflineModel:
+    """Per-step bytes, FLOPs and bound for one model on one device (the planner's cost model)."""
+
+    def __init__(self, spec: ModelSpec, hardware: HardwareSpec, weight_dtype: str, kv_dtype: Optional[str] = None,
+                 tp: int = 1) -> None:
+        self.plan = PlanInputs(spec, hardware, tp=tp, weight_dtype=weight_dtype, kv_dtype=kv_dtype)
+        self.spec, self.hardware, self.tp = spec, hardware, tp
+        self.bandwidth = hardware.hbm_bandwidth
+        self.peak_flops = self.plan.peak_flops
+        self.kv_bytes_per_token = kv_bytes_per_token(self.plan)
+        self.linear_flops_per_token = 2.0 * spec.active_params()
+        # attention FLOPs are linear in the attended positions: per-position constants by phase
+        self.attn_flops_per_position = {ph: spec.attention_flops_per_token(1.0, ph) for ph in ("decode", "prefill")}
+        self._dense_weight_bytes = None if spec.is_moe else decode_weight_bytes_read(self.plan, 1)
+
+    def weight_bytes_read(self, num_tokens: int) -> float:
+        if self._dense_weight_bytes is not None:
+            return self._dense_weight_bytes
+        return decode_weight_bytes_read(self.plan, num_tokens)
+
+    def account(self, scheduled: Iterable[Any], step_time_s: float, timestamp: float = 0.0,
+                kv_cache_usage: float = 0.0) -> StepRoofline:
+        """The record of one step from its scheduled requests (`num_computed_tokens`, `token_ids`)."""
+        n_tokens = prefill_tokens = decode_tokens = n_req = 0
+        kv_positions = 0  # sum over requests of positions attended after the step
+        attn_decode = attn_prefill = 0.0  # sum over new tokens of the positions each attends to
+        for s in scheduled:
+            c = len(s.token_ids)
+            if c == 0:
+                continue
+            start = s.num_computed_tokens
+            n_req += 1
+            n_tokens += c
+            end = start + c
+            kv_positions += end
+            if c == 1:
+                decode_tokens += 1
+                attn_decode += end
+            else:
+                prefill_tokens += c
+                attn_prefill += c * start + c * (c + 1) / 2  # token j attends to j + 1 positions
+        return self.record(n_tokens, kv_positions, attn_decode, attn_prefill, prefill_tokens, decode_tokens, n_req,
+                           step_time_s, timestamp, kv_cache_usage)
+
+    def record(self, n_tokens: int, kv_positions: float, attn_decode: float, attn_prefill: float,
+               prefill_tokens: int, decode_tokens: int, n_req: int, step_time_s: float, timestamp: float = 0.0,
+               kv_cache_usage: float = 0.0) -> StepRoofline:
+        flops = (self.linear_flops_per_token * n_tokens + self.attn_flops_per_position["decode"] * attn_decode
+                 + self.attn_flops_per_position["prefill"] * attn_prefill) / self.tp
+        w = self.weight_bytes_read(n_tokens) if n_tokens else 0.0
+        roof = decode_step_time(w, self.kv_bytes_per_token, 1, kv_positions, self.bandwidth, flops, self.peak_flops)
+        return StepRoofline(timestamp, step_time_s, roof["step_time_s"], roof["memory_time_s"], roof["compute_time_s"],
+                            w, roof["kv_bytes_read"], flops, prefill_tokens, decode_tokens, n_req, kv_cache_usage)
+
+    def describe(self) -> dict[str, Any]:
+        hw = self.hardware
+        return {"hardware": hw.name, "measured": hw.measured, "description": hw.description,
+                "bandwidth_bytes_per_s": self.bandwidth, "peak_flops": self.peak_flops,
+                "weight_dtype": self.plan.weight_dtype, "kv_dtype": self.plan.kv_dtype, "tp": self.tp}
+
+
+# ---------------------------------------------------------------------------------------------
+# hardware
+# ---------------------------------------------------------------------------------------------
+
+_GPU_NAME_TO_PRESET = (("h200", "h200"), ("h100", "h100-sxm"), ("a100", "a100-80gb"), ("l4", "l4"))
+_measured: dict[tuple[str, str], HardwareSpec] = {}
+_measure_lock = threading.Lock()
+
+# start-up probes: the fastest of 3 runs of a 64 MiB copy and of a 1024^3 matmul on a CPU (~0.2-1 s
+# in all on a 2-core VM), of the planner's default sizes on a GPU
+_CPU_PROBE_BYTES = 64 << 20
+_CPU_PROBE_MATMUL = 1024
+_PROBES = 3
+
+
+def resolve_hardware(device: str, dtype: str, name: Optional[str] = None) -> HardwareSpec:
+    """The device's bandwidth and peak: the preset `name`, the preset of a known GPU, or measured
+    (once per process and device/dtype) with the planner's probes."""
+    if name and name != "measure":
+        hw = get_hardware(name)
+        if hw.hbm_bandwidth <= 0:  # the unmeasured `cpu` placeholder
+            return resolve_hardware(device, dtype, "measure")
+        return hw
+    if name is None and device.startswith("cuda"):
+        import torch
+
+        gpu = torch.cuda.get_device_name(torch.device(device)).lower()
+        for key, preset in _GPU_NAME_TO_PRESET:
+            if key in gpu:
+                return GPU_PRESETS[preset]
+    key = (device, dtype)
+    with _measure_lock:
+        if key not in _measured:
+            _measured[key] = _measure(device, dtype)
+        return _measured[key]
+
+
+def _measure(device: str, dtype: str) -> HardwareSpec:
+    import torch
+
+    from roofline.planner.measure import measure_bandwidth, measure_matmul_flops
+
+    cpu = not device.startswith("cuda")
+    # a roof is the best the device does: the fastest of a few probes (a busy machine slows some)
+    bw = max(measure_bandwidth(device, nbytes=_CPU_PROBE_BYTES if cpu else None, repeats=1)
+             for _ in range(_PROBES))
+    fl = max(measure_matmul_flops(device, dtype, n=_CPU_PROBE_MATMUL if cpu else None, repeats=1)
+             for _ in range(_PROBES))
+    compute = {"fp16": "bf16"}.get(normalize_dtype(dtype), normalize_dtype(dtype))
+    label = "cpu" if cpu else torch.cuda.get_device_name(torch.device(device))
+    logger.info("live roofline: measured %s: %.1f GB/s copy bandwidth, %.1f GFLOP/s %s matmul", label, bw / 1e9,
+                fl / 1e9, dtype)
+    return HardwareSpec(name=label, memory_bytes=0, hbm_bandwidth=bw, peak_flops={compute: fl},
+                        description=f"measured at start-up on {device}", measured=True)
+
+
+def model_for_engine(hf_config: Any, device: str, dtype: str, kv_cache_dtype: str = "auto", tp: int = 1,
+                     hardware: Optional[str] = None) -> StepRooflineModel:
+    """The accounting for an engine: its model's shape, its resolved dtypes, its device."""
+    spec = ModelSpec.from_hf_config(hf_config)
+    wdt = normalize_dtype(dtype)
+    kv = None if kv_cache_dtype in (None, "auto") else normalize_dtype(kv_cache_dtype)
+    return StepRooflineModel(spec, resolve_hardware(device, dtype, hardware), wdt, kv or wdt, tp)
+
+
+# ---------------------------------------------------------------------------------------------
+# summaries
+# ---------------------------------------------------------------------------------------------
+
+def bound_on(record: StepRoofline, bandwidth: float, peak_flops: float) -> float:
+    """The record's bound on other hardware figures (same bytes and FLOPs): max(bytes / BW, FLOPs / F)."""
+    return max(record.bytes_read / bandwidth, record.flops / peak_flops if peak_flops else 0.0)
+
+
+def phase_medians(records: Iterable[StepRoofline]) -> dict[str, dict[str, float]]:
+    """Per phase (and "all"): steps, median ratio, median step and bound (ms), share of memory-bound steps."""
+    by: dict[str, list[StepRoofline]] = {"all": []}
+    for r in records:
+        by["all"].append(r)
+        by.setdefault(r.phase, []).append(r)
+    out: dict[str, dict[str, float]] = {}
+    for phase, rs in by.items():
+        if not rs:
+            continue
+        out[phase] = {"steps": len(rs), "median_ratio": statistics.median(r.ratio for r in rs),
+                      "median_step_ms": 1e3 * statistics.median(r.step_time_s for r in rs),
+                      "median_bound_ms": 1e3 * statistics.median(r.bound_s for r in rs),
+                      "memory_bound_share": sum(r.roof == "memory" for r in rs) / len(rs)}
+    return out
+
+
+def format_phase_medians(summary: dict[str, dict[str, float]]) -> str:
+    """One line: `live roofline (step time / bound, median): prefill 3.10x (12 steps, step 40.1 / bound
+    12.9 ms median, compute-bound); decode ...` (`mean` where the summary has means, as from /metrics)."""
+    parts = []
+    for phase in ("prefill", "mixed", "decode"):
+        s = summary.get(phase)
+        if s:
+            roof = "memory" if s["memory_bound_share"] >= 0.5 else "compute"
+            stat = "median" if "median_step_ms" in s else "mean"
+            parts.append(f"{phase} {s['median_ratio']:.2f}x ({int(s['steps'])} steps, step {s[stat + '_step_ms']:.1f}"
+                         f" / bound {s[stat + '_bound_ms']:.2f} ms {stat}, {roof}-bound)")
+    return "live roofline (step time / bound, median): " + ("; ".join(parts) if parts else "no steps recorded")
+
+
+class RatioWindow:
+    """Median step-vs-bound ratio over the last `size` steps, overall and per phase (the gauge)."""
+
+    def __init__(self, size: int = 64) -> None:
+        self.size = size
+        self._by: dict[str, deque] = {p: deque(maxlen=size) for p in ("all",) + PHASES}
+
+    def add(self, record: StepRoofline) -> None:
+        r = record.ratio
+        if math.isfinite(r):
+            self._by["all"].append(r)
+            self._by[record.phase].append(r)
+
+    def medians(self) -> dict[str, float]:
+        return {p: statistics.median(xs) for p, xs in self._by.items() if xs}

@@ -1,0 +1,139 @@
+"""The live roofline's accounting equals the planner's numbers for the same batch; the engine records it."""
+
+from __future__ import annotations
+
+import math
+from types import SimpleNamespace
+
+import pytest
+
+from roofline.metrics.step_roofline import (StepRoofline, StepRooflineModel, format_phase_medians, phase_medians,
+                                            resolve_hardware)
+from roofline.planner.cost_model import PlanInputs, decode_at, prefill
+from roofline.planner.hardware import get_hardware
+from roofline.planner.model_specs import MODEL_PRESETS, ModelSpec
+
+
+def _req(start: int, n: int):
+    return SimpleNamespace(num_computed_tokens=start, token_ids=list(range(n)))
+
+
+CASES = [("llama-3-8b", "h100-sxm", 1), ("llama-3-70b", "h200", 4), ("deepseek-v3", "h200", 8),
+         ("qwen3-8b", "a100-80gb", 2)]
+
+
+@pytest.mark.parametrize("model,gpu,tp", CASES)
+@pytest.mark.parametrize("batch,context", [(1, 1), (8, 512), (64, 4096), (512, 2000)])
+def test_decode_step_equals_planner(model, gpu, tp, batch, context):
+    spec = ModelSpec.from_hf_config(MODEL_PRESETS[model], name=model)
+    hw = get_hardware(gpu)
+    acc = StepRooflineModel(spec, hw, "bf16", tp=tp)
+    # `batch` sequences, each attending to `context` positions after the step: computed context - 1
+    rec = acc.account([_req(context - 1, 1) for _ in range(batch)], step_time_s=0.05)
+    plan = decode_at(PlanInputs(spec, hw, tp=tp, weight_dtype="bf16", batch=batch, context=context,
+                                avg_context=context), batch)
+    assert rec.flops == pytest.approx(plan["flops"], rel=1e-12)
+    assert rec.weight_bytes == pytest.approx(plan["weight_bytes_read"], rel=1e-12)
+    assert rec.kv_bytes == pytest.approx(plan["kv_bytes_read"], rel=1e-12)
+    assert rec.bound_s == pytest.approx(plan["step_time_s"], rel=1e-12)
+    assert rec.roof == plan["bound"]
+    assert rec.phase == "decode" and rec.decode_tokens == batch and rec.prefill_tokens == 0
+    assert rec.ratio == pytest.approx(0.05 / plan["step_time_s"])
+
+
+@pytest.mark.parametrize("model,gpu,tp", CASES)
+@pytest.mark.parametrize("n", [2, 128, 4096])
+def test_prefill_step_equals_planner(model, gpu, tp, n):
+    spec = ModelSpec.from_hf_config(MODEL_PRESETS[model], name=model)
+    hw = get_hardware(gpu)
+    rec = StepRooflineModel(spec, hw, "bf16", tp=tp).account([_req(0, n)], step_time_s=1.0)
+    plan = prefill(PlanInputs(spec, hw, tp=tp, weight_dtype="bf16", context=n), n)
+    assert rec.flops == pytest.approx(plan["prefill_flops"], rel=1e-12)
+    assert rec.bytes_read == pytest.approx(plan["prefill_bytes"], rel=1e-12)
+    assert rec.bound_s == pytest.approx(plan["prefill_s"], rel=1e-12)
+    assert rec.roof == plan["prefill_bound"]
+    assert rec.phase == "prefill" and rec.prefill_tokens == n
+
+
+def test_chunked_prefill_adds_up_to_the_whole_prompt():
+    """Attention FLOPs and tokens of a prompt prefilled in chunks sum to the one-shot figures."""
+    spec = ModelSpec.from_hf_config(MODEL_PRESETS["llama-3-8b"])
+    acc = StepRooflineModel(spec, get_hardware("h100-sxm"), "bf16")
+    whole = acc.account([_req(0, 1000)], 1.0)
+    chunks = [acc.account([_req(s, 250)], 1.0) for s in range(0, 1000, 250)]
+    linear = lambda r: acc.linear_flops_per_token * (r.prefill_tokens + r.decode_tokens)  # noqa: E731
+    assert sum(c.flops - linear(c) for c in chunks) == pytest.approx(whole.flops - linear(whole), rel=1e-12)
+    # each chunk reads the whole weights again and the KV of everything before it
+    assert chunks[-1].kv_bytes == pytest.approx(whole.kv_bytes)
+    assert sum(c.weight_bytes for c in chunks) == pytest.approx(4 * whole.weight_bytes)
+
+
+def test_mixed_step_is_the_sum_of_its_parts():
+    spec = ModelSpec.from_hf_config(MODEL_PRESETS["llama-3-8b"])
+    acc = StepRooflineModel(spec, get_hardware("h100-sxm"), "bf16")
+    decodes = [_req(300 + i, 1) for i in range(10)]
+    rec = acc.account(decodes + [_req(64, 200)], 0.02)
+    assert (rec.prefill_tokens, rec.decode_tokens, rec.num_requests) == (200, 10, 11)
+    assert rec.phase == "prefill"
+    attn = spec.attention_flops_per_token(1.0, "decode") * sum(301 + i for i in range(10)) \
+        + spec.attention_flops_per_token(1.0, "prefill") * sum(range(65, 265))
+    assert rec.flops == pytest.approx(2 * spec.active_params() * 210 + attn, rel=1e-12)
+    assert rec.kv_bytes == pytest.approx(acc.kv_bytes_per_token * (sum(301 + i for i in range(10)) + 264))
+    assert acc.account(decodes + [_req(0, 5)], 0.02).phase == "mixed"
+
+
+def test_phase_medians_and_line():
+    def rec(step, bound, pre, dec):
+        return StepRoofline(0.0, step, bound, bound, bound / 2, 1.0, 1.0, 1.0, pre, dec, 1, 0.1)
+
+    recs = [rec(0.02, 0.01, 0, 4), rec(0.03, 0.01, 0, 4), rec(0.05, 0.01, 0, 4), rec(0.4, 0.1, 100, 0)]
+    s = phase_medians(recs)
+    assert s["decode"]["steps"] == 3 and s["decode"]["median_ratio"] == pytest.approx(3.0)
+    assert s["prefill"]["median_ratio"] == pytest.approx(4.0)
+    assert s["all"]["steps"] == 4
+    line = format_phase_medians(s)
+    assert "prefill 4.00x" in line and "decode 3.00x" in line
+    assert "no steps" in format_phase_medians(phase_medians([]))
+    assert math.isinf(rec(1.0, 0.0, 0, 1).ratio)
+
+
+def test_hardware_preset_and_measured_once():
+    assert resolve_hardware("cpu", "float32", "h100-sxm").name == "h100-sxm"
+    a = resolve_hardware("cpu", "float32")
+    assert a.measured and a.hbm_bandwidth > 1e8 and a.flops_for("fp32") > 1e8
+    assert resolve_hardware("cpu", "float32") is a  # measured once per process
+    assert resolve_hardware("cpu", "float32", "cpu") is a  # the unmeasured placeholder means "measure"
+
+
+def test_engine_records_every_step_and_switch_turns_it_off(tiny_models):
+    from roofline import LLM, SamplingParams
+
+    path = tiny_models["llama"][0]
+    sp = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    prompts = [{"prompt_token_ids": list(range(5, 5 + n))} for n in (7, 3)]
+    on = LLM(path, dtype="float32", device="cpu", num_kv_blocks=64, show_progress=False)
+    on.llm_engine.get_stats()
+    outs_on = on.generate(prompts, sp, use_tqdm=False)
+    st = on.llm_engine.get_stats()
+    recs = st.step_roofline
+    assert len(recs) == 6  # one prefill step for both prompts, then 5 decode steps
+    assert recs[0].phase == "prefill" and recs[0].prefill_tokens == 10
+    assert all(r.phase == "decode" and r.decode_tokens == 2 for r in recs[1:])
+    assert all(r.step_time_s > 0 and r.bound_s > 0 and r.flops > 0 for r in recs)
+    # decode KV grows by one position per sequence per step
+    kv = [r.kv_bytes for r in recs[1:]]
+    assert all(b - a == pytest.approx(2 * on.llm_engine.step_roofline.kv_bytes_per_token) for a, b in zip(kv, kv[1:]))
+    assert on.llm_engine.get_stats().step_roofline == []  # drained by the previous snapshot
+    assert st.num_free_blocks == st.num_total_blocks
+
+    off = LLM(path, dtype="float32", device="cpu", num_kv_blocks=64, show_progress=False, step_roofline=False)
+    outs_off = off.generate(prompts, sp, use_tqdm=False)
+    assert off.llm_engine.step_roofline is None and off.llm_engine.get_stats().step_roofline == []
+    assert [o.outputs[0].token_ids for o in outs_on] == [o.outputs[0].token_ids for o in outs_off]
+
+
+def test_bad_hardware_name_is_named():
+    from roofline.config import EngineArgs
+
+    with pytest.raises(ValueError, match="roofline_hardware"):
+        EngineArgs(roofline_hardware="tpu-v9").create_engine_config()
