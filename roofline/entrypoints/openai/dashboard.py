@@ -3,10 +3,9 @@ plain HTML page, no build step, that polls `/stats` and draws it).
 
 `add_dashboard_routes(app, engine)` registers a `Heartbeat` stat logger on the engine and the two
 routes on the app; the page itself is `dashboard.html` next to this module. With `--api-key` the
-server's access middleware covers both routes; the page sends the key it is given (kept in the
-browser's localStorage) as a bearer token on every `/stats` poll, but a browser cannot attach one to
-the page's own URL, so it needs a proxy that adds the header (or the page left open by the middleware:
-it carries no data).
+server's access middleware covers `/stats` and leaves the page open (it carries no data, and a browser
+cannot attach a bearer token to a page's URL); the page sends the key it is given (kept in the
+browser's localStorage) as a bearer token on every `/stats` poll.
 """
 
 from __future__ import annotations
