@@ -43,8 +43,9 @@ _SHIFTS: dict[torch.device, torch.Tensor] = {}
 
 
 def apply_token_bitmask(logits: torch.Tensor, rows: Sequence[int], bitmask: torch.Tensor) -> None:
-    """In place: logits[rows[i], t] = -inf where bit t of bitmask[i] is 0.  logits [B x V] (V may be
-    below 32 * W: the tail bits are ignored), bitmask int32 [len(rows) x W] on logits' device."""
+    """In place: logits[rows[i], t] = -inf where bit t of bitmask[i] is 0.  logits [B x V] (V below 32 * W:
+    the tail bits are ignored; V above: the tokens past 32 * W are masked), bitmask int32 [len(rows) x W] on
+    logits' device."""
     if not len(rows):
         return
     shifts = _SHIFTS.get(logits.device)
@@ -52,6 +53,8 @@ def apply_token_bitmask(logits: torch.Tensor, rows: Sequence[int], bitmask: torc
         shifts = _SHIFTS[logits.device] = torch.arange(BITS, dtype=torch.int32, device=logits.device)
     vocab = logits.shape[-1]
     allowed = ((bitmask.unsqueeze(-1) >> shifts) & 1).to(torch.bool).reshape(bitmask.shape[0], -1)[:, :vocab]
+    if allowed.shape[1] < vocab:
+        allowed = torch.nn.functional.pad(allowed, (0, vocab - allowed.shape[1]), value=False)
     if len(rows) == logits.shape[0] and list(rows) == list(range(len(rows))):
         logits.masked_fill_(~allowed, float("-inf"))
     else:

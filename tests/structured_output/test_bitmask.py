@@ -43,6 +43,12 @@ def test_apply_matches_the_bit_layout_and_xgrammar(vocab, rows):
     assert torch.equal(ours, theirs)
 
 
+def test_tokens_past_the_mask_are_masked():
+    logits = torch.zeros(1, 40)  # a padded vocabulary wider than the 32 tokens the mask covers
+    apply_token_bitmask(logits, [0], torch.tensor([[-1]], dtype=torch.int32))
+    assert torch.isfinite(logits[0]).nonzero().flatten().tolist() == list(range(32))
+
+
 def test_whole_batch_fast_path():
     logits = torch.randn(2, 64)
     mask = torch.tensor([[0b101, 0], [-1, 1]], dtype=torch.int32)
