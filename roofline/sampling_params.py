@@ -4,10 +4,23 @@ from __future__ import annotations
 
 import copy
 import enum
+import math
 from dataclasses import dataclass, field
 from typing import Optional, Union
 
 from roofline.structured_output.params import StructuredOutputsParams
+
+
+# A seed is a signed 64-bit integer (the range OpenAI-style servers accept and msgpack carries).
+SEED_MIN, SEED_MAX = -(2**63), 2**63 - 1
+
+
+def _is_int(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _is_number(v) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
 
 
 class RequestOutputKind(enum.Enum):
@@ -57,13 +70,21 @@ class SamplingParams:
         def bad(name: str, value, why: str) -> None:
             raise ValueError(f"invalid sampling parameter {name}={value!r}: {why}")
 
-        if not isinstance(self.n, int) or self.n < 1:
+        for name in ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty",
+                     "frequency_penalty"):
+            value = getattr(self, name)
+            if not _is_number(value) or not math.isfinite(value):
+                bad(name, value, "must be a finite number")
+        for name in ("n", "top_k", "min_tokens"):
+            if not _is_int(getattr(self, name)):
+                bad(name, getattr(self, name), "must be an integer")
+        if self.n < 1:
             bad("n", self.n, "must be an integer >= 1")
         if self.temperature < 0.0:
             bad("temperature", self.temperature, "must be >= 0")
         if not 0.0 < self.top_p <= 1.0:
             bad("top_p", self.top_p, "must be in (0, 1]")
-        if not isinstance(self.top_k, int) or self.top_k < 0:
+        if self.top_k < 0:
             bad("top_k", self.top_k, "must be -1 (disabled), 0 (disabled) or a positive integer")
         if not 0.0 <= self.min_p <= 1.0:
             bad("min_p", self.min_p, "must be in [0, 1]")
@@ -73,23 +94,23 @@ class SamplingParams:
             bad("presence_penalty", self.presence_penalty, "must be in [-2, 2]")
         if not -2.0 <= self.frequency_penalty <= 2.0:
             bad("frequency_penalty", self.frequency_penalty, "must be in [-2, 2]")
-        if self.max_tokens is not None and (not isinstance(self.max_tokens, int) or self.max_tokens < 1):
+        if self.max_tokens is not None and (not _is_int(self.max_tokens) or self.max_tokens < 1):
             bad("max_tokens", self.max_tokens, "must be an integer >= 1")
-        if not isinstance(self.min_tokens, int) or self.min_tokens < 0:
+        if self.min_tokens < 0:
             bad("min_tokens", self.min_tokens, "must be an integer >= 0")
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
             bad("min_tokens", self.min_tokens, f"must be <= max_tokens ({self.max_tokens})")
-        if self.logprobs is not None and (not isinstance(self.logprobs, int) or self.logprobs < 0):
+        if self.logprobs is not None and (not _is_int(self.logprobs) or self.logprobs < 0):
             bad("logprobs", self.logprobs, "must be an integer >= 0")
         if self.prompt_logprobs is not None and (
-            not isinstance(self.prompt_logprobs, int) or self.prompt_logprobs < 0
+            not _is_int(self.prompt_logprobs) or self.prompt_logprobs < 0
         ):
             bad("prompt_logprobs", self.prompt_logprobs, "must be an integer >= 0")
-        if self.seed is not None and not isinstance(self.seed, int):
-            bad("seed", self.seed, "must be an integer")
+        if self.seed is not None and (not _is_int(self.seed) or not SEED_MIN <= self.seed <= SEED_MAX):
+            bad("seed", self.seed, f"must be an integer in [{SEED_MIN}, {SEED_MAX}] (64-bit)")
         if any(not isinstance(s, str) or s == "" for s in self.stop):
             bad("stop", self.stop, "stop strings must be non-empty strings")
-        if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
+        if any(not _is_int(t) or t < 0 for t in self.stop_token_ids):
             bad("stop_token_ids", self.stop_token_ids, "must be non-negative integers")
         if self.structured_outputs is not None and not isinstance(self.structured_outputs, StructuredOutputsParams):
             bad("structured_outputs", self.structured_outputs, "must be a StructuredOutputsParams or a dict")

@@ -18,6 +18,7 @@ class RequestStatus(enum.IntEnum):
     FINISHED_STOPPED = 10
     FINISHED_LENGTH = 11
     FINISHED_ABORTED = 12
+    FINISHED_ERROR = 13  # this request alone failed inside the engine; the others keep running
 
     @property
     def finished(self) -> bool:
@@ -25,7 +26,7 @@ class RequestStatus(enum.IntEnum):
 
     @property
     def finish_reason(self) -> Optional[str]:
-        return {10: "stop", 11: "length", 12: "abort"}.get(int(self))
+        return {10: "stop", 11: "length", 12: "abort", 13: "error"}.get(int(self))
 
 
 class Request:

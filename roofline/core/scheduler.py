@@ -29,6 +29,9 @@ from roofline.core.scheduler_output import (
 )
 
 
+SEED_MASK = 2**63 - 1
+
+
 @dataclass
 class SchedulerStats:
     num_running: int
@@ -269,7 +272,8 @@ class Scheduler:
             if req.request_id not in self.sent_to_worker:
                 self.sent_to_worker.add(req.request_id)
                 seed = req.sampling_params.seed
-                gen_seed = (seed + req.index) if seed is not None else hash((self.seed, req.request_id)) & 0x7FFFFFFF
+                # a non-negative 63-bit seed whatever the request's (signed 64-bit) seed and index
+                gen_seed = ((seed + req.index) if seed is not None else hash((self.seed, req.request_id))) & SEED_MASK
                 new_reqs.append(
                     NewRequestData(
                         req_id=req.request_id,

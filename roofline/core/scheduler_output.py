@@ -73,6 +73,21 @@ class ModelRunnerOutput(msgspec.Struct, array_like=True):
     sampled_token_ids: list[list[int]]
     logprobs: list[Optional[PositionLogprobs]]  # per sampled request, when asked
     prompt_logprobs: dict[str, list[Optional[PositionLogprobs]]]  # per request, this chunk's positions
+    # Requests that failed on the worker (e.g. their sampling state could not be set up): req_id -> error.
+    # The engine fails them alone; they sampled nothing this step.
+    failed: dict[str, str] = {}
+
+
+def merge_runner_outputs(parts: list[ModelRunnerOutput]) -> ModelRunnerOutput:
+    """One output from the outputs of disjoint sub-batches of a step."""
+    out = ModelRunnerOutput(req_ids=[], sampled_token_ids=[], logprobs=[], prompt_logprobs={}, failed={})
+    for p in parts:
+        out.req_ids += p.req_ids
+        out.sampled_token_ids += p.sampled_token_ids
+        out.logprobs += p.logprobs
+        out.prompt_logprobs.update(p.prompt_logprobs)
+        out.failed.update(p.failed)
+    return out
 
 
 encoder = msgspec.msgpack.Encoder()

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import os
+import secrets
 import signal
 import socket
 import time
@@ -21,7 +22,9 @@ from typing import Optional
 from roofline.config import EngineArgs, ParallelConfig, env_flag
 from roofline.distributed.protocol import (
     DEFAULT_WORKER_CLS,
+    HEARTBEAT_INTERVAL_S,
     Failure,
+    Heartbeat,
     LocalProcess,
     Ready,
     WorkerSpec,
@@ -56,6 +59,7 @@ class NodeLayout:
     master_port: int
     backend: str
     device: str  # cpu | cuda
+    secret: str  # shared by every rank of the launch; joining the world needs it
 
     @property
     def ranks(self) -> range:
@@ -86,13 +90,33 @@ def node_layout(pc: ParallelConfig, device: str) -> NodeLayout:
     if port is None:
         port = DEFAULT_MULTINODE_PORT if nnodes > 1 else free_port(pc.master_addr)
     nproc = tp // nnodes
+    secret = env_flag("ROOFLINE_DIST_SECRET")
+    if not secret:
+        if nnodes > 1:
+            raise ValueError("a multi-node launch needs a shared secret: set ROOFLINE_DIST_SECRET to the same value "
+                             "on every node (e.g. `export ROOFLINE_DIST_SECRET=$(openssl rand -hex 16)`)")
+        secret = secrets.token_hex(16)  # one node: the engine hands it to its own ranks
     if dev == "cuda":
         import torch
 
         have = torch.cuda.device_count()
         if have < nproc:
             raise ValueError(f"{nproc} ranks per node need {nproc} GPUs on this node, found {have}")
-    return NodeLayout(tp, nnodes, node_rank, nproc, pc.master_addr, port, backend, dev)
+    return NodeLayout(tp, nnodes, node_rank, nproc, pc.master_addr, port, backend, dev, secret)
+
+
+def heartbeat_timeout_s() -> float:
+    """A rank whose heartbeats stop for this long is hung or stopped (ROOFLINE_HEARTBEAT_TIMEOUT)."""
+    return float(env_flag("ROOFLINE_HEARTBEAT_TIMEOUT", "5"))
+
+
+def process_state(pid: int) -> str:
+    """Linux process state letter (R, S, D, T = stopped, t = traced, Z ...), '' where unknown."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return ""
 
 
 def threads_per_rank(nproc: int) -> int:
@@ -110,22 +134,22 @@ class RankFailure(RuntimeError):
     """A rank failed or died; the message says which and why."""
 
 
-_PEER_LOSS = ("closed by peer", "connection reset", "broken pipe", "timed out", "timeout")
+_PEER_LOSS = ("closed by peer", "connection reset", "broken pipe", "timed out", "timeout", "lost its connection")
 
 
 def order_failures(failures: list) -> str:
     """One message from several ranks' reports: root causes first.
 
-    A rank that raised reports its own error; its peers then fail in the next collective with
-    "connection closed by peer" (or die). So: errors that are not peer losses, then peer losses,
-    then bare deaths; rank order within each.
+    A rank that raised reports its own error; a rank that was killed or stopped says nothing (its
+    parent describes it); its peers then fail in the next collective with "connection closed by peer".
+    So: errors that are not peer losses, then deaths and hangs, then peer losses; rank order within each.
     """
 
     def key(m):
         if isinstance(m, Failure):
             lost = any(k in m.message.lower() for k in _PEER_LOSS)
-            return (1 if lost else 0, m.rank)
-        return (2, 0)
+            return (2 if lost else 0, m.rank)
+        return (1, 0)
 
     texts: list[str] = []
     for m in sorted(failures, key=key):
@@ -142,18 +166,22 @@ class LocalRanks:
                  worker_cls: str = DEFAULT_WORKER_CLS, model_override: Optional[str] = None) -> None:
         self.layout = layout
         self.procs: list[LocalProcess] = []
+        self.last_beat: dict[int, float] = {}  # rank -> time.monotonic() of its last heartbeat
+        self.heartbeat_timeout = heartbeat_timeout_s()
         threads = threads_per_rank(layout.nproc_per_node)
         level = logging.getLogger().getEffectiveLevel()
         try:
             for local_rank, rank in enumerate(layout.ranks):
                 spec = WorkerSpec(
                     rank=rank, world_size=layout.world_size, local_rank=local_rank, node_rank=layout.node_rank,
-                    nnodes=layout.nnodes, init_method=layout.init_method, backend=layout.backend,
+                    nnodes=layout.nnodes, master_addr=layout.master_addr, master_port=layout.master_port,
+                    secret=layout.secret, backend=layout.backend,
                     device=layout.device, timeout_s=dist_timeout_s(), num_threads=threads, log_level=level,
                     show_progress=show_progress, worker_cls=worker_cls,
                     bootstrap=bootstrap if rank == 0 else None, model_override=model_override,
                 )
                 self.procs.append(start_worker_process(spec))
+                self.last_beat[rank] = time.monotonic()
         except BaseException:
             self.kill()
             raise
@@ -166,40 +194,94 @@ class LocalRanks:
 
     # ---- receiving -------------------------------------------------------------------------------
     def _read(self, p: LocalProcess):
-        """The next message from p, or RankFailure if it died (with its last words if it left any)."""
+        """The next message from p (None for a heartbeat, which only refreshes its time), or
+        RankFailure if it died (with its last words if it left any)."""
         try:
-            return reply_decoder.decode(p.conn.recv_bytes())
+            msg = reply_decoder.decode(p.conn.recv_bytes())
         except (EOFError, OSError):
             try:
                 p.proc.wait(timeout=5)
             except Exception:
                 pass
             raise RankFailure(f"tensor-parallel worker {p.describe()} {describe_exit(p.proc)}") from None
+        if isinstance(msg, Heartbeat):
+            self.last_beat[p.rank] = time.monotonic()
+            return None
+        return msg
+
+    def unresponsive(self) -> Optional[str]:
+        """A description of the first local rank that is stopped or has sent no heartbeat for
+        heartbeat_timeout seconds (hung), or None.  No I/O: call poll() to read heartbeats first."""
+        now = time.monotonic()
+        for p in self.procs:
+            if p.proc.poll() is not None:
+                continue  # dead(): described there
+            state = process_state(p.proc.pid)
+            if state in ("T", "t"):
+                return f"tensor-parallel worker {p.describe()} is stopped (state {state}: SIGSTOP or a debugger)"
+            silent = now - self.last_beat.get(p.rank, now)
+            if silent > self.heartbeat_timeout:
+                return (f"tensor-parallel worker {p.describe()} stopped responding: no heartbeat for {silent:.1f} s "
+                        "(hung)")
+        return None
+
+    def poll(self) -> None:
+        """Read whatever the ranks have sent without waiting: heartbeats refresh their times; a failure,
+        a death, a hang or any unexpected message raises RankFailure."""
+        while True:
+            ready = wait([p.conn for p in self.procs], 0)
+            if not ready:
+                break
+            for c in ready:
+                p = next(q for q in self.procs if q.conn is c)
+                try:
+                    m = self._read(p)
+                except RankFailure as e:
+                    raise self._explain([e]) from None
+                if m is not None:
+                    raise self._explain([m] if isinstance(m, Failure) else [
+                        RankFailure(f"unexpected {type(m).__name__} from {p.describe()} while idle")])
+        problem = self.dead() or self.unresponsive()
+        if problem:
+            raise self._explain([RankFailure(problem)])
 
     def recv(self, want_rank: int, timeout: Optional[float]):
         """Wait for the next message of `want_rank`; any other rank's message or death is a failure."""
         deadline = None if timeout is None else time.monotonic() + timeout
         conns = {p.conn: p for p in self.procs}
         while True:
-            left = None if deadline is None else max(0.0, deadline - time.monotonic())
+            left = HEARTBEAT_INTERVAL_S if deadline is None else max(0.0, min(deadline - time.monotonic(),
+                                                                               HEARTBEAT_INTERVAL_S))
             ready = wait(list(conns), left)
             if not ready:
-                raise RankFailure(f"no reply from tensor-parallel rank {want_rank} within {timeout:.0f} s")
+                hung = self.unresponsive()
+                if hung:
+                    raise self._explain([RankFailure(hung)])
+                if deadline is not None and time.monotonic() >= deadline:
+                    raise RankFailure(f"no reply from tensor-parallel rank {want_rank} within {timeout:.0f} s "
+                                      "(every local rank is alive: a rank on another node may be hung)")
+                continue
             # a failure elsewhere explains a stuck rank better than the rank's own error: read all
             msgs = []
             for c in ready:
                 p = conns[c]
                 try:
-                    msgs.append((p, self._read(p)))
+                    m = self._read(p)
                 except RankFailure as e:
-                    msgs.append((p, e))
+                    m = e
+                if m is not None:
+                    msgs.append((p, m))
+            hung = self.unresponsive()
+            if hung:
+                raise self._explain([RankFailure(hung)] + [m for _, m in msgs if isinstance(m, (Failure, RankFailure))])
             for p, m in msgs:
                 if p.rank == want_rank and not isinstance(m, (Failure, RankFailure)):
                     others = [x for q, x in msgs if q is not p]
                     if others:
                         raise self._explain(others)
                     return m
-            raise self._explain([m for _, m in msgs])
+            if msgs:
+                raise self._explain([m for _, m in msgs])
 
     def _explain(self, msgs) -> RankFailure:
         """Combine failures, waiting briefly for the other ranks' own reports (the root cause)."""
@@ -220,6 +302,9 @@ class LocalRanks:
                     m = self._read(p)
                 except RankFailure as e:
                     m = e
+                if m is None:  # a heartbeat: the rank may still report
+                    pending[c] = p
+                    continue
                 if isinstance(m, (Failure, RankFailure)):
                     failures.append(m)
         return RankFailure(order_failures(failures))
@@ -231,16 +316,23 @@ class LocalRanks:
         infos = []
         while pending:
             left = None if deadline is None else max(0.0, deadline - time.monotonic())
-            ready = wait(list(pending), left)
+            ready = wait(list(pending), None if left is None else min(left, 1.0))
             if not ready:
-                raise RankFailure(f"tensor-parallel ranks {sorted(p.rank for p in pending.values())} "
-                                  f"not ready within {timeout:.0f} s")
+                stopped = [p for p in pending.values() if process_state(p.proc.pid) in ("T", "t")]
+                if stopped:
+                    raise RankFailure(f"tensor-parallel worker {stopped[0].describe()} is stopped at start-up")
+                if deadline is not None and time.monotonic() >= deadline:
+                    raise RankFailure(f"tensor-parallel ranks {sorted(p.rank for p in pending.values())} "
+                                      f"not ready within {timeout:.0f} s")
+                continue
             for c in ready:
                 p = pending[c]
                 try:
                     m = self._read(p)
                 except RankFailure as e:
                     raise self._explain([e]) from None
+                if m is None:
+                    continue
                 if isinstance(m, Failure):
                     raise self._explain([m])
                 if isinstance(m, Ready):
@@ -317,7 +409,7 @@ def run_worker_node(args: EngineArgs) -> int:
             alive = [p for p in ranks.procs if p.proc.poll() is None]
             if not alive:
                 break
-            ready = wait([p.conn for p in alive], 1.0)
+            ready = wait([p.conn for p in alive], HEARTBEAT_INTERVAL_S)
             for c in ready:
                 p = next(q for q in alive if q.conn is c)
                 try:
@@ -326,6 +418,9 @@ def run_worker_node(args: EngineArgs) -> int:
                     continue  # exited; its return code tells below
                 if isinstance(m, Failure):
                     raise RankFailure(m.message)
+            hung = ranks.unresponsive()
+            if hung:  # stop this node's ranks: their peers on node 0 then fail fast instead of hanging
+                raise RankFailure(hung)
         bad = [p for p in ranks.procs if p.proc.returncode != 0]
         if bad:
             raise RankFailure("; ".join(f"{p.describe()} {describe_exit(p.proc)}" for p in bad))

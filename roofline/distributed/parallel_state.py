@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import socket
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Optional
@@ -35,6 +36,7 @@ class TPGroup:
 
 _TP = TPGroup()
 _CONTROL_GROUP: Optional[object] = None
+_STORE_SOCKET: Optional[socket.socket] = None  # rank 0's listening socket for the rendezvous store
 
 
 def get_tp_group() -> TPGroup:
@@ -82,25 +84,50 @@ def reset_collective_counts() -> None:
     _TP.all_gather_count = 0
 
 
-def init_distributed(rank: int, world_size: int, init_method: str, backend: str = "gloo",
-                     timeout_s: float = 600.0) -> None:
-    """Join the world (torchrun-style TCP rendezvous at init_method, e.g. tcp://10.0.0.1:29500).
+def _store_listener(host: str, port: int) -> socket.socket:
+    """A socket listening on host:port only (torch's own TCPStore server would listen on every interface)."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((host, port))
+    sock.listen(1024)
+    return sock
 
-    The whole world is one tensor-parallel group: model collectives run on it with `backend`;
-    a separate gloo group carries control messages (CPU bytes, also under NCCL).
-    """
+
+def rendezvous_store(rank: int, world_size: int, host: str, port: int, secret: str, timeout_s: float):
+    """The world's key-value store: rank 0 serves it on host:port alone, every rank's keys live under a
+    prefix derived from the launch's shared secret, so a process that does not know the secret can
+    neither join the world nor read or overwrite its keys."""
+    global _STORE_SOCKET
+    if not secret:
+        raise ValueError("joining a distributed world needs its shared secret (ROOFLINE_DIST_SECRET)")
+    timeout = timedelta(seconds=timeout_s)
+    if rank == 0:
+        _STORE_SOCKET = _store_listener(host, port)
+        store = dist.TCPStore(host, port, world_size, True, timeout, master_listen_fd=_STORE_SOCKET.fileno())
+    else:
+        store = dist.TCPStore(host, port, world_size, False, timeout)
+    return dist.PrefixStore(f"roofline-{secret}/", store)
+
+
+def init_distributed(rank: int, world_size: int, host: str, port: int, secret: str, backend: str = "gloo",
+                     timeout_s: float = 600.0) -> None:
+    """Join the world: rendezvous through rank 0's store at host:port (rendezvous_store), then one
+    process group for the model's collectives with `backend`, plus a gloo group for control messages
+    (CPU bytes, also under NCCL).  The whole world is one tensor-parallel group."""
     global _CONTROL_GROUP
     if backend not in ("gloo", "nccl"):
         raise ValueError(f"distributed_backend must be 'gloo' or 'nccl', got {backend!r}")
-    dist.init_process_group(backend=backend, init_method=init_method, rank=rank, world_size=world_size,
+    store = rendezvous_store(rank, world_size, host, port, secret, timeout_s)
+    dist.init_process_group(backend=backend, store=store, rank=rank, world_size=world_size,
                             timeout=timedelta(seconds=timeout_s))
     _CONTROL_GROUP = dist.new_group(backend="gloo", timeout=CONTROL_TIMEOUT)
     set_tp_group(rank, world_size, dist.group.WORLD)
-    logger.debug("rank %d/%d joined %s (%s)", rank, world_size, init_method, backend)
+    logger.debug("rank %d/%d joined %s:%d (%s)", rank, world_size, host, port, backend)
 
 
 def destroy_distributed() -> None:
-    global _CONTROL_GROUP
+    global _CONTROL_GROUP, _STORE_SOCKET
     set_tp_group(0, 1, None)
     _CONTROL_GROUP = None
     if dist.is_available() and dist.is_initialized():
@@ -108,6 +135,9 @@ def destroy_distributed() -> None:
             dist.destroy_process_group()
         except Exception:  # a broken world (dead peer) may fail to tear down cleanly
             logger.debug("destroy_process_group failed", exc_info=True)
+    if _STORE_SOCKET is not None:
+        _STORE_SOCKET.close()
+        _STORE_SOCKET = None
 
 
 def tp_all_reduce(x: torch.Tensor) -> torch.Tensor:

@@ -22,6 +22,7 @@ from roofline.config import EngineConfig
 from roofline.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
 
 DEFAULT_WORKER_CLS = "roofline.worker.worker:Worker"
+HEARTBEAT_INTERVAL_S = 0.5
 
 
 class WorkerSpec(msgspec.Struct):
@@ -32,7 +33,9 @@ class WorkerSpec(msgspec.Struct):
     local_rank: int
     node_rank: int
     nnodes: int
-    init_method: str  # tcp://master_addr:master_port
+    master_addr: str  # rank 0 serves the rendezvous store on this address alone
+    master_port: int
+    secret: str  # the launch's shared secret: joining the world needs it
     backend: str  # gloo | nccl (model collectives)
     device: str  # this node's device type: cpu | cuda
     timeout_s: float  # model-collective and rendezvous timeout
@@ -93,8 +96,15 @@ class Failure(msgspec.Struct, tag="f", array_like=True):
     startup: bool
 
 
+class Heartbeat(msgspec.Struct, tag="h", array_like=True):
+    """Sent by every rank to its parent every HEARTBEAT_INTERVAL_S from a thread of its own: when they
+    stop, the rank is hung or stopped (SIGSTOP), even while the engine is idle."""
+
+    rank: int
+
+
 Request = Union[Execute, Call, Shutdown]
-Reply = Union[Ready, Output, Result, Failure]
+Reply = Union[Ready, Output, Result, Failure, Heartbeat]
 
 encoder = msgspec.msgpack.Encoder()
 request_decoder = msgspec.msgpack.Decoder(Request)

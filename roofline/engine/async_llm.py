@@ -66,6 +66,11 @@ class _Abort:
 
 
 @dataclass
+class _AbortAll:
+    error: BaseException  # what every in-flight request's stream raises
+
+
+@dataclass
 class _ReqState:
     """Engine-thread bookkeeping for one request (metrics; where to deliver outputs)."""
 
@@ -240,6 +245,17 @@ class AsyncLLM:
         if self._dead is None:
             self._submit(_Abort([request_id]))
 
+    def num_in_flight(self) -> int:
+        """Requests accepted or waiting to be, not yet finished (thread-safe, a snapshot)."""
+        with self._cond:
+            pending = sum(1 for c in self._commands if isinstance(c, _Add))
+        return len(self._states) + pending
+
+    def abort_all_nowait(self, error: BaseException) -> None:
+        """Abort every request in flight; each stream raises `error` (thread-safe)."""
+        if self._dead is None:
+            self._submit(_AbortAll(error))
+
     def shutdown(self, timeout: float = 10.0) -> None:
         """Abort in-flight requests and stop the engine thread."""
         with self._cond:
@@ -375,6 +391,12 @@ class AsyncLLM:
         to_abort: list[str] = []
         now = time.monotonic()
         for cmd in commands:
+            if isinstance(cmd, _AbortAll):
+                if to_abort:
+                    self.core.abort_requests(to_abort)
+                    to_abort = []
+                self._abort_all(cmd.error)
+                continue
             if isinstance(cmd, _Abort):
                 for rid in cmd.request_ids:
                     st = self._states.pop(rid, None)

@@ -3,6 +3,13 @@
 step():  Scheduler.schedule() -> Executor.execute() -> Scheduler.update_from_output()
          -> OutputProcessor (detokenize, stop strings) -> RequestOutputs.
 Not thread-safe: call it from one thread (the async server runs it in its own loop thread).
+
+Fault isolation: an exception caused by one request fails that request alone (FINISHED_ERROR: its
+blocks freed, its output carrying the error) and the engine serves the rest.  Per-request failures
+the workers detect come back in ModelRunnerOutput.failed; any other exception from a step (except
+ExecutorDeadError, which stops the engine) is narrowed down by re-running the step's requests in
+halves until the failing ones run alone.  Re-running a step is safe: it writes the same K/V into the
+same slots and repeats the same block moves.
 """
 
 from __future__ import annotations
@@ -15,8 +22,9 @@ from typing import Iterable, Optional
 from roofline.config import EngineArgs, EngineConfig, GiB, finalize_lengths
 from roofline.core.request import Request, RequestStatus
 from roofline.core.scheduler import Scheduler
+from roofline.core.scheduler_output import ModelRunnerOutput, SchedulerOutput, merge_runner_outputs
 from roofline.engine.output_processor import OutputProcessor
-from roofline.executor.base import create_executor
+from roofline.executor.base import ExecutorDeadError, create_executor
 from roofline.model_executor.loader.source import load_hf_config, load_tokenizer, resolve_source
 from roofline.outputs import RequestOutput
 from roofline.sampling_params import SamplingParams
@@ -152,18 +160,31 @@ class EngineCore:
 
     def abort_requests(self, request_ids: Iterable[str]) -> None:
         """Stop requests now (their blocks return to the pool); a final output follows on step()."""
-        now = time.monotonic()
         for gid in request_ids:
-            children = self.group_children.get(gid)
-            if children is None:
-                continue
-            self.scheduler.finish_requests(children, RequestStatus.FINISHED_ABORTED)
-            for cid in children:
-                self.output_processor.abort_child(cid, now)
-            out = self.output_processor.make_output(gid, set())
-            del self.group_children[gid]
-            if out is not None:
-                self.pending_outputs.append(out)
+            self._end_group(gid, RequestStatus.FINISHED_ABORTED)
+
+    def _end_group(self, gid: str, status: RequestStatus, error: Optional[str] = None) -> None:
+        """Finish every completion of user request gid now (blocks back to the pool) and queue its
+        final output, carrying `error` when it failed."""
+        children = self.group_children.pop(gid, None)
+        if children is None:
+            return
+        self.scheduler.finish_requests(children, status)
+        now = time.monotonic()
+        for cid in children:
+            self.output_processor.abort_child(cid, now, status.finish_reason)
+        out = self.output_processor.make_output(gid, set())
+        if out is not None:
+            out.error = error
+            self.pending_outputs.append(out)
+
+    def _fail_requests(self, failed: dict[str, str]) -> None:
+        """Fail the user requests owning these engine requests (req_id -> error), alone."""
+        for rid, error in failed.items():
+            gid = self.output_processor.group_of(rid)
+            if gid is not None and gid in self.group_children:
+                logger.warning("request %s failed, the engine carries on: %s", gid, error)
+                self._end_group(gid, RequestStatus.FINISHED_ERROR, error)
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests() or bool(self.pending_outputs)
@@ -176,25 +197,24 @@ class EngineCore:
         """Fail the requests whose grammar did not compile; idle briefly while only compiles are pending."""
         so, sched = self.structured_output, self.scheduler
         for gid, error in {req.group_id: err for req, err in so.take_failed()}.items():
-            first = len(self.pending_outputs)
-            self.abort_requests([gid])
-            for out in self.pending_outputs[first:]:
-                out.error = error
+            self._end_group(gid, RequestStatus.FINISHED_ERROR, error)
         if so.pending and not sched.running and not sched.swapped and len(sched.waiting) == len(so.pending):
             so.wait_for_compile(timeout=0.05)
 
     def step(self) -> list[RequestOutput]:
         if self.structured_output.pending:
             self._structured_output_intake()
-        outputs, self.pending_outputs = self.pending_outputs, []
         if not self.scheduler.has_unfinished_requests():
+            outputs, self.pending_outputs = self.pending_outputs, []
             return outputs
         sched_out = self.scheduler.schedule()
         self.structured_output.attach_bitmask(sched_out, self.scheduler.requests)
         now = time.monotonic()
         for item in sched_out.scheduled:
             self.output_processor.mark_scheduled(item.req_id, now)
-        result = self.executor.execute(sched_out)
+        result = self._execute_isolating(sched_out)
+        if result.failed:
+            self._fail_requests(result.failed)
         touched = self.scheduler.update_from_output(sched_out, result)
         self.structured_output.accept(touched)
         now = time.monotonic()
@@ -204,6 +224,7 @@ class EngineCore:
         lp_by_req = dict(zip(result.req_ids, result.logprobs))
         by_group: dict[str, set[int]] = {}
         stopped: list[str] = []
+        failed: dict[str, str] = {}
         for req, k in touched:
             if k == 0:
                 continue
@@ -212,20 +233,58 @@ class EngineCore:
                 self.prompt_tokens += req.num_prompt_tokens
             self.generation_tokens += k
             lp = lp_by_req.get(req.request_id)
-            stop = op.process(req, new_tokens, [lp] * k if lp is not None else None, now)
+            try:
+                stop = op.process(req, new_tokens, [lp] * k if lp is not None else None, now)
+            except Exception as e:  # detokenizing this request failed: it alone fails
+                failed[req.request_id] = f"output processing failed: {type(e).__name__}: {e}"
+                continue
             if stop is not None:
                 req.stop_reason = stop
                 stopped.append(req.request_id)
             by_group.setdefault(req.group_id, set()).add(req.index)
         if stopped:
             self.scheduler.finish_requests(stopped, RequestStatus.FINISHED_STOPPED)
+        if failed:
+            self._fail_requests(failed)
+        outputs, self.pending_outputs = self.pending_outputs, []
         for gid, idxs in by_group.items():
+            if gid not in self.group_children:
+                continue  # failed above: its final output is already out
             out = op.make_output(gid, idxs)
             if out is not None:
                 outputs.append(out)
                 if out.finished:
                     self.group_children.pop(gid, None)
         return outputs
+
+    def _execute_isolating(self, out: SchedulerOutput) -> ModelRunnerOutput:
+        """executor.execute(out); if it raises (other than ExecutorDeadError), the step's requests run
+        again in halves until every failing request has run alone: those fail, the rest get their tokens."""
+        try:
+            return self.executor.execute(out)
+        except ExecutorDeadError:
+            raise
+        except Exception as e:
+            if len(out.scheduled) <= 1:
+                logger.exception("step %d failed", out.step)
+                return ModelRunnerOutput(req_ids=[], sampled_token_ids=[], logprobs=[], prompt_logprobs={},
+                                         failed={s.req_id: f"{type(e).__name__}: {e}" for s in out.scheduled})
+            logger.warning("step %d failed (%s: %s); isolating the request(s) that cause it", out.step,
+                           type(e).__name__, e)
+        half = len(out.scheduled) // 2
+        parts = []
+        for i, items in enumerate((out.scheduled[:half], out.scheduled[half:])):
+            ids = {s.req_id for s in items}
+            first = i == 0  # block moves and finished ids go with the first half (repeating them is harmless)
+            sub = SchedulerOutput(
+                step=out.step, new_requests=[n for n in out.new_requests if n.req_id in ids], scheduled=items,
+                finished_req_ids=out.finished_req_ids if first else [],
+                blocks_to_copy=out.blocks_to_copy if first else [],
+                blocks_to_swap_out=out.blocks_to_swap_out if first else [],
+                blocks_to_swap_in=out.blocks_to_swap_in if first else [],
+                grammar_req_ids=out.grammar_req_ids, grammar_bitmask=out.grammar_bitmask)  # rows found by req id
+            parts.append(self._execute_isolating(sub))
+        return merge_runner_outputs(parts)
 
     def get_stats(self) -> EngineStats:
         s = self.scheduler.get_stats()

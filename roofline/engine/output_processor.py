@@ -188,13 +188,17 @@ class OutputProcessor:
         if gid is not None and self.groups[gid].metrics.first_scheduled_time is None:
             self.groups[gid].metrics.first_scheduled_time = now
 
-    def abort_child(self, child_id: str, now: float) -> None:
+    def group_of(self, child_id: str) -> Optional[str]:
+        """The user request an engine request belongs to (None once it is finished)."""
+        return self.child_to_group.get(child_id, (None, 0))[0]
+
+    def abort_child(self, child_id: str, now: float, reason: str = "abort") -> None:
         gid, idx = self.child_to_group.get(child_id, (None, 0))
         if gid is None:
             return
         c = self.groups[gid].completions[idx]
         if c.finish_reason is None:
-            c.finish_reason = "abort"
+            c.finish_reason = reason
         g = self.groups[gid]
         if g.finished and g.metrics.finished_time is None:
             g.metrics.finished_time = now

@@ -8,7 +8,7 @@ import sys
 
 from roofline.config import env_flag
 from roofline.entrypoints.engine_flags import add_engine_args, engine_args_from
-from roofline.entrypoints.openai.serving_engine import DEFAULT_MAX_BODY_BYTES
+from roofline.entrypoints.openai.serving_engine import DEFAULT_BODY_TIMEOUT_S, DEFAULT_MAX_BODY_BYTES
 
 
 def add_server_args(parser: argparse.ArgumentParser) -> None:
@@ -19,8 +19,17 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--host", default="127.0.0.1", help="address to listen on (default: 127.0.0.1)")
     group.add_argument("--port", type=int, default=8000, help="port to listen on; 0 picks a free one (default: 8000)")
     group.add_argument("--api-key", default=None,
-                       help="require 'Authorization: Bearer KEY' on every /v1 route (default: "
+                       help="require 'Authorization: Bearer KEY' on every route but /health (default: "
                             "$ROOFLINE_API_KEY, else no key)")
+    group.add_argument("--metrics-require-key", action=argparse.BooleanOptionalAction, default=True,
+                       help="with --api-key, /metrics needs the key too (default: yes; --no-metrics-require-key "
+                            "leaves it open for scrapers that cannot send one)")
+    group.add_argument("--request-body-timeout", type=float, default=DEFAULT_BODY_TIMEOUT_S,
+                       help=f"seconds a client gets to send its whole request body; then 408 "
+                            f"(default: {DEFAULT_BODY_TIMEOUT_S:g})")
+    group.add_argument("--trust-request-chat-template", action="store_true",
+                       help="accept a chat_template in requests (rendered in a sandboxed process with time, "
+                            "memory and size limits); off by default: such requests get 400")
     group.add_argument("--max-request-body-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES,
                        help=f"larger request bodies get 413 (default: {DEFAULT_MAX_BODY_BYTES})")
     group.add_argument("--shutdown-timeout", type=float, default=30.0,
@@ -50,7 +59,10 @@ def run(args: argparse.Namespace) -> int:
         port=args.port,
         served_model_name=engine_args.served_model_name,
         api_key=api_key,
+        metrics_require_key=args.metrics_require_key,
         max_request_body_bytes=args.max_request_body_bytes,
+        request_body_timeout=args.request_body_timeout,
+        trust_request_chat_template=args.trust_request_chat_template,
         shutdown_timeout=args.shutdown_timeout,
         retry_after=args.retry_after,
         log_stats_interval=args.log_stats_interval,

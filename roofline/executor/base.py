@@ -9,6 +9,11 @@ from roofline.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
 from roofline.model_executor.loader.source import ModelSource
 
 
+class ExecutorDeadError(RuntimeError):
+    """The executor cannot run any more steps (a worker died, hung or failed): the engine stops.
+    Any other exception from execute() is taken as caused by the step's requests (see EngineCore)."""
+
+
 class Executor(ABC):
     @abstractmethod
     def determine_num_blocks(self) -> int: ...

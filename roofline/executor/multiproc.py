@@ -9,14 +9,20 @@ the sampled tokens.
 Faults: every receive is bounded, and the engine watches all of its ranks: a rank that dies or fails
 turns the executor dead at once — execute() and check_health() raise a RuntimeError naming the rank
 and its error, and the other ranks are stopped.  A rank that fails at start-up fails the launch with
-that rank's error.
+that rank's error.  Hung or stopped ranks: every rank sends a heartbeat every 0.5 s from a thread of
+its own; one silent for ROOFLINE_HEARTBEAT_TIMEOUT (5 s), or in the stopped state, fails the executor
+the same way, mid-step or idle (check_health reads the heartbeats).  A step also has a deadline that
+follows the steps seen so far (10x the slowest recent one, at least 30 s; ROOFLINE_EXECUTE_TIMEOUT caps
+it), for a rank on another node that hangs without its node noticing.
 """
 
 from __future__ import annotations
 
 import logging
 import threading
+import time
 import weakref
+from collections import deque
 from typing import Any, Optional
 
 from roofline.config import EngineConfig, env_flag
@@ -32,18 +38,23 @@ from roofline.distributed.protocol import (
     encode_bootstrap,
     encoder,
 )
-from roofline.executor.base import Executor
+from roofline.executor.base import Executor, ExecutorDeadError
 from roofline.model_executor.loader.source import ModelSource
 
 logger = logging.getLogger(__name__)
 
 
-class WorkerDeadError(RuntimeError):
-    """A tensor-parallel rank died or failed; the engine cannot continue."""
+class WorkerDeadError(ExecutorDeadError):
+    """A tensor-parallel rank died, hung or failed; the engine cannot continue."""
 
 
 def execute_timeout_s() -> float:
     return float(env_flag("ROOFLINE_EXECUTE_TIMEOUT", "600"))
+
+
+STEP_DEADLINE_FLOOR_S = 30.0
+STEP_DEADLINE_FACTOR = 10.0
+WARMUP_STEPS = 3  # the first steps may compile kernels or capture graphs: only the cap applies
 
 
 def check_tensor_parallel_split(config: EngineConfig) -> None:
@@ -95,6 +106,7 @@ class MultiprocExecutor(Executor):
         self._dead: Optional[str] = None
         self._closed = False
         self._lock = threading.Lock()  # one request in flight at a time
+        self._step_times: deque[float] = deque(maxlen=64)
         logger.info("starting %d tensor-parallel ranks on %d node(s) (%s), rendezvous at %s",
                     self.world_size, self.layout.nnodes, self.layout.backend, self.layout.init_method)
         self.ranks = LocalRanks(self.layout, bootstrap=encode_bootstrap(config), show_progress=show_progress,
@@ -132,7 +144,7 @@ class MultiprocExecutor(Executor):
         if self._dead is not None:
             raise WorkerDeadError(self._dead)
         if self._closed:
-            raise RuntimeError("the executor was shut down")
+            raise ExecutorDeadError("the executor was shut down")
         problem = self.ranks.dead()
         if problem:
             raise self._fail(problem, in_background)
@@ -175,14 +187,30 @@ class MultiprocExecutor(Executor):
     def init_kv_cache(self, num_blocks: int, num_swap_blocks: int) -> None:
         self._call("init_kv_cache", num_blocks, num_swap_blocks, timeout=startup_timeout_s())
 
+    def step_deadline_s(self) -> float:
+        """How long the next step may take before the executor is declared hung."""
+        cap = execute_timeout_s()
+        if len(self._step_times) < WARMUP_STEPS:
+            return cap
+        return min(cap, max(STEP_DEADLINE_FLOOR_S, STEP_DEADLINE_FACTOR * max(self._step_times)))
+
     def execute(self, out: SchedulerOutput) -> ModelRunnerOutput:
-        reply = self._request(Execute(out), execute_timeout_s())
+        t0 = time.monotonic()
+        reply = self._request(Execute(out), self.step_deadline_s())
+        self._step_times.append(time.monotonic() - t0)
         if not isinstance(reply, Output):
             raise self._fail(f"unexpected reply {type(reply).__name__} from rank 0 to execute")
         return reply.out
 
     def check_health(self) -> None:
         self._ensure_usable(in_background=True)
+        if self._lock.acquire(blocking=False):  # no step in flight: read the heartbeats
+            try:
+                self.ranks.poll()
+            except RankFailure as e:
+                raise self._fail(str(e), in_background=True) from None
+            finally:
+                self._lock.release()
 
     def shutdown(self) -> None:
         if self._closed:

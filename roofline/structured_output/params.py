@@ -49,8 +49,10 @@ class StructuredOutputsParams:
                     or any(not isinstance(c, str) or not c for c in self.choice)):
                 raise ValueError("invalid structured_outputs.choice: must be a non-empty list of non-empty strings")
             self.choice = list(self.choice)
-        if self.json_object is not None and not isinstance(self.json_object, bool):
-            raise ValueError("invalid structured_outputs.json_object: must be a boolean")
+        for name in ("json_object", "disable_any_whitespace"):
+            v = getattr(self, name)
+            if v is not None and not isinstance(v, bool):
+                raise ValueError(f"invalid structured_outputs.{name}: must be a boolean")
 
     @property
     def kind(self) -> str:

@@ -63,18 +63,26 @@ class ModelRunner:
             for cache in self.kv_caches:
                 cache[:, dst] = cache[:, src]
 
-    def _update_states(self, out: SchedulerOutput) -> None:
+    def _update_states(self, out: SchedulerOutput) -> dict[str, str]:
+        """Drop finished requests' states and set up the new ones'; returns the requests whose state
+        could not be set up (req_id -> error): they fail alone, the rest of the step runs."""
+        failed: dict[str, str] = {}
         for rid in out.finished_req_ids:
             self.states.pop(rid, None)
         for new in out.new_requests:
-            gen = torch.Generator(device=self.device)
-            gen.manual_seed(new.generator_seed)
-            self.states[new.req_id] = SamplingState(
-                spec=new.sampling,
-                generator=gen,
-                prompt_token_ids=new.prompt_token_ids,
-                output_token_ids=list(new.output_token_ids),
-            )
+            try:
+                gen = torch.Generator(device=self.device)
+                gen.manual_seed(new.generator_seed)
+                self.states[new.req_id] = SamplingState(
+                    spec=new.sampling,
+                    generator=gen,
+                    prompt_token_ids=new.prompt_token_ids,
+                    output_token_ids=list(new.output_token_ids),
+                )
+            except Exception as e:  # a request the worker cannot sample for: fail it, keep the batch
+                logger.warning("request %s: sampling state failed: %s", new.req_id, e)
+                failed[new.req_id] = f"could not set up sampling: {type(e).__name__}: {e}"
+        return failed
 
     # ---- the step ----------------------------------------------------------------------------
     def _prepare(self, items: list[ScheduledRequest]):
@@ -158,13 +166,14 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> ModelRunnerOutput:
-        self._update_states(out)
+        failed = self._update_states(out)
         self._move_blocks(out)
-        result = ModelRunnerOutput(req_ids=[], sampled_token_ids=[], logprobs=[], prompt_logprobs={})
-        if not out.scheduled:
+        result = ModelRunnerOutput(req_ids=[], sampled_token_ids=[], logprobs=[], prompt_logprobs={}, failed=failed)
+        items = [s for s in out.scheduled if s.req_id in self.states]
+        if not items:
             return result
         # decodes first (stable order otherwise)
-        items = sorted(out.scheduled, key=lambda s: len(s.token_ids) != 1)
+        items.sort(key=lambda s: len(s.token_ids) != 1)
         qsl = np.cumsum([0] + [len(s.token_ids) for s in items]).tolist()
         sample_rows, sample_reqs = [], []
         prompt_lp_jobs = []  # (req_id, first row, rows, next tokens, k)

@@ -25,6 +25,7 @@ import signal
 import socket
 import sys
 import threading
+import time
 from typing import Any, Optional
 
 import msgspec
@@ -41,7 +42,9 @@ from roofline.distributed.protocol import (
     Bootstrap,
     Call,
     Execute,
+    HEARTBEAT_INTERVAL_S,
     Failure,
+    Heartbeat,
     Output,
     RankStatus,
     Ready,
@@ -95,13 +98,15 @@ class WorkerProc:
         self.conn = conn
         self.worker: Any = None
         self.config = None
+        self.send_lock = threading.Lock()  # the heartbeat thread shares the connection
 
     # ---- start-up ------------------------------------------------------------------------------
     def startup(self) -> None:
         spec = self.spec
         if spec.device.startswith("cuda"):
             torch.cuda.set_device(spec.local_rank)
-        init_distributed(spec.rank, spec.world_size, spec.init_method, spec.backend, spec.timeout_s)
+        init_distributed(spec.rank, spec.world_size, spec.master_addr, spec.master_port, spec.secret, spec.backend,
+                         spec.timeout_s)
         boot: Bootstrap = bootstrap_decoder.decode(comm.broadcast_bytes(spec.bootstrap if self.rank == 0 else None, 0))
         error = None
         try:
@@ -142,7 +147,19 @@ class WorkerProc:
 
     # ---- serving -------------------------------------------------------------------------------
     def _send(self, msg) -> None:
-        self.conn.send_bytes(encoder.encode(msg))
+        data = encoder.encode(msg)
+        with self.send_lock:
+            self.conn.send_bytes(data)
+
+    def heartbeat(self) -> None:
+        """Tell the parent we are alive, every HEARTBEAT_INTERVAL_S, for as long as the process runs."""
+        beat = Heartbeat(self.rank)
+        while True:
+            try:
+                self._send(beat)
+            except Exception:  # the parent is gone; the main loop finds out on its own
+                return
+            time.sleep(HEARTBEAT_INTERVAL_S)
 
     def serve(self) -> None:
         shutdown_bytes = encoder.encode(Shutdown())
@@ -211,6 +228,7 @@ def run_worker(spec: WorkerSpec, conn) -> int:
     if spec.rank != 0:  # rank 0 reads its socket itself (and stops the world when the engine is gone)
         threading.Thread(target=_exit_when_parent_goes, args=(conn,), name="parent-watch", daemon=True).start()
     proc = WorkerProc(spec, conn)
+    threading.Thread(target=proc.heartbeat, name="heartbeat", daemon=True).start()
     phase = "start-up"
     try:
         proc.startup()
@@ -229,7 +247,7 @@ def run_worker(spec: WorkerSpec, conn) -> int:
                 err = f"lost its connection to another rank, which died or failed (see its node's log): {err}"
             message = f"rank {spec.rank} (on {socket.gethostname()}) failed: {err}"
         try:
-            conn.send_bytes(encoder.encode(Failure(spec.rank, message, phase == "start-up")))
+            proc._send(Failure(spec.rank, message, phase == "start-up"))
         except Exception:
             pass
         logging.shutdown()

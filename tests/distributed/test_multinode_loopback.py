@@ -13,7 +13,8 @@ from tests.executor.tp_helpers import assert_same_greedy
 from tests.reference.hf_models import random_prompts
 
 
-def test_two_nodes_on_loopback(tiny_models):
+def test_two_nodes_on_loopback(tiny_models, monkeypatch):
+    monkeypatch.setenv("ROOFLINE_DIST_SECRET", "test-secret-shared-by-both-nodes")
     path, _ = tiny_models["llama"]
     port = free_port()
     flags = ["-tp", "2", "--nnodes", "2", "--master-addr", "127.0.0.1", "--master-port", str(port)]

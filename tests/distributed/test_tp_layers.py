@@ -149,4 +149,5 @@ def test_failure_report_puts_the_root_cause_first():
     ])
     parts = msg.split("; ")
     assert len(parts) == 3
-    assert parts[0].startswith("rank 1") and "Connection closed" in parts[1] and "SIGKILL" in parts[2]
+    # the rank's own error, then the killed rank (a root cause too), then the peer that lost its connection
+    assert parts[0].startswith("rank 1") and "SIGKILL" in parts[1] and "Connection closed" in parts[2]

@@ -37,3 +37,19 @@ def assert_same_greedy(ref_outputs, outputs, lp_tol: float = 1e-3) -> int:
                 break  # the continuations legitimately differ after a tie flip
             assert abs(la[ta].logprob - lb[tb].logprob) < lp_tol, (i, la[ta].logprob, lb[tb].logprob)
     return flips
+
+
+class HangOnRank1Worker(Worker):
+    """Rank 1 hangs holding the GIL in its third step (a deadlocked C call): its heartbeat stops."""
+
+    def __init__(self, config, source, rank: int = 0, show_progress: bool = True) -> None:
+        super().__init__(config, source, rank=rank, show_progress=show_progress)
+        self.steps = 0
+
+    def execute(self, out):
+        self.steps += 1
+        if self.rank == 1 and self.steps == 3:
+            import ctypes
+
+            ctypes.PyDLL(None).sleep(3600)  # PyDLL keeps the GIL: no thread of this process runs
+        return super().execute(out)

@@ -25,6 +25,7 @@ def test_exactly_one_constraint():
     (dict(choice=[]), "structured_outputs.choice"),
     (dict(choice=["a", ""]), "structured_outputs.choice"),
     (dict(json_object="yes"), "structured_outputs.json_object"),
+    (dict(regex="a", disable_any_whitespace="no"), "structured_outputs.disable_any_whitespace"),
 ])
 def test_bad_shapes_name_the_field(kwargs, field):
     with pytest.raises(ValueError, match=f"invalid {field}"):

@@ -4,6 +4,9 @@ Field names and shapes follow OpenAI's API reference. Extra sampling fields that
 serving engines accept (`top_k`, `min_p`, `repetition_penalty`, `ignore_eos`, `min_tokens`,
 `priority`, ...) are accepted at the top level of the body (the openai client sends them via
 `extra_body`). Unknown fields are ignored so that clients sending newer fields keep working.
+
+Types are strict: `max_tokens: true`, `stream: "yes"` or `n: 2.0` are 400s, not coerced (an integer is
+still accepted where a float is expected); seeds are signed 64-bit; roles are the ones OpenAI defines.
 """
 
 from __future__ import annotations
@@ -15,6 +18,8 @@ from typing import Any, Literal, Optional, Union
 from pydantic import BaseModel, ConfigDict, Field
 
 MAX_LOGPROBS = 20
+SEED_MIN, SEED_MAX = -(2**63), 2**63 - 1
+CHAT_ROLES = ("system", "developer", "user", "assistant", "tool", "function")
 
 
 def random_id(prefix: str) -> str:
@@ -22,7 +27,7 @@ def random_id(prefix: str) -> str:
 
 
 class OpenAIModel(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="ignore", strict=True)
 
 
 # --------------------------------------------------------------------------- errors
@@ -74,7 +79,7 @@ class _SamplingFields(OpenAIModel):
     n: int = 1
     temperature: Optional[float] = None
     top_p: Optional[float] = None
-    seed: Optional[int] = None
+    seed: Optional[int] = Field(None, ge=SEED_MIN, le=SEED_MAX)
     stop: Optional[Union[str, list[str]]] = None
     stream: Optional[bool] = False
     stream_options: Optional[StreamOptions] = None
@@ -161,8 +166,8 @@ class ChatContentPart(OpenAIModel):
 
 
 class ChatMessage(OpenAIModel):
-    model_config = ConfigDict(extra="allow")
-    role: str
+    model_config = ConfigDict(extra="allow", strict=True)
+    role: Literal[CHAT_ROLES]
     content: Optional[Union[str, list[ChatContentPart]]] = None
     name: Optional[str] = None
 
@@ -175,6 +180,9 @@ class ChatCompletionRequest(_SamplingFields):
     top_logprobs: Optional[int] = None
     tools: Optional[list[dict[str, Any]]] = None
     tool_choice: Optional[Union[str, dict[str, Any]]] = None
+    functions: Optional[list[dict[str, Any]]] = None  # OpenAI's deprecated form of tools
+    function_call: Optional[Union[str, dict[str, Any]]] = None
+    parallel_tool_calls: Optional[bool] = None
     # Extensions
     add_generation_prompt: bool = True
     continue_final_message: bool = False

@@ -1,16 +1,19 @@
 """The OpenAI-compatible HTTP server: FastAPI app factory, uvicorn runner, graceful shutdown.
 
 `build_app(engine, config)` wires the routes to an AsyncLLM; `run_server(engine_args, config)` loads
-the engine, serves until SIGINT/SIGTERM, lets in-flight requests finish (up to
-`shutdown_timeout` seconds, then aborts them) and returns 0. `ServerThread` runs an app on a
-loopback port in a background thread (tests, benchmarks).
+the engine, serves until SIGINT/SIGTERM and returns 0. `ServerThread` runs an app on a loopback port
+in a background thread (tests, benchmarks).
+
+Shutdown (SIGINT/SIGTERM, or ServerThread.stop): the server drains first.  New requests get 503
+(access.py) while the listening socket stays open, requests in flight get up to `shutdown_timeout`
+seconds to finish, and any still running then are aborted: a stream ends with an error event and
+`[DONE]`, a plain request gets a 503.  Only then do the connections close.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import hmac
 import logging
 import os
 import signal
@@ -21,12 +24,13 @@ from dataclasses import dataclass
 from typing import Any, Optional
 
 import uvicorn
-from fastapi import APIRouter, Depends, FastAPI, Request
+from fastapi import APIRouter, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from roofline.engine.async_llm import AsyncLLM
+from roofline.engine.async_llm import AsyncLLM, RequestAbortedError
+from roofline.entrypoints.openai.access import AccessMiddleware
 from roofline.entrypoints.openai.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -40,14 +44,15 @@ from roofline.entrypoints.openai.protocol import (
 from roofline.entrypoints.openai.serving_chat import OpenAIServingChat, apply_chat_template
 from roofline.entrypoints.openai.serving_completion import OpenAIServingCompletion
 from roofline.entrypoints.openai.serving_engine import (
+    DEFAULT_BODY_TIMEOUT_S,
     DEFAULT_MAX_BODY_BYTES,
     APIError,
     SSEStream,
     bad_request,
     parse_model,
     read_json_body,
-    server_tokenizer,
 )
+from roofline.entrypoints.openai.tokenization import ServerTokenizer
 from roofline.metrics.prometheus import PrometheusStatLogger
 from roofline.metrics.stats import LoggingStatLogger
 
@@ -72,7 +77,10 @@ class ServerConfig:
     port: int = 8000
     served_model_name: Optional[str] = None  # default: derived from the model
     api_key: Optional[str] = None
+    metrics_require_key: bool = True  # with api_key, /metrics needs it too (/health never does)
     max_request_body_bytes: int = DEFAULT_MAX_BODY_BYTES
+    request_body_timeout: float = DEFAULT_BODY_TIMEOUT_S  # seconds a client has to send its whole body
+    trust_request_chat_template: bool = False  # render a request's own chat_template (sandboxed)
     shutdown_timeout: float = 30.0  # seconds in-flight requests get to finish on SIGINT/SIGTERM
     retry_after: int = 1  # seconds, in 503 queue-full answers
     log_stats_interval: float = 10.0  # 0 disables the periodic log line
@@ -120,19 +128,26 @@ def build_app(engine: AsyncLLM, config: Optional[ServerConfig] = None, *, shutdo
     names = model_names(engine.model_config, config.served_model_name)
     model_name = names[0]
     max_model_len = int(engine.model_config.max_model_len)
-    tokenizer = server_tokenizer(engine.tokenizer)
-    vocab_size = _vocab_size(engine, tokenizer)
+    tokenizer = (ServerTokenizer(engine.tokenizer, max_model_len,
+                                 trust_request_chat_template=config.trust_request_chat_template)
+                 if engine.tokenizer is not None else None)
+    vocab_size = _vocab_size(engine, tokenizer.loop if tokenizer is not None else None)
     metrics = PrometheusStatLogger(model_name)
     engine.stat_loggers.append(metrics)
     completions = OpenAIServingCompletion(engine, tokenizer, model_name, max_model_len)
     chat = OpenAIServingChat(engine, tokenizer, model_name, max_model_len)
     limit = config.max_request_body_bytes
 
+    async def body(request: Request) -> dict:
+        return await read_json_body(request, limit, config.request_body_timeout)
+
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
         yield
         if metrics in engine.stat_loggers:
             engine.stat_loggers.remove(metrics)
+        if tokenizer is not None:
+            tokenizer.close()
         if shutdown_engine:
             await asyncio.to_thread(engine.shutdown)
 
@@ -141,6 +156,9 @@ def build_app(engine: AsyncLLM, config: Optional[ServerConfig] = None, *, shutdo
     app.state.metrics = metrics
     app.state.config = config
     app.state.model_names = names
+    app.state.draining = False
+    app.add_middleware(AccessMiddleware, api_key=config.api_key, metrics_require_key=config.metrics_require_key,
+                       draining=lambda: app.state.draining)
 
     # ------------------------------------------------------------------ errors
     def error_response(e: APIError) -> JSONResponse:
@@ -167,16 +185,6 @@ def build_app(engine: AsyncLLM, config: Optional[ServerConfig] = None, *, shutdo
         return error_response(APIError(500, f"internal error: {type(e).__name__}: {e}", "internal_server_error"))
 
     # ------------------------------------------------------------------ helpers
-    async def check_api_key(request: Request) -> None:
-        if config.api_key is None:
-            return
-        auth = request.headers.get("authorization", "")
-        scheme, _, token = auth.partition(" ")
-        if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), config.api_key.encode()):
-            raise APIError(401, "invalid or missing API key: send 'Authorization: Bearer <key>'",
-                           "invalid_request_error", None, "invalid_api_key",
-                           headers={"WWW-Authenticate": "Bearer"})
-
     def check_model(model: Optional[str]) -> None:
         if model is not None and model not in names:
             raise APIError(404, f"The model `{model}` does not exist. Available: {model_name}",
@@ -213,7 +221,7 @@ def build_app(engine: AsyncLLM, config: Optional[ServerConfig] = None, *, shutdo
         return JSONResponse(result.model_dump(mode="json"))
 
     # ------------------------------------------------------------------ /v1
-    v1 = APIRouter(prefix="/v1", dependencies=[Depends(check_api_key)])
+    v1 = APIRouter(prefix="/v1")
 
     @v1.get("/models")
     async def list_models() -> Any:
@@ -228,7 +236,7 @@ def build_app(engine: AsyncLLM, config: Optional[ServerConfig] = None, *, shutdo
 
     @v1.post("/completions")
     async def create_completion(request: Request) -> Response:
-        req = parse_model(CompletionRequest, await read_json_body(request, limit))
+        req = parse_model(CompletionRequest, await body(request))
         check_model(req.model)
         if req.stream:
             return respond(await completions.create(req))
@@ -236,7 +244,7 @@ def build_app(engine: AsyncLLM, config: Optional[ServerConfig] = None, *, shutdo
 
     @v1.post("/chat/completions")
     async def create_chat_completion(request: Request) -> Response:
-        req = parse_model(ChatCompletionRequest, await read_json_body(request, limit))
+        req = parse_model(ChatCompletionRequest, await body(request))
         check_model(req.model)
         if req.stream:
             return respond(await chat.create(req))
@@ -247,6 +255,8 @@ def build_app(engine: AsyncLLM, config: Optional[ServerConfig] = None, *, shutdo
     # ------------------------------------------------------------------ operational routes
     @app.get("/health")
     async def health() -> Response:
+        if app.state.draining:
+            return JSONResponse({"status": "draining"}, status_code=503)
         if engine.is_healthy:
             return JSONResponse({"status": "ok"})
         err = engine.dead_error
@@ -263,23 +273,23 @@ def build_app(engine: AsyncLLM, config: Optional[ServerConfig] = None, *, shutdo
 
     @app.post("/tokenize")
     async def tokenize(request: Request) -> Any:
-        req = parse_model(TokenizeRequest, await read_json_body(request, limit))
+        req = parse_model(TokenizeRequest, await body(request))
         check_model(req.model)
         if tokenizer is None:
             raise bad_request("this model has no tokenizer")
         if (req.prompt is None) == (req.messages is None):
             raise bad_request("give exactly one of 'prompt' or 'messages'", param="prompt")
         if req.messages is not None:
-            _, ids = apply_chat_template(tokenizer, req.messages, add_generation_prompt=req.add_generation_prompt)
+            _, ids = await apply_chat_template(tokenizer, req.messages, add_generation_prompt=req.add_generation_prompt)
         else:
-            ids = tokenizer.encode(req.prompt, add_special_tokens=req.add_special_tokens)
-        strs = tokenizer.convert_ids_to_tokens(ids) if req.return_token_strs else None
+            ids = await tokenizer.encode(req.prompt, add_special_tokens=req.add_special_tokens, bounded=False)
+        strs = await tokenizer.convert_ids_to_tokens(ids) if req.return_token_strs else None
         return TokenizeResponse(count=len(ids), max_model_len=max_model_len, tokens=ids, token_strs=strs).model_dump(
             exclude_none=True)
 
     @app.post("/detokenize")
     async def detokenize(request: Request) -> Any:
-        req = parse_model(DetokenizeRequest, await read_json_body(request, limit))
+        req = parse_model(DetokenizeRequest, await body(request))
         check_model(req.model)
         if tokenizer is None:
             raise bad_request("this model has no tokenizer")
@@ -288,7 +298,7 @@ def build_app(engine: AsyncLLM, config: Optional[ServerConfig] = None, *, shutdo
             if bad:
                 raise bad_request(f"token ids out of range [0, {vocab_size}): {bad[:5]}", param="tokens")
         try:
-            text = tokenizer.decode(req.tokens)
+            text = await tokenizer.decode(req.tokens)
         except Exception as e:
             raise bad_request(f"cannot decode tokens: {e}", param="tokens")
         return DetokenizeResponse(prompt=text).model_dump()
@@ -314,8 +324,19 @@ class _SSEResponse(StreamingResponse):
 
 # --------------------------------------------------------------------------- running it
 class _Server(uvicorn.Server):
-    """uvicorn's Server without re-raising the caught signal after a graceful shutdown, so that
-    SIGINT/SIGTERM end the process with exit status 0."""
+    """uvicorn's Server that drains before it closes (module docstring) and does not re-raise the
+    caught signal after a graceful shutdown, so that SIGINT/SIGTERM end the process with status 0."""
+
+    def __init__(self, config: uvicorn.Config, app: Optional[FastAPI] = None, drain_timeout: float = 30.0) -> None:
+        super().__init__(config)
+        self.roofline_app = app
+        self.drain_timeout = drain_timeout
+
+    async def shutdown(self, sockets=None) -> None:
+        app = self.roofline_app
+        if app is not None and not self.force_exit:
+            await drain(app, self.drain_timeout)
+        await super().shutdown(sockets=sockets)
 
     @contextlib.contextmanager
     def capture_signals(self):
@@ -336,6 +357,24 @@ class _Server(uvicorn.Server):
         self.handle_exit(sig, frame)
 
 
+async def drain(app: FastAPI, timeout: float) -> None:
+    """New requests get 503; wait up to `timeout` s for the engine's requests to finish, then abort
+    the rest (their streams end with an error event and [DONE]) and give them a moment to flush."""
+    app.state.draining = True
+    engine: AsyncLLM = app.state.engine
+    deadline = time.monotonic() + timeout
+    while engine.num_in_flight() and time.monotonic() < deadline:
+        await asyncio.sleep(0.05)
+    left = engine.num_in_flight()
+    if left:
+        logger.warning("shutdown: aborting %d request(s) still running after %.0f s", left, timeout)
+        engine.abort_all_nowait(RequestAbortedError("the server is shutting down"))
+        flush_by = time.monotonic() + 5.0
+        while engine.num_in_flight() and time.monotonic() < flush_by:
+            await asyncio.sleep(0.05)
+        await asyncio.sleep(0.2)  # let the handlers write their last events
+
+
 def bind_socket(host: str, port: int) -> socket.socket:
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     sock = socket.socket(family, socket.SOCK_STREAM)
@@ -347,9 +386,9 @@ def bind_socket(host: str, port: int) -> socket.socket:
 
 
 def _uvicorn_config(app: FastAPI, config: ServerConfig) -> uvicorn.Config:
+    # the drain (above) bounds the wait for requests; uvicorn's own timeout is a backstop past it
     return uvicorn.Config(app, log_level=config.uvicorn_log_level, access_log=config.access_log,
-                          timeout_graceful_shutdown=config.shutdown_timeout, lifespan="on",
-                          timeout_keep_alive=5)
+                          timeout_graceful_shutdown=10.0, lifespan="on", timeout_keep_alive=5)
 
 
 def run_server(engine_args: Any, config: ServerConfig) -> int:
@@ -363,7 +402,7 @@ def run_server(engine_args: Any, config: ServerConfig) -> int:
     host, port = sock.getsockname()[:2]
     logger.info("engine ready in %.1f s; serving model %r on http://%s:%d (OpenAI API under /v1)",
                 time.monotonic() - t0, app.state.model_names[0], host, port)
-    server = _Server(_uvicorn_config(app, config))
+    server = _Server(_uvicorn_config(app, config), app, config.shutdown_timeout)
     try:
         server.run(sockets=[sock])
     finally:
@@ -381,7 +420,7 @@ class ServerThread:
         self.config = config or ServerConfig(uvicorn_log_level="warning", access_log=False, shutdown_timeout=5.0)
         self.sock = bind_socket(host, port)
         self.host, self.port = self.sock.getsockname()[:2]
-        self.server = _Server(_uvicorn_config(app, self.config))
+        self.server = _Server(_uvicorn_config(app, self.config), app, self.config.shutdown_timeout)
         self.thread = threading.Thread(target=self._run, name="roofline-uvicorn", daemon=True)
         self.error: Optional[BaseException] = None
 

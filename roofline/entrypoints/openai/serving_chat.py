@@ -18,6 +18,7 @@ from roofline.entrypoints.openai.protocol import (
     random_id,
 )
 from roofline.entrypoints.openai.structured_outputs import attach_structured_outputs
+from roofline.entrypoints.openai.tokenization import ServerTokenizer
 from roofline.entrypoints.openai.serving_engine import (
     SSE_DONE,
     SSEStream,
@@ -61,44 +62,49 @@ def messages_to_dicts(messages: list[ChatMessage]) -> list[dict[str, Any]]:
     return out
 
 
-def apply_chat_template(tokenizer: Any, messages: list[ChatMessage], *, add_generation_prompt: bool = True,
-                        continue_final_message: bool = False, tools: Any = None,
-                        chat_template: Optional[str] = None, kwargs: Optional[dict] = None) -> tuple[str, list[int]]:
+async def apply_chat_template(tokenizer: Optional[ServerTokenizer], messages: list[ChatMessage], *,
+                              add_generation_prompt: bool = True, continue_final_message: bool = False,
+                              tools: Any = None, chat_template: Optional[str] = None,
+                              kwargs: Optional[dict] = None) -> tuple[str, list[int]]:
+    """Render the conversation and tokenize it, off the event loop (tokenization.py)."""
     if not messages:
         raise bad_request("messages must not be empty", param="messages")
     if tokenizer is None:
         raise bad_request("this model has no tokenizer (and so no chat template); use /v1/completions "
                           "with token ids", param="messages")
-    if chat_template is None and getattr(tokenizer, "chat_template", None) is None:
+    if chat_template is None and getattr(tokenizer.base, "chat_template", None) is None:
         raise bad_request("the model has no chat template; use /v1/completions", param="messages")
-    extra = dict(kwargs or {})
-    if tools:
-        extra["tools"] = tools
-    if chat_template is not None:
-        extra["chat_template"] = chat_template
-    if continue_final_message:
-        extra["continue_final_message"] = True
-    try:
-        text = tokenizer.apply_chat_template(messages_to_dicts(messages), tokenize=False,
-                                             add_generation_prompt=add_generation_prompt and not continue_final_message,
-                                             **extra)
-    except APIError:
-        raise
-    except Exception as e:
-        raise bad_request(f"could not apply the chat template: {type(e).__name__}: {e}", param="messages")
-    ids = tokenizer.encode(text, add_special_tokens=False)
+    text = await tokenizer.render_chat(messages_to_dicts(messages), add_generation_prompt=add_generation_prompt and
+                                       not continue_final_message, continue_final_message=continue_final_message,
+                                       tools=tools, chat_template=chat_template, kwargs=kwargs)
+    ids = await tokenizer.encode(text, add_special_tokens=False, field="messages")
     return text, ids
 
 
+def check_tools(req: ChatCompletionRequest) -> None:
+    """Tool calling is not implemented: a request that asks for it gets a 400 instead of being silently
+    answered in plain text.  tools with tool_choice "none" are fine (the model may not call them)."""
+    if req.functions or req.function_call not in (None, "none"):
+        raise bad_request("function calling is not supported by this server", param="functions")
+    if req.tools and req.tool_choice != "none":
+        raise bad_request("tool calling is not supported by this server (send tool_choice \"none\" to "
+                          "show the tools to the model without calls)", param="tools")
+    if req.tool_choice not in (None, "none"):
+        raise bad_request("tool calling is not supported by this server", param="tool_choice")
+
+
 class OpenAIServingChat:
-    def __init__(self, engine: AsyncLLM, tokenizer: Any, model_name: str, max_model_len: int) -> None:
+    def __init__(self, engine: AsyncLLM, tokenizer: Optional[ServerTokenizer], model_name: str,
+                 max_model_len: int) -> None:
         self.engine = engine
         self.tokenizer = tokenizer
+        self.text_tokenizer = tokenizer.loop if tokenizer is not None else None  # short decodes, on the loop
         self.model_name = model_name
         self.max_model_len = max_model_len
 
     async def create(self, req: ChatCompletionRequest) -> Any:
-        text, ids = apply_chat_template(
+        check_tools(req)
+        text, ids = await apply_chat_template(
             self.tokenizer, req.messages, add_generation_prompt=req.add_generation_prompt,
             continue_final_message=req.continue_final_message, tools=req.tools,
             chat_template=req.chat_template, kwargs=req.chat_template_kwargs)
@@ -124,10 +130,10 @@ class OpenAIServingChat:
         content = []
         for tid, d in zip(token_ids, positions):
             entry = d.get(tid) if d else None
-            tok = token_text(self.tokenizer, tid, entry)
+            tok = token_text(self.text_tokenizer, tid, entry)
             top = []
             for t, v in top_entries(d or {}, k):
-                s = token_text(self.tokenizer, t, v)
+                s = token_text(self.text_tokenizer, t, v)
                 top.append(ChatTopLogprob(token=s, logprob=clamp_logprob(v.logprob),
                                           bytes=list(s.encode("utf-8"))))
             content.append(ChatTokenLogprob(
@@ -171,6 +177,7 @@ class OpenAIServingChat:
                       ) -> AsyncIterator[str]:
         created = int(time.time())
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
+        continuous = bool(req.stream_options and req.stream_options.continuous_usage_stats)
         num_tokens = [0] * req.n
         cached = 0
 
@@ -183,7 +190,9 @@ class OpenAIServingChat:
                              "logprobs": logprobs.model_dump(mode="json") if logprobs is not None else None,
                              "finish_reason": finish, "stop_reason": stop_reason_value(stop_reason)}],
             }
-            if include_usage:
+            if continuous:
+                d["usage"] = make_usage([prompt_len], sum(num_tokens), cached).model_dump(mode="json")
+            elif include_usage:
                 d["usage"] = None
             return sse(d)
 

@@ -15,6 +15,7 @@ from roofline.entrypoints.openai.protocol import (
     random_id,
 )
 from roofline.entrypoints.openai.structured_outputs import attach_structured_outputs
+from roofline.entrypoints.openai.tokenization import ServerTokenizer
 from roofline.entrypoints.openai.serving_engine import (
     SSE_DONE,
     SSEStream,
@@ -40,13 +41,15 @@ from roofline.outputs import CompletionOutput
 
 
 class OpenAIServingCompletion:
-    def __init__(self, engine: AsyncLLM, tokenizer: Any, model_name: str, max_model_len: int) -> None:
+    def __init__(self, engine: AsyncLLM, tokenizer: Optional[ServerTokenizer], model_name: str,
+                 max_model_len: int) -> None:
         self.engine = engine
         self.tokenizer = tokenizer
+        self.text_tokenizer = tokenizer.loop if tokenizer is not None else None  # short decodes, on the loop
         self.model_name = model_name
         self.max_model_len = max_model_len
 
-    def _prompts(self, req: CompletionRequest) -> list[tuple[Optional[str], list[int]]]:
+    async def _prompts(self, req: CompletionRequest) -> list[tuple[Optional[str], list[int]]]:
         p = req.prompt
         if isinstance(p, str):
             items: list[Any] = [p]
@@ -61,7 +64,7 @@ class OpenAIServingCompletion:
             if isinstance(item, str):
                 if self.tokenizer is None:
                     raise bad_request("this model has no tokenizer: send the prompt as token ids", param="prompt")
-                ids = self.tokenizer.encode(item)
+                ids = await self.tokenizer.encode(item)
                 prompts.append((item, ids))
             else:
                 if len(item) == 0:
@@ -77,7 +80,7 @@ class OpenAIServingCompletion:
             raise bad_request("suffix is not supported", param="suffix")
         if req.best_of is not None and req.best_of != req.n:
             raise bad_request("best_of is not supported (only best_of == n)", param="best_of")
-        prompts = self._prompts(req)
+        prompts = await self._prompts(req)
         if req.echo and self.tokenizer is None:
             raise bad_request("echo needs a tokenizer, and this model has none", param="echo")
         # echo with max_tokens=0 scores the prompt only (how eval harnesses get prompt logprobs):
@@ -114,11 +117,11 @@ class OpenAIServingCompletion:
         offset = start_offset
         for tid, d in zip(comp_ids, positions):
             entry = d.get(tid) if d else None
-            tok = token_text(self.tokenizer, tid, entry)
+            tok = token_text(self.text_tokenizer, tid, entry)
             lp.tokens.append(tok)
             lp.token_logprobs.append(clamp_logprob(entry.logprob) if entry is not None else None)
             if d:
-                top = {token_text(self.tokenizer, t, v): clamp_logprob(v.logprob) for t, v in top_entries(d, k)}
+                top = {token_text(self.text_tokenizer, t, v): clamp_logprob(v.logprob) for t, v in top_entries(d, k)}
                 if entry is not None:
                     top.setdefault(tok, clamp_logprob(entry.logprob))
                 lp.top_logprobs.append(top)
@@ -161,7 +164,7 @@ class OpenAIServingCompletion:
             logprobs = None
             prefix = ""
             if req.echo:
-                prefix = prompts[i][0] if prompts[i][0] is not None else self.tokenizer.decode(prompts[i][1])
+                prefix = prompts[i][0] if prompts[i][0] is not None else self.text_tokenizer.decode(prompts[i][1])
             if req.logprobs is not None:
                 if req.echo:
                     logprobs = self._echo_logprobs(finals[i], prompts[i][1], req.logprobs)
@@ -195,6 +198,7 @@ class OpenAIServingCompletion:
         n = req.n
         created = int(time.time())
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
+        continuous = bool(req.stream_options and req.stream_options.continuous_usage_stats)
         num_choices = len(prompts) * n
         echoed = [not req.echo] * num_choices
         offsets = [0] * num_choices
@@ -209,7 +213,10 @@ class OpenAIServingCompletion:
                              "logprobs": logprobs.model_dump(mode="json") if logprobs is not None else None,
                              "finish_reason": finish, "stop_reason": stop_reason_value(stop_reason)}],
             }
-            if include_usage:
+            if continuous:
+                d["usage"] = make_usage([len(ids) for _, ids in prompts], sum(num_tokens),
+                                        sum(cached)).model_dump(mode="json")
+            elif include_usage:
                 d["usage"] = None
             return sse(d)
 
@@ -225,7 +232,7 @@ class OpenAIServingCompletion:
                     logprobs = None
                     if not echoed[idx]:
                         echoed[idx] = True
-                        prefix = prompts[i][0] if prompts[i][0] is not None else self.tokenizer.decode(prompts[i][1])
+                        prefix = prompts[i][0] if prompts[i][0] is not None else self.text_tokenizer.decode(prompts[i][1])
                         if req.logprobs is not None:
                             logprobs = self._echo_logprobs(ro, prompts[i][1], req.logprobs)
                         text = prefix + text

@@ -77,7 +77,7 @@ def engine_error(engine: AsyncLLM, e: BaseException, prompt_field: str = "prompt
         return APIError(503, str(e), "service_unavailable", None, "aborted")
     if isinstance(e, EngineDeadError):
         if engine.dead_error is not None:
-            return APIError(500, str(e), "internal_server_error", None, "engine_dead")
+            return APIError(503, str(e), "service_unavailable", None, "engine_dead")
         return APIError(503, str(e), "service_unavailable", None, "shutting_down")
     if isinstance(e, RequestFailedError):
         return APIError(500, str(e), "internal_server_error", None, "request_failed")
@@ -98,32 +98,103 @@ def _param_from_message(msg: str, prompt_field: Optional[str] = None) -> Optiona
 
 
 # --------------------------------------------------------------------------- request bodies
-async def read_json_body(request: Request, limit: int) -> dict:
-    """Read the body under a size limit (413 beyond it) and parse it as a JSON object (400)."""
+DEFAULT_BODY_TIMEOUT_S = 30.0
+MAX_JSON_DEPTH = 32  # a chat request nests ~5 levels; anything deeper is an attack or a mistake
+_OFF_LOOP_BYTES = 1 << 20  # bodies larger than this are parsed in a thread
+
+
+async def read_json_body(request: Request, limit: int, timeout: float = DEFAULT_BODY_TIMEOUT_S) -> dict:
+    """Read the body (413 past `limit` bytes, 408 if it does not arrive within `timeout` seconds) and
+    parse it as one JSON object: 415 unless sent as application/json, 400 for anything that is not
+    strict UTF-8 JSON (NaN / Infinity / overflowing numbers, lone surrogates, nesting deeper than
+    MAX_JSON_DEPTH)."""
+    ctype = request.headers.get("content-type", "")
+    media = ctype.split(";", 1)[0].strip().lower()
+    if media != "application/json" and not (media.startswith("application/") and media.endswith("+json")):
+        raise APIError(415, f"the request body must be JSON, sent with 'Content-Type: application/json' "
+                            f"(got {ctype or 'no Content-Type'!r})", "invalid_request_error", None,
+                       "unsupported_media_type")
     too_large = APIError(413, f"request body exceeds the limit of {limit} bytes "
                               "(--max-request-body-bytes)", "invalid_request_error", None,
                          "request_too_large")
     declared = request.headers.get("content-length")
     if declared is not None:
         try:
-            if int(declared) > limit:
-                await _drain(request)
-                raise too_large
+            declared_n = int(declared)
         except ValueError:
             raise bad_request("invalid Content-Length header")
-    body = bytearray()
-    async for chunk in request.stream():
-        body += chunk
-        if len(body) > limit:
+        if declared_n > limit:
             await _drain(request)
             raise too_large
+
+    async def receive() -> bytes:
+        body = bytearray()
+        async for chunk in request.stream():
+            body += chunk
+            if len(body) > limit:
+                await _drain(request)
+                raise too_large
+        return bytes(body)
+
     try:
-        obj = json.loads(bytes(body))
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        body = await asyncio.wait_for(receive(), timeout)
+    except asyncio.TimeoutError:
+        raise APIError(408, f"the request body did not arrive within {timeout:g} s", "invalid_request_error",
+                       None, "request_timeout")
+    if len(body) > _OFF_LOOP_BYTES:
+        return await asyncio.to_thread(parse_json_object, body)
+    return parse_json_object(body)
+
+
+def _reject_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not valid JSON")
+
+
+def _finite_float(text: str) -> float:
+    value = float(text)
+    if not math.isfinite(value):
+        raise ValueError(f"number {text[:40]} is out of range")
+    return value
+
+
+def parse_json_object(body: bytes) -> dict:
+    """Strict JSON -> dict, or a 400 saying what is wrong."""
+    try:
+        text = body.decode("utf-8")
+        obj = json.loads(text, parse_constant=_reject_constant, parse_float=_finite_float)
+    except UnicodeDecodeError as e:
+        raise bad_request(f"the request body is not valid UTF-8: {e}", code="invalid_json")
+    except RecursionError:
+        raise bad_request(f"the request body nests deeper than {MAX_JSON_DEPTH} levels", code="invalid_json")
+    except ValueError as e:  # JSONDecodeError too
         raise bad_request(f"malformed JSON in request body: {e}", code="invalid_json")
     if not isinstance(obj, dict):
         raise bad_request("request body must be a JSON object", code="invalid_json")
+    _check_json_values(obj)
     return obj
+
+
+def _check_json_values(obj: Any) -> None:
+    """Depth at most MAX_JSON_DEPTH; every string (keys too) valid Unicode (no lone surrogates)."""
+    stack = [(obj, 1)]
+    while stack:
+        value, depth = stack.pop()
+        if isinstance(value, str):
+            if not value.isascii():
+                try:
+                    value.encode("utf-8")
+                except UnicodeEncodeError:
+                    raise bad_request("the request holds a string that is not valid Unicode "
+                                      "(a lone surrogate such as \\ud800)", code="invalid_json")
+            continue
+        if isinstance(value, (dict, list)):
+            if depth > MAX_JSON_DEPTH:
+                raise bad_request(f"the request body nests deeper than {MAX_JSON_DEPTH} levels", code="invalid_json")
+            if isinstance(value, dict):
+                stack.extend((k, depth) for k in value)
+                stack.extend((v, depth + 1) for v in value.values())
+            else:
+                stack.extend((v, depth + 1) for v in value)
 
 
 async def _drain(request: Request) -> None:

@@ -1,0 +1,192 @@
+"""Rendering a chat template that came with a request, in a child process with limits.
+
+A request-supplied Jinja template is code: `{{ 'x' * 10**9 }}` allocates gigabytes and a nested loop
+runs for ever, and either would stall the server's event loop or kill it.  They are off unless the
+server runs with --trust-request-chat-template; then each one renders here:
+
+- in a child process (`python -m roofline.entrypoints.openai.template_sandbox`) with an address-space
+  limit, started on first use and kept for the next request;
+- under a wall-clock limit: past it the child is killed (a fresh one starts on the next request) and
+  the request gets a 400;
+- in Jinja's immutable sandbox, with an output-size limit checked while the template renders.
+
+Messages in and out are msgpack (msgspec) over the child's stdin/stdout, never pickle.  The template
+sees what a chat template expects: messages, add_generation_prompt, tools, the model's special tokens,
+the caller's extra variables, and the helpers raise_exception, strftime_now and the tojson filter.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import struct
+import subprocess
+import sys
+import threading
+from typing import Any, Optional
+
+import msgspec
+
+logger = logging.getLogger(__name__)
+
+MEMORY_LIMIT_BYTES = 1 << 30  # address space of the child
+_HEADER = struct.Struct("<I")
+
+
+class TemplateRenderError(ValueError):
+    """The template failed, or went over its time or output limit (a client error)."""
+
+
+class RenderJob(msgspec.Struct):
+    template: str
+    variables: dict[str, Any]
+    max_chars: int
+
+
+class RenderResult(msgspec.Struct):
+    text: Optional[str] = None
+    error: Optional[str] = None
+
+
+def _write(stream, payload: bytes) -> None:
+    stream.write(_HEADER.pack(len(payload)) + payload)
+    stream.flush()
+
+
+def _read(stream) -> Optional[bytes]:
+    head = stream.read(_HEADER.size)
+    if len(head) < _HEADER.size:
+        return None
+    (n,) = _HEADER.unpack(head)
+    data = stream.read(n)
+    return data if len(data) == n else None
+
+
+# ---- the child ----------------------------------------------------------------------------------
+def _environment():
+    import json
+    from datetime import datetime
+
+    import jinja2
+    import jinja2.ext
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    def raise_exception(message):
+        raise jinja2.exceptions.TemplateError(message)
+
+    def tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
+        return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols])
+    env.filters["tojson"] = tojson
+    env.globals["raise_exception"] = raise_exception
+    env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
+    return env
+
+
+def render_limited(env, job: RenderJob) -> RenderResult:
+    """Render job.template, stopping once the output passes job.max_chars (the child's own limit)."""
+    try:
+        template = env.from_string(job.template)
+        parts, size = [], 0
+        for piece in template.generate(**job.variables):
+            size += len(piece)
+            if size > job.max_chars:
+                return RenderResult(error=f"the chat template's output exceeds {job.max_chars} characters")
+            parts.append(piece)
+        return RenderResult(text="".join(parts))
+    except MemoryError:
+        return RenderResult(error="the chat template ran out of memory")
+    except Exception as e:
+        return RenderResult(error=f"{type(e).__name__}: {e}")
+
+
+def child_main() -> int:
+    import resource
+
+    try:
+        resource.setrlimit(resource.RLIMIT_AS, (MEMORY_LIMIT_BYTES, MEMORY_LIMIT_BYTES))
+    except (ValueError, OSError):  # pragma: no cover - platforms without RLIMIT_AS
+        pass
+    env = _environment()
+    decoder = msgspec.msgpack.Decoder(RenderJob)
+    encoder = msgspec.msgpack.Encoder()
+    stdin, stdout = sys.stdin.buffer, sys.stdout.buffer
+    while True:
+        data = _read(stdin)
+        if data is None:
+            return 0
+        _write(stdout, encoder.encode(render_limited(env, decoder.decode(data))))
+
+
+# ---- the parent ---------------------------------------------------------------------------------
+class SandboxedTemplateRenderer:
+    """Renders request-supplied chat templates in a child process, one at a time (thread-safe)."""
+
+    def __init__(self, timeout_s: float = 2.0, max_chars: int = 1 << 20) -> None:
+        self.timeout_s = timeout_s
+        self.max_chars = max_chars
+        self._lock = threading.Lock()
+        self._proc: Optional[subprocess.Popen] = None
+        self._encoder = msgspec.msgpack.Encoder()
+        self._decoder = msgspec.msgpack.Decoder(RenderResult)
+
+    def _child(self) -> subprocess.Popen:
+        if self._proc is None or self._proc.poll() is not None:
+            env = dict(os.environ, PYTHONUNBUFFERED="1")
+            self._proc = subprocess.Popen([sys.executable, "-m", "roofline.entrypoints.openai.template_sandbox"],
+                                          stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
+                                          env=env, close_fds=True)
+        return self._proc
+
+    def _kill(self) -> None:
+        if self._proc is not None:
+            try:
+                self._proc.kill()
+                self._proc.wait(timeout=5)
+            except Exception:
+                pass
+            self._proc = None
+
+    def render(self, template: str, variables: dict[str, Any]) -> str:
+        """The rendered text, or TemplateRenderError (failure, time or size limit)."""
+        job = self._encoder.encode(RenderJob(template=template, variables=variables, max_chars=self.max_chars))
+        with self._lock:
+            proc = self._child()
+            result: dict[str, Any] = {}
+
+            def exchange() -> None:
+                try:
+                    _write(proc.stdin, job)
+                    result["data"] = _read(proc.stdout)
+                except Exception as e:  # the child died
+                    result["error"] = e
+
+            t = threading.Thread(target=exchange, daemon=True)
+            t.start()
+            t.join(self.timeout_s)
+            if t.is_alive():
+                self._kill()  # unblocks the exchange thread
+                t.join(5)
+                raise TemplateRenderError(f"the chat template did not render within {self.timeout_s:g} s")
+            data = result.get("data")
+            if data is None:
+                self._kill()
+                raise TemplateRenderError("the chat template exhausted the renderer's memory limit")
+        out = self._decoder.decode(data)
+        if out.error is not None:
+            raise TemplateRenderError(f"the chat template failed: {out.error}")
+        return out.text or ""
+
+    def close(self) -> None:
+        with self._lock:
+            if self._proc is not None and self._proc.stdin is not None:
+                try:
+                    self._proc.stdin.close()
+                except Exception:
+                    pass
+            self._kill()
+
+
+if __name__ == "__main__":
+    sys.exit(child_main())

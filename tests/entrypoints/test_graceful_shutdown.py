@@ -1,0 +1,84 @@
+"""Shutdown drains: new requests get 503 (and /health says draining) while in-flight ones keep going;
+a request that finishes within shutdown_timeout completes normally, one still running then ends with an
+error event and [DONE]; every KV block is back."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+
+import httpx
+
+from roofline.config import EngineArgs
+from roofline.engine.async_llm import AsyncLLM
+from roofline.entrypoints.openai.server import ServerConfig, ServerThread, build_app
+
+
+def test_shutdown_drains_then_ends_streams_cleanly(tiny_models):
+    path, _ = tiny_models["llama"]
+    engine = AsyncLLM.from_engine_args(EngineArgs(model=path, device="cpu", dtype="float32", num_kv_blocks=64,
+                                                  max_num_seqs=1))
+    config = ServerConfig(uvicorn_log_level="warning", access_log=False, shutdown_timeout=1.5)
+    srv = ServerThread(build_app(engine, config, shutdown_engine=False), config=config).start()
+    events, short = [], {}
+    started = threading.Event()
+
+    def long_stream():  # ~thousands of tokens: still running when the drain time is up
+        with httpx.Client(base_url=srv.url, timeout=60) as c:
+            body = {"prompt": [5, 6, 7], "max_tokens": 500, "ignore_eos": True, "stream": True}
+            with c.stream("POST", "/v1/completions", json=body) as s:
+                for line in s.iter_lines():
+                    if line.startswith("data: "):
+                        events.append(line[6:])
+                        started.set()
+
+    t = threading.Thread(target=long_stream)
+    t.start()
+    assert started.wait(30)
+    stopper = threading.Thread(target=srv.stop)
+    with httpx.Client(base_url=srv.url, timeout=30) as c:
+        stopper.start()
+        deadline = time.monotonic() + 5
+        while time.monotonic() < deadline:  # the drain has begun once /health says so
+            h = c.get("/health")
+            if h.status_code == 503:
+                break
+            time.sleep(0.02)
+        assert h.status_code == 503 and h.json()["status"] == "draining"
+        r = c.post("/v1/completions", json={"prompt": [1, 2], "max_tokens": 2})
+        assert r.status_code == 503 and r.json()["error"]["code"] == "shutting_down"
+    t.join(30)
+    stopper.join(30)
+    assert events[-1] == "[DONE]"
+    err = json.loads(events[-2])["error"]
+    assert "shutting down" in err["message"]
+    assert len(events) > 3  # tokens flowed during the drain
+    stats = engine.get_stats()
+    assert stats.num_free_blocks == stats.num_total_blocks and stats.num_running == 0
+    engine.shutdown()
+
+
+def test_a_request_that_finishes_within_the_drain_completes(tiny_models):
+    path, _ = tiny_models["llama"]
+    engine = AsyncLLM.from_engine_args(EngineArgs(model=path, device="cpu", dtype="float32", num_kv_blocks=64))
+    config = ServerConfig(uvicorn_log_level="warning", access_log=False, shutdown_timeout=20.0)
+    srv = ServerThread(build_app(engine, config, shutdown_engine=False), config=config).start()
+    result = {}
+
+    def request():
+        with httpx.Client(base_url=srv.url, timeout=60) as c:
+            result["r"] = c.post("/v1/completions", json={"prompt": [5, 6, 7], "max_tokens": 200, "ignore_eos": True})
+
+    t = threading.Thread(target=request)
+    t.start()
+    deadline = time.monotonic() + 30
+    while engine.num_in_flight() == 0:  # the request is in the engine before the drain begins
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    srv.stop()
+    t.join(30)
+    r = result["r"]
+    assert r.status_code == 200 and r.json()["choices"][0]["finish_reason"] == "length"
+    assert r.json()["usage"]["completion_tokens"] == 200
+    engine.shutdown()
