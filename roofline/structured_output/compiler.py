@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import json
 import threading
-import time
 from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Optional
@@ -40,7 +39,7 @@ class GrammarCache:
         self._cache: "OrderedDict[tuple, Future]" = OrderedDict()
         self._compiler: Any = None  # xgrammar GrammarCompiler, built on first use (in the pool)
         self._compiler_lock = threading.Lock()
-        self.compile_seconds: dict[tuple, float] = {}  # key -> wall time of its compile (benchmarks)
+        self.num_compiles = 0  # compiles run (cache misses), failed ones included
 
     def get(self, params: StructuredOutputsParams) -> Future:
         """The (possibly still running) compile of params; never blocks."""
@@ -50,7 +49,7 @@ class GrammarCache:
             if fut is not None:
                 self._cache.move_to_end(key)
                 return fut
-            fut = self._pool.submit(self._compile, params, key)
+            fut = self._pool.submit(self._compile, params)
             self._cache[key] = fut
             while len(self._cache) > MAX_CACHED_GRAMMARS:
                 self._cache.popitem(last=False)
@@ -70,9 +69,10 @@ class GrammarCache:
                 self._compiler = xgr.GrammarCompiler(info, max_threads=self._threads, cache_enabled=False)
             return self._compiler
 
-    def _compile(self, params: StructuredOutputsParams, key: tuple) -> Any:
+    def _compile(self, params: StructuredOutputsParams) -> Any:
         compiler = self._xgr_compiler()
-        t0 = time.perf_counter()
+        with self._lock:
+            self.num_compiles += 1
         kind = params.kind
         try:
             if kind == "json":
@@ -94,11 +94,10 @@ class GrammarCache:
                 grammar = compiler.compile_grammar(text) if "::=" in text else compiler.compile_lark(text)
         except Exception as e:  # xgrammar raises RuntimeError / its own types with a readable message
             msg = str(e).strip().splitlines()
-            detail = msg[-1] if msg else type(e).__name__
+            detail = msg[0] if msg else type(e).__name__
             if "] " in detail and detail.startswith("["):  # drop xgrammar's "[time] file.cc:line: " prefix
                 detail = detail.split(": ", 1)[-1]
             raise ValueError(f"invalid structured_outputs.{kind}: {detail}") from None
-        self.compile_seconds[key] = time.perf_counter() - t0
         return grammar
 
     def shutdown(self) -> None:
