@@ -8,6 +8,8 @@ import math
 from dataclasses import dataclass, field
 from typing import Optional, Union
 
+from roofline.structured_output.params import StructuredOutputsParams
+
 
 # A seed is a signed 64-bit integer (the range OpenAI-style servers accept and msgpack carries).
 SEED_MIN, SEED_MAX = -(2**63), 2**63 - 1
@@ -48,6 +50,7 @@ class SamplingParams:
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
+    structured_outputs: Optional[StructuredOutputsParams] = None  # JSON schema / regex / choice / grammar
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -59,6 +62,8 @@ class SamplingParams:
         self.stop_token_ids = list(self.stop_token_ids or [])
         if self.top_k == -1:
             self.top_k = 0
+        if isinstance(self.structured_outputs, dict):
+            self.structured_outputs = StructuredOutputsParams(**self.structured_outputs)
         self._validate()
 
     def _validate(self) -> None:
@@ -107,6 +112,8 @@ class SamplingParams:
             bad("stop", self.stop, "stop strings must be non-empty strings")
         if any(not _is_int(t) or t < 0 for t in self.stop_token_ids):
             bad("stop_token_ids", self.stop_token_ids, "must be non-negative integers")
+        if self.structured_outputs is not None and not isinstance(self.structured_outputs, StructuredOutputsParams):
+            bad("structured_outputs", self.structured_outputs, "must be a StructuredOutputsParams or a dict")
 
     @property
     def greedy(self) -> bool:

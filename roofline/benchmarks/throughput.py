@@ -1,6 +1,8 @@
 """`roofline bench throughput`: the offline workloads of BENCHMARKS.md.
 
-W1  offline throughput (mixed lengths), optionally against HF transformers' static batches of 16
+W1  offline throughput (mixed lengths), optionally against HF transformers' static batches of 16, or
+    with a fraction of the requests constrained by a JSON schema (--structured-fraction) against none,
+    plus the schema's compile time, cold and cached
 W3  shared prefix: throughput, mean TTFT and hit rate with prefix caching on and off
 W4  long-prompt interference: ITL of 16 decoding requests while a 2048-token prompt is prefilled,
     with max_num_batched_tokens=256 and with chunking effectively off
@@ -63,11 +65,14 @@ def _live_roofline(records: list) -> Any:
     return phase_medians(records) if records else "off (--no-step-roofline)"
 
 
-def _run_offline(llm, reqs) -> dict[str, Any]:
+def _run_offline(llm, reqs, constraints: Optional[dict] = None) -> dict[str, Any]:
+    """constraints: request index -> StructuredOutputsParams for the constrained ones."""
     from roofline import SamplingParams
 
+    constraints = constraints or {}
     prompts = [{"prompt_token_ids": r.prompt} for r in reqs]
-    params = [SamplingParams(temperature=0, max_tokens=r.output_len, ignore_eos=True) for r in reqs]
+    params = [SamplingParams(temperature=0, max_tokens=r.output_len, ignore_eos=True,
+                             structured_outputs=constraints.get(i)) for i, r in enumerate(reqs)]
     _step_records(llm)
     t0 = time.monotonic()
     outs = llm.generate(prompts, params, use_tqdm=False)
@@ -128,6 +133,34 @@ def hf_generate_static(model, reqs, batch_size: int = 16) -> dict:
     return {"seconds": dt, "output_tokens": useful, "output_tok_s": useful / dt}
 
 
+# A record schema with an open-ended array, so a constrained request stays constrained for a while
+# (past the closing brace only EOS is allowed; ignore_eos then lets it run on, unconstrained).
+W1_SCHEMA = {"type": "object", "properties": {
+    "id": {"type": "integer"}, "name": {"type": "string"}, "active": {"type": "boolean"},
+    "tags": {"type": "array", "items": {"type": "string"}}}, "required": ["id", "name", "active", "tags"]}
+
+
+def structured_compile_times(llm, repeats: int = 200) -> dict[str, float]:
+    """W1_SCHEMA's compile: the first one (the tokenizer's tables built beforehand) and cached look-ups."""
+    from roofline.structured_output.params import StructuredOutputsParams
+
+    cache = llm.llm_engine.structured_output.cache
+    t0 = time.perf_counter()
+    cache.compile(StructuredOutputsParams(regex="[0-9]"))  # builds the tokenizer info (once per engine)
+    first_use = time.perf_counter() - t0
+    schema = StructuredOutputsParams(json=W1_SCHEMA)
+    t0 = time.perf_counter()
+    cache.compile(schema)
+    cold = time.perf_counter() - t0
+    cached = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        cache.compile(StructuredOutputsParams(json=W1_SCHEMA))  # a fresh params object, same schema
+        cached.append(time.perf_counter() - t0)
+    return {"tokenizer_info_ms": 1000 * first_use, "schema_cold_ms": 1000 * cold,
+            "schema_cached_us_median": 1e6 * statistics.median(cached)}
+
+
 def w1(args) -> dict:
     llm = _make_llm(args)
     reqs = random_requests(64, (64, 256), (32, 256), seed=0, vocab_size=_vocab(llm))
@@ -135,6 +168,20 @@ def w1(args) -> dict:
     res = _run_offline(llm, reqs)
     res.pop("outputs")
     out = {"workload": "W1", "roofline": res}
+    if args.structured_fraction > 0:
+        from roofline.structured_output.params import StructuredOutputsParams
+
+        out["compile"] = structured_compile_times(llm)
+        every = max(1, round(1 / args.structured_fraction))
+        constraints = {i: StructuredOutputsParams(json=W1_SCHEMA) for i in range(0, len(reqs), every)}
+        sres = _run_offline(llm, reqs, constraints)
+        outs = sres.pop("outputs")
+        sres["constrained_requests"] = len(constraints)
+        eos = llm.llm_engine.eos_token_id  # the grammar's end: only EOS is allowed there, the rest runs free
+        sres["constrained_tokens"] = sum(ids.index(eos) + 1 if eos in ids else len(ids)
+                                         for ids in (outs[i].outputs[0].token_ids for i in constraints))
+        out["structured"] = sres
+        out["structured_ratio_tok_s"] = sres["output_tok_s"] / res["output_tok_s"]
     if args.compare_hf:
         del llm
         gc.collect()
@@ -413,6 +460,9 @@ def register(bench_subparsers) -> None:
     p = bench_subparsers.add_parser("throughput", help="offline workloads W1, W3, W4, W5, W6 (BENCHMARKS.md)")
     p.add_argument("--workload", choices=[*WORKLOADS, "all"], default="w1")
     p.add_argument("--compare-hf", action="store_true", help="W1, W6: also run HF transformers static batches of 16")
+    p.add_argument("--structured-fraction", type=float, default=0.0,
+                   help="W1: also run with this fraction of the requests (every round(1/f)-th) constrained by a "
+                        "JSON schema, and time the schema's compile (cold, cached)")
     p.add_argument("--json", action="store_true")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
     add_engine_args(p)

@@ -62,6 +62,7 @@ class Request:
         self.forks_pending: list["Request"] = []  # siblings that fork from this one after prefill
         # Prompt logprobs need logits at every prompt position, so such requests skip cache hits.
         self.skip_prefix_cache = sampling_params.prompt_logprobs is not None
+        self.grammar = None  # structured outputs: its RequestGrammar (waits unscheduled while pending)
 
     @property
     def num_tokens(self) -> int:

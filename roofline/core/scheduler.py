@@ -62,6 +62,7 @@ def sampling_spec(request: Request) -> SamplingSpec:
         + list(p.stop_token_ids),
         logprobs=p.logprobs,
         prompt_logprobs=p.prompt_logprobs,
+        structured=request.grammar is not None,
     )
 
 
@@ -226,7 +227,8 @@ class Scheduler:
             order.append(req)
             budget -= n
 
-        # 3. waiting requests
+        # 3. waiting requests (those whose structured-output grammar still compiles stay in line)
+        compiling: list[Request] = []
         while (
             self.waiting
             and not preempted_any
@@ -235,6 +237,9 @@ class Scheduler:
             and len(self.running) < self.config.max_num_seqs
         ):
             req = self.waiting[0]
+            if req.grammar is not None and req.grammar.pending:
+                compiling.append(self.waiting.pop(0))
+                continue
             hits, num_hit = self.kv.get_computed_blocks(req) if req.num_computed_tokens == 0 else ([], 0)
             remaining = req.num_tokens - req.num_computed_tokens - num_hit
             if not self.config.enable_chunked_prefill and remaining > budget:
@@ -254,6 +259,7 @@ class Scheduler:
             scheduled[req.request_id] = n
             order.append(req)
             budget -= n
+        self.waiting[:0] = compiling
 
         return self._build_output(order, scheduled, swap_out, swap_in)
 

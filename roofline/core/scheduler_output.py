@@ -24,6 +24,7 @@ class SamplingSpec(msgspec.Struct, array_like=True):
     stop_token_ids: list[int]  # suppressed (with EOS) until min_tokens are out
     logprobs: Optional[int]
     prompt_logprobs: Optional[int]
+    structured: bool = False  # a grammar constrains its tokens (never the greedy LM-head shortcut)
 
 
 class NewRequestData(msgspec.Struct, array_like=True):
@@ -50,6 +51,9 @@ class SchedulerOutput(msgspec.Struct, array_like=True):
     blocks_to_copy: list[tuple[int, int]]
     blocks_to_swap_out: list[tuple[int, int]]  # (device block, cpu block)
     blocks_to_swap_in: list[tuple[int, int]]  # (cpu block, device block)
+    # structured outputs: the constrained sampling rows' token bitmask (structured_output/bitmask.py)
+    grammar_req_ids: list[str] = msgspec.field(default_factory=list)
+    grammar_bitmask: Optional[bytes] = None  # int32 [len(grammar_req_ids) x ceil(V/32)], little-endian
 
     @property
     def total_num_scheduled_tokens(self) -> int:

@@ -30,6 +30,7 @@ from roofline.metrics.step_roofline import StepRoofline, model_for_engine
 from roofline.model_executor.loader.source import load_hf_config, load_tokenizer, resolve_source
 from roofline.outputs import RequestOutput
 from roofline.sampling_params import SamplingParams
+from roofline.structured_output.manager import StructuredOutputManager
 
 logger = logging.getLogger(__name__)
 
@@ -82,6 +83,7 @@ class EngineCore:
         self.scheduler = Scheduler(sc, cc, num_blocks, num_swap, seed=mc.seed)
         self.kv_capacity_tokens = num_blocks * cc.block_size
         self.output_processor = OutputProcessor(self.tokenizer)
+        self.structured_output = StructuredOutputManager(self.tokenizer, self.vocab_size)
         self.pending_outputs: list[RequestOutput] = []
         self.group_children: dict[str, list[str]] = {}
         self.prompt_tokens = 0
@@ -136,6 +138,8 @@ class EngineCore:
                 f"the prompt ({n} tokens) plus max_tokens ({params.max_tokens}) exceeds the KV cache capacity "
                 f"({self.kv_capacity_tokens} tokens)"
             )
+        if params.structured_outputs is not None and self.tokenizer is None:
+            raise ValueError("structured_outputs need the model's tokenizer, and this model has none")
         bad_stop = [t for t in params.stop_token_ids if t >= self.vocab_size]
         if bad_stop:
             raise ValueError(f"stop_token_ids {bad_stop} out of range for a vocabulary of {self.vocab_size}")
@@ -157,6 +161,12 @@ class EngineCore:
                     group_id=request_id, index=i)
             for i, cid in enumerate(child_ids)
         ]
+        if params.structured_outputs is not None:  # the compile starts now (or is cached); the request waits
+            stops = ([] if params.ignore_eos or self.eos_token_id is None else [self.eos_token_id])
+            grammars = self.structured_output.grammars_for(params.structured_outputs, stops + params.stop_token_ids,
+                                                           len(reqs))
+            for r, g in zip(reqs, grammars):
+                r.grammar = g
         for child in reqs[1:]:
             child.status = RequestStatus.WAITING_FOR_FORK
         reqs[0].forks_pending = reqs[1:]
@@ -164,6 +174,7 @@ class EngineCore:
         self.group_children[request_id] = child_ids
         for r in reqs:
             self.scheduler.add_request(r)
+            self.structured_output.track(r)
 
     def abort_requests(self, request_ids: Iterable[str]) -> None:
         """Stop requests now (their blocks return to the pool); a final output follows on step()."""
@@ -200,12 +211,23 @@ class EngineCore:
         return len(self.group_children)
 
     # ---- the heartbeat ------------------------------------------------------------------------
+    def _structured_output_intake(self) -> None:
+        """Fail the requests whose grammar did not compile; idle briefly while only compiles are pending."""
+        so, sched = self.structured_output, self.scheduler
+        for gid, error in {req.group_id: err for req, err in so.take_failed()}.items():
+            self._end_group(gid, RequestStatus.FINISHED_ERROR, error)
+        if so.pending and not sched.running and not sched.swapped and len(sched.waiting) == len(so.pending):
+            so.wait_for_compile(timeout=0.05)
+
     def step(self) -> list[RequestOutput]:
+        if self.structured_output.pending:
+            self._structured_output_intake()
         if not self.scheduler.has_unfinished_requests():
             outputs, self.pending_outputs = self.pending_outputs, []
             return outputs
         t_start = time.perf_counter()
         sched_out = self.scheduler.schedule()
+        self.structured_output.attach_bitmask(sched_out, self.scheduler.requests)
         now = time.monotonic()
         for item in sched_out.scheduled:
             self.output_processor.mark_scheduled(item.req_id, now)
@@ -213,6 +235,7 @@ class EngineCore:
         if result.failed:
             self._fail_requests(result.failed)
         touched = self.scheduler.update_from_output(sched_out, result)
+        self.structured_output.accept(touched)
         now = time.monotonic()
         op = self.output_processor
         for rid, entries in result.prompt_logprobs.items():
@@ -280,7 +303,8 @@ class EngineCore:
                 finished_req_ids=out.finished_req_ids if first else [],
                 blocks_to_copy=out.blocks_to_copy if first else [],
                 blocks_to_swap_out=out.blocks_to_swap_out if first else [],
-                blocks_to_swap_in=out.blocks_to_swap_in if first else [])
+                blocks_to_swap_in=out.blocks_to_swap_in if first else [],
+                grammar_req_ids=out.grammar_req_ids, grammar_bitmask=out.grammar_bitmask)  # rows found by req id
             parts.append(self._execute_isolating(sub))
         return merge_runner_outputs(parts)
 
@@ -304,4 +328,5 @@ class EngineCore:
         self.executor.check_health()
 
     def shutdown(self) -> None:
+        self.structured_output.shutdown()
         self.executor.shutdown()

@@ -26,6 +26,7 @@ from roofline.core.scheduler_output import (
 from roofline.model_executor.layers import gpu_sampler
 from roofline.model_executor.layers.gpu_sampler import GpuSampler
 from roofline.model_executor.layers.sampler import Sampler, SamplingState, prompt_logprobs_rows
+from roofline.structured_output.bitmask import apply_token_bitmask, bitmask_tensor
 
 logger = logging.getLogger(__name__)
 
@@ -123,10 +124,27 @@ class ModelRunner:
         )
         return torch.from_numpy(input_ids).to(dev), torch.from_numpy(positions).to(dev), meta
 
-    def _sample(self, hidden: torch.Tensor, rows: list[int], states: list[SamplingState]):
+    def _grammar_masks(self, out: SchedulerOutput, req_ids: list[str]):
+        """Structured outputs: a function that masks the logits of req_ids' rows (given which of them the
+        logits hold) with the step's grammar bitmask; None when no row is constrained."""
+        if out.grammar_bitmask is None:
+            return None
+        mask = bitmask_tensor(out.grammar_bitmask, len(out.grammar_req_ids), self.device)
+        mask_row = {rid: j for j, rid in enumerate(out.grammar_req_ids)}
+
+        def constrain(logits: torch.Tensor, which: list[int]) -> None:
+            pairs = [(k, mask_row[req_ids[i]]) for k, i in enumerate(which) if req_ids[i] in mask_row]
+            if pairs:
+                sel = [j for _, j in pairs]
+                rows_mask = mask if sel == list(range(mask.shape[0])) else mask[torch.tensor(sel, device=mask.device)]
+                apply_token_bitmask(logits, [k for k, _ in pairs], rows_mask)
+
+        return constrain
+
+    def _sample(self, hidden: torch.Tensor, rows: list[int], states: list[SamplingState], constrain=None):
         """Tokens (and logprobs) of hidden's rows: rows that only need the argmax ask the model for greedy
-        tokens without the full logits (greedy_head.py, where it applies); the rest go through the LM head
-        and the sampler."""
+        tokens without the full logits (greedy_head.py, where it applies); the rest go through the LM head,
+        the grammar bitmask (constrained rows) and the sampler."""
         tokens: list[Optional[int]] = [None] * len(rows)
         lps: list[Optional[PositionLogprobs]] = [None] * len(rows)
         plain = [i for i, st in enumerate(states) if st.plain_greedy]
@@ -139,6 +157,8 @@ class ModelRunner:
         rest = [i for i, tok in enumerate(tokens) if tok is None]
         if rest:
             logits = self.model.compute_logits(hidden[torch.tensor([rows[i] for i in rest], device=hidden.device)])
+            if constrain is not None:
+                constrain(logits, rest)
             rest_tokens, rest_lps = self.sampler(logits, [states[i] for i in rest])
             for i, tok, lp in zip(rest, rest_tokens, rest_lps):
                 tokens[i], lps[i] = tok, lp
@@ -193,10 +213,14 @@ class ModelRunner:
             result.prompt_logprobs[rid] = self.prompt_logprobs_rows(logits, next_tokens, k)
         if sample_rows:
             states = [self.states[rid] for rid in sample_reqs]
+            constrain = self._grammar_masks(out, sample_reqs)
             if graph_out is not None:
-                tokens, lps = self.sampler(graph_out.logits[torch.tensor(sample_rows, device=hidden.device)], states)
+                logits = graph_out.logits[torch.tensor(sample_rows, device=hidden.device)]
+                if constrain is not None:
+                    constrain(logits, list(range(len(sample_rows))))
+                tokens, lps = self.sampler(logits, states)
             else:
-                tokens, lps = self._sample(hidden, sample_rows, states)
+                tokens, lps = self._sample(hidden, sample_rows, states, constrain)
             for rid, st, tok in zip(sample_reqs, states, tokens):
                 st.output_token_ids.append(tok)
             result.req_ids = sample_reqs

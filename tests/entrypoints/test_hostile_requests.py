@@ -186,7 +186,8 @@ junk = st.recursive(
 FIELDS = ["model", "prompt", "messages", "max_tokens", "temperature", "top_p", "top_k", "min_p", "n", "seed",
           "stop", "stream", "logprobs", "top_logprobs", "presence_penalty", "frequency_penalty",
           "repetition_penalty", "min_tokens", "stop_token_ids", "ignore_eos", "echo", "stream_options",
-          "response_format", "tools", "tool_choice", "chat_template", "priority", "logit_bias", "best_of"]
+          "response_format", "tools", "tool_choice", "chat_template", "priority", "logit_bias", "best_of",
+          "structured_outputs", "guided_json", "guided_regex", "guided_choice", "guided_grammar"]
 sane = {"max_tokens": st.integers(1, 4), "prompt": st.sampled_from(["hi", [1, 2, 3], ["a", "b"]]),
         "messages": st.just([{"role": "user", "content": "hi"}]), "n": st.integers(1, 3)}
 

@@ -487,3 +487,61 @@ def test_bench_serve_against_server(server, tmp_path, capsys):
     assert m["total_output_tokens"] == m["expected_output_tokens"]
     assert m["good_requests"] == 6
     assert png.stat().st_size > 10_000
+
+
+# --------------------------------------------------------------------------- structured outputs
+CITY_SCHEMA = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 16},
+                                                "population": {"type": "integer", "minimum": 0}},
+               "required": ["city", "population"]}
+
+
+def test_structured_outputs_every_form(client, http):
+    import re
+
+    chat = client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "Name a city and its population as JSON."}],
+        max_tokens=80, temperature=0,
+        response_format={"type": "json_schema", "json_schema": {"name": "city", "schema": CITY_SCHEMA, "strict": True}})
+    value = json.loads(chat.choices[0].message.content)
+    assert chat.choices[0].finish_reason == "stop" and set(value) == {"city", "population"}
+    assert isinstance(value["population"], int) and isinstance(value["city"], str)
+    obj = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": 'Repeat {"ok": true}'}],
+                                         max_tokens=150, temperature=0, response_format={"type": "json_object"})
+    assert isinstance(json.loads(obj.choices[0].message.content), dict)
+    choice = client.completions.create(model=MODEL, prompt="Is the sky blue? Answer:", max_tokens=5, temperature=0.9,
+                                       n=3, seed=1, extra_body={"guided_choice": ["yes", "no"]})
+    assert all(c.text in ("yes", "no") for c in choice.choices) and len(choice.choices) == 3
+    stream = client.completions.create(model=MODEL, prompt="Phone number:", max_tokens=20, temperature=1.0, seed=2,
+                                       stream=True, extra_body={"structured_outputs": {"regex": "[0-9]{3}-[0-9]{4}"}})
+    assert re.fullmatch("[0-9]{3}-[0-9]{4}", "".join(ch.choices[0].text for ch in stream if ch.choices))
+    both = client.completions.create(model=MODEL, prompt="Temperature:", max_tokens=10, temperature=0,
+                                     extra_body={"guided_grammar": 'root ::= [0-9] [0-9]? " C"'})
+    assert re.fullmatch(r"[0-9][0-9]? C", both.choices[0].text)
+    wait_idle(http)
+
+
+@pytest.mark.parametrize("body, param, problem", [
+    ({"guided_regex": "(ab"}, "guided_regex", "invalid guided_regex: .*parenthesis"),
+    ({"guided_json": {"type": "nonsense"}}, "guided_json", "invalid guided_json: .*nonsense"),
+    ({"guided_json": "{bad"}, "guided_json", "invalid guided_json: the schema is not valid JSON"),
+    ({"guided_grammar": "root ::= "}, "guided_grammar", "invalid guided_grammar"),
+    ({"structured_outputs": {"json": {"type": "object"}, "regex": "a"}}, "structured_outputs", "exactly one of"),
+    ({"structured_outputs": {"regexp": "a"}}, "structured_outputs", r"unknown key\(s\) \['regexp'\]"),
+    ({"response_format": {"type": "json_schema"}}, "response_format", "needs json_schema.schema"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "nonsense"}}}},
+     "response_format", "invalid response_format: .*nonsense"),
+    ({"response_format": {"type": "yaml"}}, "response_format", "'yaml' is not supported"),
+    ({"guided_regex": "a", "guided_choice": ["a"]}, "guided_choice", "only one structured output constraint"),
+])
+def test_structured_outputs_bad_constraint_is_400(http, body, param, problem):
+    import re
+
+    for path, base in (("/v1/completions", {"prompt": "hi"}),
+                       ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]})):
+        r = http.post(path, json={"model": MODEL, "max_tokens": 4, **base, **body})
+        assert r.status_code == 400, r.text
+        err = r.json()["error"]
+        assert err["param"] == param and re.search(problem, err["message"]), err
+    assert_healthy(http)
+    m = wait_idle(http)
+    assert metric_value(m, "roofline:kv_cache_num_free_blocks") == metric_value(m, "roofline:kv_cache_num_blocks")

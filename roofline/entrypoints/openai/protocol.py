@@ -59,6 +59,19 @@ class UsageInfo(BaseModel):
     prompt_tokens_details: Optional[PromptTokensDetails] = None
 
 
+class JsonSchemaFormat(OpenAIModel):
+    model_config = ConfigDict(extra="ignore", populate_by_name=True)
+    name: Optional[str] = None
+    description: Optional[str] = None
+    json_schema: Optional[dict[str, Any]] = Field(default=None, alias="schema")
+    strict: Optional[bool] = None
+
+
+class ResponseFormat(OpenAIModel):
+    type: str  # "text" | "json_object" | "json_schema"
+    json_schema: Optional[JsonSchemaFormat] = None
+
+
 class _SamplingFields(OpenAIModel):
     """Fields shared by completions and chat completions."""
 
@@ -84,6 +97,14 @@ class _SamplingFields(OpenAIModel):
     stop_token_ids: Optional[list[int]] = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    # Structured outputs (entrypoints/openai/structured_outputs.py): OpenAI's response_format, vLLM's
+    # structured_outputs dict and its older guided_* fields
+    response_format: Optional[ResponseFormat] = None
+    structured_outputs: Optional[dict[str, Any]] = None
+    guided_json: Optional[Union[str, dict[str, Any]]] = None
+    guided_regex: Optional[str] = None
+    guided_choice: Optional[list[str]] = None
+    guided_grammar: Optional[str] = None
 
 
 # --------------------------------------------------------------------------- completions
@@ -151,17 +172,12 @@ class ChatMessage(OpenAIModel):
     name: Optional[str] = None
 
 
-class ResponseFormat(OpenAIModel):
-    type: str
-
-
 class ChatCompletionRequest(_SamplingFields):
     messages: list[ChatMessage]
     max_tokens: Optional[int] = None  # deprecated by OpenAI in favour of max_completion_tokens
     max_completion_tokens: Optional[int] = None
     logprobs: Optional[bool] = False
     top_logprobs: Optional[int] = None
-    response_format: Optional[ResponseFormat] = None
     tools: Optional[list[dict[str, Any]]] = None
     tool_choice: Optional[Union[str, dict[str, Any]]] = None
     functions: Optional[list[dict[str, Any]]] = None  # OpenAI's deprecated form of tools

@@ -17,6 +17,7 @@ from roofline.entrypoints.openai.protocol import (
     ChatTopLogprob,
     random_id,
 )
+from roofline.entrypoints.openai.structured_outputs import attach_structured_outputs
 from roofline.entrypoints.openai.tokenization import ServerTokenizer
 from roofline.entrypoints.openai.serving_engine import (
     SSE_DONE,
@@ -102,9 +103,6 @@ class OpenAIServingChat:
         self.max_model_len = max_model_len
 
     async def create(self, req: ChatCompletionRequest) -> Any:
-        if req.response_format is not None and req.response_format.type != "text":
-            raise bad_request(f"response_format type {req.response_format.type!r} is not supported",
-                              param="response_format")
         check_tools(req)
         text, ids = await apply_chat_template(
             self.tokenizer, req.messages, add_generation_prompt=req.add_generation_prompt,
@@ -121,6 +119,7 @@ class OpenAIServingChat:
         elif req.top_logprobs is not None and req.top_logprobs > 0:
             raise bad_request("top_logprobs requires logprobs=true", param="top_logprobs")
         params = build_sampling_params(req, max_tokens=max_tokens, logprobs=logprobs)
+        await attach_structured_outputs(self.engine, req, params)
         request_id = random_id("chatcmpl")
         streams = await submit_all(self.engine, request_id, [(text, ids)], params, req.priority, "messages")
         if req.stream:

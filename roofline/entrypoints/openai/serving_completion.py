@@ -14,6 +14,7 @@ from roofline.entrypoints.openai.protocol import (
     CompletionResponseChoice,
     random_id,
 )
+from roofline.entrypoints.openai.structured_outputs import attach_structured_outputs
 from roofline.entrypoints.openai.tokenization import ServerTokenizer
 from roofline.entrypoints.openai.serving_engine import (
     SSE_DONE,
@@ -94,6 +95,7 @@ class OpenAIServingCompletion:
         want_prompt_lp = req.echo and req.logprobs is not None
         params = build_sampling_params(req, max_tokens=max_tokens, logprobs=req.logprobs,
                                        prompt_logprobs=req.logprobs if want_prompt_lp else None)
+        await attach_structured_outputs(self.engine, req, params)
         request_id = random_id("cmpl")
         streams = await submit_all(self.engine, request_id, prompts, params, req.priority)
         if req.stream:

@@ -32,10 +32,10 @@ class SamplingState:
 
     @property
     def plain_greedy(self) -> bool:
-        """Only the argmax of the raw logits is needed: greedy, no logprobs, penalties or stop-token
-        suppression (the LM head may then skip the full logits: greedy_head.py)."""
+        """Only the argmax of the raw logits is needed: greedy, no logprobs, penalties, grammar or
+        stop-token suppression (the LM head may then skip the full logits: greedy_head.py)."""
         s = self.spec
-        return (self.greedy and s.logprobs is None and not self.has_penalties
+        return (self.greedy and s.logprobs is None and not self.has_penalties and not s.structured
                 and not (s.stop_token_ids and len(self.output_token_ids) < s.min_tokens))
 
     @property
