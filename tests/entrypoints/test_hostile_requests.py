@@ -214,3 +214,11 @@ def test_after_the_storm_the_engine_is_idle_and_healthy(http):
     assert_idle_and_healthy(http)
     r = http.post("/v1/completions", json={**COMP, "temperature": 0})
     assert r.status_code == 200
+
+
+def test_json_bytes_is_json_dumps():
+    from roofline.entrypoints.openai.server import json_bytes
+
+    for payload in [{"count": 3, "tokens": list(range(20000)), "token_strs": ['a"', "é", "\ud7ff"] * 7000, "m": 5},
+                    {"prompt": 'x"y\n'}, {"tokens": [], "c": None}]:
+        assert json.loads(json_bytes(payload)) == payload
