@@ -174,6 +174,8 @@ def w1(args) -> dict:
         out["compile"] = structured_compile_times(llm)
         every = max(1, round(1 / args.structured_fraction))
         constraints = {i: StructuredOutputsParams(json=W1_SCHEMA) for i in range(0, len(reqs), every)}
+        # the same prompts again: without this the second run would find them all in the prefix cache
+        llm.llm_engine.scheduler.kv.pool.reset_prefix_cache()
         sres = _run_offline(llm, reqs, constraints)
         outs = sres.pop("outputs")
         sres["constrained_requests"] = len(constraints)
