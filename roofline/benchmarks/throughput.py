@@ -283,7 +283,7 @@ def weight_bytes(model) -> int:
 
 def w5(args) -> dict:
     from roofline import SamplingParams
-    from roofline.planner.measure import measure_bandwidth
+    from roofline.planner.probes import measure_bandwidth
 
     llm = _make_llm(args)
     _warmup(llm)
@@ -366,7 +366,7 @@ def w6(args) -> dict:
     import tempfile
 
     from roofline import SamplingParams
-    from roofline.planner.measure import measure_bandwidth
+    from roofline.planner.probes import measure_bandwidth
 
     from transformers import DeepseekV3Config
 

@@ -187,7 +187,7 @@ def resolve_hardware(device: str, dtype: str, name: Optional[str] = None) -> Har
 def _measure(device: str, dtype: str) -> HardwareSpec:
     import torch
 
-    from roofline.planner.measure import measure_bandwidth, measure_matmul_flops
+    from roofline.planner.probes import measure_bandwidth, measure_matmul_flops
 
     cpu = not device.startswith("cuda")
     # a roof is the best the device does: the fastest of a few probes (a busy machine slows some)

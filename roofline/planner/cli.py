@@ -72,7 +72,7 @@ def _hardware(args):
     if hw.name == "cpu" and (args.hbm_bandwidth_tbs is None or args.peak_tflops is None):
         import torch
 
-        from roofline.planner.measure import measure_hardware
+        from roofline.planner.probes import measure_hardware
 
         torch.set_num_threads(args.threads or 1)  # as --measure does (see --threads)
 

@@ -6,7 +6,7 @@ prefill GEMM can reach at best. Memory sizes are what the device reports as tota
 command line (`--hbm-bandwidth-tbs`, `--peak-tflops`, `--memory-gib`).
 
 The `cpu` entry is a placeholder: its bandwidth and FLOP/s are measured on the running machine
-(`roofline.planner.measure.measure_cpu_hardware`) unless given explicitly.
+(`roofline.planner.probes.measure_cpu_hardware`) unless given explicitly.
 """
 
 from __future__ import annotations

@@ -54,99 +54,16 @@ from typing import Any, Dict, List, Optional, Sequence
 from roofline.planner.cost_model import PlanInputs, decode_at, make_plan
 from roofline.planner.hardware import GiB, HardwareSpec, cpu_placeholder
 from roofline.planner.model_specs import ModelSpec
+from roofline.planner.probes import (  # noqa: F401  (re-exported: measure's public API)
+    cpu_time_clock,
+    measure_bandwidth,
+    measure_cpu_hardware,
+    measure_hardware,
+    measure_matmul_flops,
+)
+from roofline.planner.probes import _TORCH_DTYPES, _clock
 
 logger = logging.getLogger(__name__)
-
-_TORCH_DTYPES = {"float32": "fp32", "fp32": "fp32", "bfloat16": "bf16", "bf16": "bf16", "float16": "fp16", "fp16": "fp16"}
-
-
-def _sync(device: str):
-    import torch
-
-    if device.startswith("cuda"):
-        torch.cuda.synchronize()
-
-
-def cpu_time_clock(device: str) -> bool:
-    """Whether to time with the calling thread's CPU time instead of the wall clock.
-
-    On a CPU running torch with one thread, all the model's work happens on the calling thread, so
-    its CPU time is the time the work took on the core, minus the time other processes held the
-    core. On a shared machine that is what the roofline describes; the wall clock also counts the
-    neighbours' time slices. With more threads (or on a GPU) the wall clock is used."""
-    import torch
-
-    return device == "cpu" and torch.get_num_threads() == 1
-
-
-def _clock(device: str):
-    return time.thread_time if cpu_time_clock(device) else time.perf_counter
-
-
-def _median_time(fn, device: str, repeats: int) -> float:
-    clock = _clock(device)
-    times = []
-    for _ in range(repeats):
-        t0 = clock()
-        fn()
-        _sync(device)
-        times.append(clock() - t0)
-    return statistics.median(times)
-
-
-def measure_bandwidth(device: str = "cpu", nbytes: Optional[int] = None, repeats: int = 5) -> float:
-    """Copy bandwidth in bytes/s: a `nbytes` tensor copied into another, counting read + write
-    (median of `repeats`)."""
-    import torch
-
-    if nbytes is None:
-        nbytes = (1 * GiB) if device.startswith("cuda") else (256 << 20)
-    n = nbytes // 4
-    src = torch.ones(n, dtype=torch.float32, device=device)
-    dst = torch.empty_like(src)
-    dst.copy_(src)  # warm up / fault pages in
-    _sync(device)
-    t = _median_time(lambda: dst.copy_(src), device, repeats)
-    del src, dst
-    return 2 * n * 4 / t
-
-
-def measure_matmul_flops(device: str = "cpu", dtype: str = "float32", n: Optional[int] = None, repeats: int = 3) -> float:
-    """Dense matmul FLOP/s for an n x n x n product in `dtype` (2 n^3 FLOPs each; median of repeats)."""
-    import torch
-
-    tdt = getattr(torch, dtype if dtype in ("float32", "bfloat16", "float16") else
-                  {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}[dtype])
-    if n is None:
-        n = 8192 if device.startswith("cuda") else 1536
-    a = torch.randn(n, n, device=device).to(tdt)
-    b = torch.randn(n, n, device=device).to(tdt)
-    a @ b
-    _sync(device)
-    return 2.0 * n ** 3 / _median_time(lambda: a @ b, device, repeats)
-
-
-def measure_hardware(device: str = "cpu", dtype: str = "float32", name: Optional[str] = None) -> HardwareSpec:
-    """A HardwareSpec for the running device with measured bandwidth and FLOP/s for `dtype`."""
-    import torch
-
-    bw = measure_bandwidth(device)
-    fl = measure_matmul_flops(device, dtype)
-    pdt = _TORCH_DTYPES.get(dtype, "fp32")
-    compute = "bf16" if pdt == "fp16" else pdt
-    if device.startswith("cuda"):
-        props = torch.cuda.get_device_properties(torch.device(device))
-        mem, label = props.total_memory, name or props.name
-    else:
-        mem, label = cpu_placeholder().memory_bytes, name or "cpu"
-    return HardwareSpec(name=label, memory_bytes=int(mem), hbm_bandwidth=bw, peak_flops={compute: fl},
-                        description=f"measured on {device} with {torch.get_num_threads()} torch threads"
-                                    + (", thread CPU time" if cpu_time_clock(device) else ""), measured=True)
-
-
-def measure_cpu_hardware(dtype: str = "float32") -> HardwareSpec:
-    return measure_hardware("cpu", dtype)
-
 
 # ---------------------------------------------------------------------------------------------
 # engine decode measurements

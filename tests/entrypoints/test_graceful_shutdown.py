@@ -19,23 +19,35 @@ def test_shutdown_drains_then_ends_streams_cleanly(tiny_models):
     path, _ = tiny_models["llama"]
     engine = AsyncLLM.from_engine_args(EngineArgs(model=path, device="cpu", dtype="float32", num_kv_blocks=64,
                                                   max_num_seqs=1))
-    config = ServerConfig(uvicorn_log_level="warning", access_log=False, shutdown_timeout=0.3)
+    config = ServerConfig(uvicorn_log_level="warning", access_log=False, shutdown_timeout=2.0)
     srv = ServerThread(build_app(engine, config, shutdown_engine=False), config=config).start()
-    events, short = [], {}
-    started = threading.Event()
+    long_body = {"prompt": [5, 6, 7], "max_tokens": 500, "ignore_eos": True}
+    events, plain = [], []
 
-    def long_stream():  # ~thousands of tokens: still running when the drain time is up
+    def one_long():  # six of these run one at a time (max_num_seqs=1): seconds of work, past the drain
         with httpx.Client(base_url=srv.url, timeout=60) as c:
-            body = {"prompt": [5, 6, 7], "max_tokens": 500, "ignore_eos": True, "stream": True}
-            with c.stream("POST", "/v1/completions", json=body) as s:
+            plain.append(c.post("/v1/completions", json=long_body).status_code)
+
+    def stream():  # queued behind them: still waiting when the drain time is up
+        with httpx.Client(base_url=srv.url, timeout=60) as c:
+            with c.stream("POST", "/v1/completions", json={**long_body, "stream": True}) as s:
                 for line in s.iter_lines():
                     if line.startswith("data: "):
                         events.append(line[6:])
-                        started.set()
 
-    t = threading.Thread(target=long_stream)
-    t.start()
-    assert started.wait(30)
+    def wait_in_flight(n):
+        deadline = time.monotonic() + 30
+        while engine.num_in_flight() < n:
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+
+    threads = [threading.Thread(target=one_long) for _ in range(6)]
+    for t in threads:
+        t.start()
+    wait_in_flight(6)
+    threads.append(threading.Thread(target=stream))  # last in the queue
+    threads[-1].start()
+    wait_in_flight(7)
     stopper = threading.Thread(target=srv.stop)
     with httpx.Client(base_url=srv.url, timeout=30) as c:
         stopper.start()
@@ -48,12 +60,14 @@ def test_shutdown_drains_then_ends_streams_cleanly(tiny_models):
         assert h.status_code == 503 and h.json()["status"] == "draining"
         r = c.post("/v1/completions", json={"prompt": [1, 2], "max_tokens": 2})
         assert r.status_code == 503 and r.json()["error"]["code"] == "shutting_down"
-    t.join(30)
+    for t in threads:
+        t.join(30)
     stopper.join(30)
     assert events[-1] == "[DONE]"
     err = json.loads(events[-2])["error"]
     assert "shutting down" in err["message"]
-    assert len(events) > 3  # tokens flowed during the drain
+    assert 503 in plain  # the ones still running or waiting were aborted, not cut
+    assert set(plain) <= {200, 503}
     stats = engine.get_stats()
     assert stats.num_free_blocks == stats.num_total_blocks and stats.num_running == 0
     engine.shutdown()
