@@ -85,6 +85,9 @@ class EngineConfig:
     parallel_config: ParallelConfig
     device_config: DeviceConfig
     observability_config: ObservabilityConfig = field(default_factory=ObservabilityConfig)
+    # the server runs EngineCore in a process of its own (engine/core_process.py), apart from HTTP,
+    # tokenization and detokenization of requests; offline LLM(...) always runs it in-process
+    engine_core_process: bool = False
 
 
 def _default_device() -> str:
@@ -137,6 +140,8 @@ class EngineArgs:
     # observability
     step_roofline: bool = True
     roofline_hardware: Optional[str] = None
+    # server
+    engine_core_process: bool = False
 
     @classmethod
     def field_names(cls) -> set[str]:
@@ -221,7 +226,8 @@ class EngineArgs:
             device=device, attention_backend=self.attention_backend, enforce_eager=self.enforce_eager
         )
         observability = ObservabilityConfig(step_roofline=self.step_roofline, roofline_hardware=self.roofline_hardware)
-        return EngineConfig(model_config, cache_config, scheduler_config, parallel_config, device_config, observability)
+        return EngineConfig(model_config, cache_config, scheduler_config, parallel_config, device_config, observability,
+                            engine_core_process=self.engine_core_process)
 
 
 def finalize_lengths(config: EngineConfig, model_max_len: int) -> None:
