@@ -57,11 +57,18 @@ class SchedulerConfig:
 @dataclass
 class ParallelConfig:
     tensor_parallel_size: int = 1
+    pipeline_parallel_size: int = 1
+    data_parallel_size: int = 1
+    enable_expert_parallel: bool = False  # MoE layers: whole experts spread over DP x TP ranks
     nnodes: int = 1
     node_rank: int = 0
     master_addr: str = "127.0.0.1"
     master_port: Optional[int] = None
     distributed_backend: Optional[str] = None  # gloo on CPU, nccl on CUDA when None
+
+    @property
+    def world_size(self) -> int:
+        return self.data_parallel_size * self.pipeline_parallel_size * self.tensor_parallel_size
 
 
 @dataclass
@@ -126,6 +133,9 @@ class EngineArgs:
     max_waiting_requests: Optional[int] = None
     # parallel
     tensor_parallel_size: int = 1
+    pipeline_parallel_size: int = 1
+    data_parallel_size: int = 1
+    enable_expert_parallel: bool = False
     nnodes: int = 1
     node_rank: int = 0
     master_addr: str = "127.0.0.1"
@@ -165,8 +175,12 @@ class EngineArgs:
             errors.append(f"scheduling_policy must be 'fcfs' or 'priority', got {self.scheduling_policy!r}")
         if self.preemption_mode not in ("recompute", "swap"):
             errors.append(f"preemption_mode must be 'recompute' or 'swap', got {self.preemption_mode!r}")
-        if self.tensor_parallel_size <= 0:
-            errors.append(f"tensor_parallel_size must be positive, got {self.tensor_parallel_size}")
+        for name in ("tensor_parallel_size", "pipeline_parallel_size", "data_parallel_size"):
+            if getattr(self, name) <= 0:
+                errors.append(f"{name} must be positive, got {getattr(self, name)}")
+        if self.pipeline_parallel_size != 1:
+            errors.append(f"pipeline_parallel_size must be 1 (pipeline parallelism is not served yet), "
+                          f"got {self.pipeline_parallel_size}")
         if self.swap_space < 0:
             errors.append(f"swap_space must be >= 0, got {self.swap_space}")
         if self.max_num_batched_tokens is not None and self.max_num_batched_tokens <= 0:
@@ -211,6 +225,9 @@ class EngineArgs:
         )
         parallel_config = ParallelConfig(
             tensor_parallel_size=self.tensor_parallel_size,
+            pipeline_parallel_size=self.pipeline_parallel_size,
+            data_parallel_size=self.data_parallel_size,
+            enable_expert_parallel=self.enable_expert_parallel,
             nnodes=self.nnodes,
             node_rank=self.node_rank,
             master_addr=self.master_addr,
