@@ -1,4 +1,5 @@
-"""The rank layout of a distributed world: which ranks form each TP, PP, DP and EP group.
+"""The rank layout of a distributed world: which ranks form each TP, PP, DP and EP group (plus how the
+MoE layers use their EP group: redundant expert slots, token exchange).
 
     world = DP x PP x TP, ranks numbered with TP innermost:  rank = (dp * PP + pp) * TP + tp
 
@@ -31,6 +32,8 @@ class ParallelLayout:
     pp: int = 1
     dp: int = 1
     expert_parallel: bool = False
+    num_redundant_experts: int = 0  # extra physical expert slots per MoE layer (EPLB)
+    all2all_backend: str = "all_to_all"  # how the EP group exchanges tokens (config.ALL2ALL_BACKENDS)
 
     def __post_init__(self) -> None:
         for name in ("tp", "pp", "dp"):
@@ -44,7 +47,9 @@ class ParallelLayout:
         """From a ParallelConfig (tensor_parallel_size, pipeline_parallel_size, data_parallel_size,
         enable_expert_parallel)."""
         return cls(tp=pc.tensor_parallel_size, pp=pc.pipeline_parallel_size, dp=pc.data_parallel_size,
-                   expert_parallel=pc.enable_expert_parallel)
+                   expert_parallel=pc.enable_expert_parallel,
+                   num_redundant_experts=pc.eplb.num_redundant_experts if pc.enable_eplb else 0,
+                   all2all_backend=pc.all2all_backend)
 
     @property
     def world_size(self) -> int:
