@@ -96,6 +96,7 @@ class EPLBConfig:
 class ParallelConfig:
     tensor_parallel_size: int = 1
     pipeline_parallel_size: int = 1
+    pp_layer_partition: Optional[str] = None  # "a,b,...": layers per pipeline stage; None: even split
     data_parallel_size: int = 1
     enable_expert_parallel: bool = False  # MoE layers: whole experts spread over DP x TP ranks
     all2all_backend: str = "all_to_all"  # expert-parallel dispatch/combine: see ALL2ALL_BACKENDS
@@ -178,6 +179,7 @@ class EngineArgs:
     # parallel
     tensor_parallel_size: int = 1
     pipeline_parallel_size: int = 1
+    pp_layer_partition: Optional[str] = None
     data_parallel_size: int = 1
     enable_expert_parallel: bool = False
     all2all_backend: str = "all_to_all"
@@ -235,9 +237,13 @@ class EngineArgs:
             eplb = EPLBConfig.from_json(self.eplb_config)
         except (TypeError, ValueError) as e:
             errors.append(str(e))
-        if self.pipeline_parallel_size != 1:
-            errors.append(f"pipeline_parallel_size must be 1 (pipeline parallelism is not served yet), "
-                          f"got {self.pipeline_parallel_size}")
+        if self.pp_layer_partition is not None and self.pipeline_parallel_size >= 1:
+            from roofline.distributed.pipeline import parse_partition
+
+            try:
+                parse_partition(self.pp_layer_partition, self.pipeline_parallel_size)
+            except ValueError as e:
+                errors.append(str(e))
         if self.swap_space < 0:
             errors.append(f"swap_space must be >= 0, got {self.swap_space}")
         if self.max_num_batched_tokens is not None and self.max_num_batched_tokens <= 0:
@@ -283,6 +289,7 @@ class EngineArgs:
         parallel_config = ParallelConfig(
             tensor_parallel_size=self.tensor_parallel_size,
             pipeline_parallel_size=self.pipeline_parallel_size,
+            pp_layer_partition=self.pp_layer_partition,
             data_parallel_size=self.data_parallel_size,
             enable_expert_parallel=self.enable_expert_parallel,
             all2all_backend=self.all2all_backend,

@@ -8,7 +8,7 @@ import typing
 
 from roofline.config import EngineArgs
 
-_SHORT = {"tensor_parallel_size": ["-tp"]}
+_SHORT = {"tensor_parallel_size": ["-tp"], "pipeline_parallel_size": ["-pp"]}
 _HELP = {
     "model": "HF model directory or .gguf file (default: the embedded SmolLM2-135M-Instruct)",
     "load_format": "auto | safetensors | gguf | dummy (random weights)",
@@ -18,7 +18,10 @@ _HELP = {
     "scheduling_policy": "fcfs | priority",
     "attention_backend": "auto | torch | cpu | triton",
     "tensor_parallel_size": "ranks (processes, one device each) to split every layer over, across all nodes",
-    "pipeline_parallel_size": "pipeline stages (world = data x pipeline x tensor parallel ranks); 1 for now",
+    "pipeline_parallel_size": "pipeline stages, each holding a slice of the layers (world = data x pipeline x "
+                              "tensor parallel ranks); the last stage holds the final norm and LM head and samples",
+    "pp_layer_partition": "layers per pipeline stage, e.g. \"16,14\" (default: an even split, the remainder to "
+                          "the stages before the last)",
     "data_parallel_size": "replicas of the tensor-parallel group; their MoE layers run expert-parallel "
                           "together with --enable-expert-parallel",
     "enable_expert_parallel": "MoE layers hold whole experts, spread over the data x tensor parallel ranks, "
