@@ -1,0 +1,154 @@
+"""Pipeline parallelism end to end on CPU with gloo: stages of layers in their own processes.
+
+Greedy tokens identical to HF at pp=2 and pp=3 (even split and --pp-layer-partition), for a tiny MoE
+model at pp=2, and for the default SmolLM2 (30 layers) at tp=3 x pp=2 and pp=3 against tp=1; each
+stage's KV pool holds only its layers; every KV block is back after the run; a stage that dies fails
+the in-flight requests with an error naming it, without a hang."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import time
+
+import pytest
+
+from roofline import LLM, SamplingParams
+from roofline.config import EngineArgs
+from tests.executor.tp_helpers import assert_same_greedy
+from tests.reference.hf_models import build_tiny_model, hf_greedy, random_prompts
+
+COMMON = dict(dtype="float32", device="cpu", num_kv_blocks=64, show_progress=False)
+MAX_NEW = 10
+
+
+def _greedy_matches_hf(llm: LLM, hf, vocab: int, n: int = 4) -> None:
+    prompts = random_prompts(n, vocab, 3, 40, seed=11)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
+                        SamplingParams(temperature=0, max_tokens=MAX_NEW, ignore_eos=True), use_tqdm=False)
+    for p, out in zip(prompts, outs):
+        assert out.outputs[0].token_ids == hf_greedy(hf, p, MAX_NEW), p
+    stats = llm.llm_engine.get_stats()
+    assert stats.num_free_blocks == stats.num_total_blocks and stats.num_running == 0
+
+
+@pytest.fixture(scope="module")
+def llama4(tmp_path_factory):
+    """A tiny Llama with 4 layers (stages of 2+2, 1+2+1, ...)."""
+    path = str(tmp_path_factory.mktemp("llama4"))
+    return path, build_tiny_model("llama", path, seed=4, num_hidden_layers=4)
+
+
+@pytest.mark.parametrize("pp, partition, layers", [
+    (2, None, [2, 2]),
+    (3, None, [1, 2, 1]),  # the remainder goes to the stages before the last
+    (3, "2,1,1", [2, 1, 1]),
+])
+def test_greedy_matches_hf(llama4, pp, partition, layers):
+    path, hf = llama4
+    llm = LLM(path, pipeline_parallel_size=pp, pp_layer_partition=partition, **COMMON)
+    try:
+        _greedy_matches_hf(llm, hf, 384)
+        # each stage's pool holds its own layers' K/V only: rank 0's block is its layers' share
+        one_layer = LLM(path, **COMMON).llm_engine.executor.block_bytes() // 4
+        assert llm.llm_engine.executor.block_bytes() == layers[0] * one_layer
+    finally:
+        llm.llm_engine.shutdown()
+
+
+def test_tied_embeddings_reach_the_last_stage(tmp_path):
+    """The last stage holds the LM head without the embedding it is tied to: it loads the embedding's tensor."""
+    path = str(tmp_path / "tied")
+    hf = build_tiny_model("qwen3", path, seed=5, tie_word_embeddings=True)
+    llm = LLM(path, pipeline_parallel_size=2, **COMMON)
+    try:
+        _greedy_matches_hf(llm, hf, 384, n=3)
+    finally:
+        llm.llm_engine.shutdown()
+
+
+def test_moe_model_pp2_greedy_matches_hf(tmp_path):
+    path = str(tmp_path / "qwen2-moe")
+    hf = build_tiny_model("qwen2_moe", path, seed=3)  # 6 layers, sparse ones at 1 and 5 (one per stage)
+    llm = LLM(path, pipeline_parallel_size=2, **COMMON)
+    try:
+        _greedy_matches_hf(llm, hf, 384, n=3)
+    finally:
+        llm.llm_engine.shutdown()
+
+
+def test_bad_partitions_are_refused_naming_the_flag(llama4):
+    path, _ = llama4
+    with pytest.raises(ValueError, match="pp_layer_partition .* 3 entries for pipeline_parallel_size=2"):
+        EngineArgs(model=path, pipeline_parallel_size=2, pp_layer_partition="1,1,2").create_engine_config()
+    with pytest.raises(ValueError, match="at least one layer"):
+        EngineArgs(model=path, pipeline_parallel_size=2, pp_layer_partition="4,0").create_engine_config()
+    with pytest.raises(ValueError, match="pp_layer_partition 3,2 must give 2 stages 4 layers"):
+        LLM(path, pipeline_parallel_size=2, pp_layer_partition="3,2", **COMMON)
+
+
+def test_a_stage_that_dies_fails_requests_without_hanging(llama4):
+    from roofline.engine.async_llm import AsyncLLM, EngineDeadError
+    from roofline.engine.engine_core import EngineCore
+
+    path, _ = llama4
+    core = EngineCore(EngineArgs(model=path, pipeline_parallel_size=2, dtype="float32", device="cpu",
+                                 num_kv_blocks=64, max_model_len=512).create_engine_config(), show_progress=False)
+    ranks = core.executor.ranks
+    engine = AsyncLLM(core)
+
+    async def scenario():
+        params = SamplingParams(temperature=0, max_tokens=400, ignore_eos=True)
+        streams = [await engine.add_request(f"r{i}", [5 + i, 6, 7], params) for i in range(2)]
+        first = await asyncio.wait_for(streams[0].__anext__(), 60)
+        assert first.outputs[0].token_ids
+        os.kill(ranks.by_rank(1).proc.pid, signal.SIGKILL)  # the last stage
+        t0 = time.monotonic()
+        errors = []
+        for s in streams:
+            with pytest.raises(EngineDeadError) as e:
+                while True:
+                    out = await asyncio.wait_for(s.__anext__(), 30)
+                    assert not out.finished, "finished 400 tokens before the kill took effect?"
+            errors.append(str(e.value))
+        return time.monotonic() - t0, errors
+
+    try:
+        elapsed, errors = asyncio.run(scenario())
+        assert elapsed < 15, elapsed
+        assert all("rank 1" in e for e in errors), errors
+        assert not engine.is_healthy
+        deadline = time.monotonic() + 15
+        while ranks.by_rank(0).proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert ranks.by_rank(0).proc.poll() is not None  # the first stage was stopped too
+    finally:
+        engine.shutdown()
+        core.shutdown()
+
+
+CHATS = ["What is the capital of France?", "List three prime numbers.",
+         "Write a short poem about autumn leaves falling in a quiet park."]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("tp, pp", [(3, 2), (1, 3)])
+def test_smollm2_stages_match_one_process(default_llm, tp, pp):
+    """The default model's 30 layers in stages (15+15 over 3 TP ranks each; 10+10+10): greedy tokens
+    identical to one process (a flip only at a proven tie)."""
+    tok = default_llm.get_tokenizer()
+    texts = [tok.apply_chat_template([{"role": "user", "content": c}], tokenize=False, add_generation_prompt=True)
+             for c in CHATS]
+    prompts = [{"prompt_token_ids": tok.encode(t, add_special_tokens=False)} for t in texts]
+    sp = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=2)
+    ref = default_llm.generate(prompts, sp, use_tqdm=False)
+    llm = LLM(tensor_parallel_size=tp, pipeline_parallel_size=pp, dtype="float32", device="cpu", num_kv_blocks=64,
+              show_progress=False)
+    try:
+        assert llm.llm_engine.model_config.hf_config.num_hidden_layers == 30
+        assert_same_greedy(ref, llm.generate(prompts, sp, use_tqdm=False))
+        stats = llm.llm_engine.get_stats()
+        assert stats.num_free_blocks == stats.num_total_blocks
+    finally:
+        llm.llm_engine.shutdown()
