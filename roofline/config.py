@@ -238,7 +238,7 @@ class EngineArgs:
         except (TypeError, ValueError) as e:
             errors.append(str(e))
         if self.pp_layer_partition is not None and self.pipeline_parallel_size >= 1:
-            from roofline.distributed.pipeline import parse_partition
+            from roofline.distributed.layout import parse_partition
 
             try:
                 parse_partition(self.pp_layer_partition, self.pipeline_parallel_size)

@@ -17,6 +17,7 @@ launcher and the planner size worlds with it, tests check it directly.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Optional
 
 
 @dataclass(frozen=True)
@@ -120,3 +121,39 @@ class ParallelLayout:
     def describe(self) -> str:
         ep = f", EP={self.ep}" if self.expert_parallel else ""
         return f"DP={self.dp} x PP={self.pp} x TP={self.tp} ({self.world_size} ranks{ep})"
+
+
+# ---- pipeline stages: which layers each holds ---------------------------------------------------
+def parse_partition(text: Optional[str], pp: int) -> Optional[list[int]]:
+    """'a,b,...' -> [a, b, ...] (one positive count per stage); ValueError naming the flag otherwise."""
+    if text is None or text == "":
+        return None
+    try:
+        counts = [int(part) for part in str(text).split(",")]
+    except ValueError:
+        raise ValueError(f"pp_layer_partition must be comma-separated layer counts, got {text!r}") from None
+    if len(counts) != pp:
+        raise ValueError(f"pp_layer_partition {text!r} has {len(counts)} entries for pipeline_parallel_size={pp}")
+    if any(c < 1 for c in counts):
+        raise ValueError(f"pp_layer_partition {text!r}: every stage needs at least one layer")
+    return counts
+
+
+def stage_layer_ranges(num_layers: int, pp: int, partition: Optional[list[int]] = None) -> list[tuple[int, int]]:
+    """[start, end) of every stage's layers."""
+    if partition is None:
+        if num_layers < pp:
+            raise ValueError(f"pipeline_parallel_size={pp} needs at least {pp} layers, the model has {num_layers}")
+        counts = [num_layers // pp] * pp
+        for i in range(num_layers % pp):  # extras to the stages before the last (it holds the LM head)
+            counts[(pp - 2 - i) % pp] += 1
+    else:
+        counts = list(partition)
+        if len(counts) != pp or sum(counts) != num_layers:
+            raise ValueError(f"pp_layer_partition {','.join(map(str, counts))} must give {pp} stages "
+                             f"{num_layers} layers in all (the model's num_hidden_layers)")
+    out, start = [], 0
+    for c in counts:
+        out.append((start, start + c))
+        start += c
+    return out

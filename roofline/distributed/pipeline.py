@@ -8,7 +8,8 @@ Stages are the members of this rank's PP group (parallel_state.get_pp_group(): s
 coordinates, first stage first); each TP rank of a stage sends its (replicated) hidden states to the
 same TP rank of the next stage.  The split is even by default -- the remainder goes to the stages
 before the last, which also holds the LM head -- or `--pp-layer-partition "a,b,..."` (one count per
-stage, summing to the number of layers).
+stage, summing to the number of layers); the arithmetic of the split lives in layout.py (torch-free,
+the planner uses it too).
 """
 
 from __future__ import annotations
@@ -17,44 +18,10 @@ from typing import Optional
 
 import torch
 
+from roofline.distributed.layout import parse_partition, stage_layer_ranges  # noqa: F401  (re-exported)
 from roofline.distributed.parallel_state import get_pp_group
 
 _PARTITION: Optional[list[int]] = None  # set from the configuration before the model is built
-
-
-def parse_partition(text: Optional[str], pp: int) -> Optional[list[int]]:
-    """'a,b,...' -> [a, b, ...] (one positive count per stage); ValueError naming the flag otherwise."""
-    if text is None or text == "":
-        return None
-    try:
-        counts = [int(part) for part in str(text).split(",")]
-    except ValueError:
-        raise ValueError(f"pp_layer_partition must be comma-separated layer counts, got {text!r}") from None
-    if len(counts) != pp:
-        raise ValueError(f"pp_layer_partition {text!r} has {len(counts)} entries for pipeline_parallel_size={pp}")
-    if any(c < 1 for c in counts):
-        raise ValueError(f"pp_layer_partition {text!r}: every stage needs at least one layer")
-    return counts
-
-
-def stage_layer_ranges(num_layers: int, pp: int, partition: Optional[list[int]] = None) -> list[tuple[int, int]]:
-    """[start, end) of every stage's layers."""
-    if partition is None:
-        if num_layers < pp:
-            raise ValueError(f"pipeline_parallel_size={pp} needs at least {pp} layers, the model has {num_layers}")
-        counts = [num_layers // pp] * pp
-        for i in range(num_layers % pp):  # extras to the stages before the last (it holds the LM head)
-            counts[(pp - 2 - i) % pp] += 1
-    else:
-        counts = list(partition)
-        if len(counts) != pp or sum(counts) != num_layers:
-            raise ValueError(f"pp_layer_partition {','.join(map(str, counts))} must give {pp} stages "
-                             f"{num_layers} layers in all (the model's num_hidden_layers)")
-    out, start = [], 0
-    for c in counts:
-        out.append((start, start + c))
-        start += c
-    return out
 
 
 def set_partition(partition: Optional[list[int]]) -> None:

@@ -23,6 +23,10 @@ def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
                         "local HF model directory; default: roofline's default model (SmolLM2-135M)")
     p.add_argument("--gpu", default=None, help="h100-sxm, h200, a100-80gb, l4, or cpu (bandwidth/FLOPs measured)")
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel degree")
+    p.add_argument("--pp", type=int, default=1, help="pipeline stages (layers split over them)")
+    p.add_argument("--pp-layer-partition", default=None, help="layers per stage, e.g. 16,14 (default: even split)")
+    p.add_argument("--microbatches", type=int, default=None,
+                   help="batches in the pipeline at once, for the bubble (default: --pp)")
     p.add_argument("--weight-dtype", choices=DTYPES, default=None, help="default: the checkpoint's dtype")
     p.add_argument("--kv-dtype", choices=DTYPES, default=None, help="default: the weight dtype (bf16 with fp8 weights)")
     mem = p.add_mutually_exclusive_group()
@@ -82,6 +86,7 @@ def _hardware(args):
 
 
 def run_plan(args) -> int:
+    from roofline.distributed.layout import parse_partition
     from roofline.planner.cost_model import PlanInputs, make_plan
     from roofline.planner.hardware import GiB
     from roofline.planner.model_specs import load_model_spec
@@ -94,7 +99,8 @@ def run_plan(args) -> int:
         spec = load_model_spec(args.model)
         hw = _hardware(args)
         p = PlanInputs(
-            model=spec, hardware=hw, tp=args.tp, weight_dtype=args.weight_dtype, kv_dtype=args.kv_dtype,
+            model=spec, hardware=hw, tp=args.tp, pp=args.pp, microbatches=args.microbatches,
+            pp_layer_partition=parse_partition(args.pp_layer_partition, args.pp), weight_dtype=args.weight_dtype, kv_dtype=args.kv_dtype,
             gpu_memory_utilization=args.gpu_memory_utilization,
             kv_budget_bytes=None if args.kv_budget_gib is None else args.kv_budget_gib * GiB,
             block_size=args.block_size, context=args.context, avg_context=args.avg_context, batch=args.batch,

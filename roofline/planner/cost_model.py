@@ -27,6 +27,15 @@ for the datasheet presets; `--measure` fills it with a measured per-step framewo
     saturation b* : the batch where the KV term equals the weight term, W_read(b*) = b* * S * K_tok
     prefill(S)    : max((2*active*S + causal attention) / F_peak, (W_read(S) + S*K_tok) / BW)
 
+Pipeline parallelism (`pp` stages of layers, the split of distributed/layout.py)::
+
+    stage weights   W_s = layers_s * W_layer / tp  (+ embedding on the first, + LM head on the last)
+    stage KV/token  K_s = K_tok * layers_s / L;   the pool holds min over stages of its blocks
+    bubble          (pp - 1) / (m + pp - 1)   for m batches in the pipeline per flush (GPipe)
+    between stages  2 * tokens * d * act_bytes per step (hidden states and residual)
+    decode          each stage runs its share of the step on b/m sequences; a round of the m batches
+                    takes (m + pp - 1) stage steps
+
 The seeds' worked numbers use round inputs (e.g. "40 GB / 5 MB = 8000 blocks", "320 KB/token");
 this module is exact for the inputs it is given, so tests reproduce the seeds' answers with the
 seeds' inputs to within the rounding the seeds themselves do (tolerances are stated per test).
@@ -58,6 +67,9 @@ class PlanInputs:
     max_num_batched_tokens: int = 2048  # prefill chunk, for the activation reserve estimate
     max_num_seqs: int = 256
     step_overhead_s: float = 0.0  # fixed per-step cost (framework, launches); 0 for datasheet plans
+    pp: int = 1  # pipeline stages
+    pp_layer_partition: Optional[List[int]] = None  # layers per stage (default: the engine's even split)
+    microbatches: Optional[int] = None  # batches in the pipeline at once (default: pp)
 
     def __post_init__(self):
         self.weight_dtype = normalize_dtype(self.weight_dtype or self.model.native_dtype)
@@ -68,6 +80,10 @@ class PlanInputs:
             self.avg_context = self.context
         if self.tp < 1 or self.block_size < 1 or self.batch < 1 or self.context < 1 or self.avg_context < 1:
             raise ValueError("tp, block size, batch, context and avg context must all be >= 1")
+        if self.microbatches is None:
+            self.microbatches = self.pp
+        if self.pp < 1 or self.microbatches < 1:
+            raise ValueError("pp and microbatches must be >= 1")
 
     @property
     def weight_bytes(self) -> float:
@@ -147,7 +163,72 @@ def activation_reserve_bytes(p: PlanInputs) -> float:
 
 
 def weight_bytes_per_gpu(p: PlanInputs) -> float:
+    """The whole model's share per GPU; with pipeline stages, the heaviest stage's."""
+    if p.pp > 1:
+        return max(s["weight_bytes"] for s in pipeline_stages(p))
     return p.model.total_params() * p.weight_bytes / p.tp
+
+
+def pp_bubble_fraction(pp: int, microbatches: int) -> float:
+    """Idle share of a pipeline that runs `microbatches` batches per flush: (pp - 1) / (m + pp - 1)."""
+    return (pp - 1) / (microbatches + pp - 1)
+
+
+def pp_activation_bytes(p: PlanInputs, tokens: float) -> float:
+    """Bytes one stage hands the next for `tokens` rows: hidden states and residual."""
+    return 2.0 * tokens * p.model.hidden_size * (4 if p.weight_dtype == "fp32" else 2)
+
+
+def pipeline_stages(p: PlanInputs) -> List[Dict[str, Any]]:
+    """Per stage: its layers, weight bytes per GPU and KV bytes per token (this stage's layers)."""
+    from roofline.distributed.layout import stage_layer_ranges
+
+    m = p.model
+    ends = m.embedding_params + m.lm_head_params
+    per_layer = (m.total_params() - ends) / m.num_layers  # the average layer (norms included)
+    kv_all = kv_bytes_per_token(p)
+    stages = []
+    ranges = stage_layer_ranges(m.num_layers, p.pp, p.pp_layer_partition)
+    for i, (a, b) in enumerate(ranges):
+        params = (b - a) * per_layer
+        if i == 0:
+            params += m.embedding_params
+        if i == len(ranges) - 1:
+            # tied: the last stage holds the LM head's own copy of the table unless it is also the first
+            params += m.lm_head_params or (m.embedding_params if i > 0 else 0)
+        stages.append({"stage": i, "layers": [a, b], "num_layers": b - a,
+                       "weight_bytes": params * p.weight_bytes / p.tp,
+                       "kv_bytes_per_token": kv_all * (b - a) / m.num_layers})
+    return stages
+
+
+def pipeline_plan(p: PlanInputs) -> Dict[str, Any]:
+    """Pipeline figures: stages (weights, KV, pool), bubble, bytes between stages, pipelined decode."""
+    stages = pipeline_stages(p)
+    reserve = 0.0 if p.kv_budget_bytes is not None else activation_reserve_bytes(p)
+    for s in stages:
+        if p.kv_budget_bytes is not None:
+            budget = float(p.kv_budget_bytes)
+        else:
+            budget = max(p.hardware.memory_bytes * p.gpu_memory_utilization - s["weight_bytes"] - reserve, 0.0)
+        s["kv_budget_bytes"] = budget
+        s["kv_blocks"] = kv_pool(budget, s["kv_bytes_per_token"], p.block_size)["kv_blocks"]
+    blocks = min(s["kv_blocks"] for s in stages)  # every stage holds the same block table
+    mb = p.microbatches
+    # one stage's step on b/m sequences: its share of the whole model's step (even split by layers)
+    heaviest = max(s["num_layers"] for s in stages) / p.model.num_layers
+    stage_step = decode_at(p, p.batch / mb)["step_time_s"] * heaviest
+    round_s = (mb + p.pp - 1) * stage_step
+    return {
+        "pp": p.pp, "microbatches": mb, "stages": stages,
+        "kv_blocks": blocks, "kv_tokens": blocks * p.block_size,
+        "bubble_fraction": pp_bubble_fraction(p.pp, mb),
+        "activation_bytes_per_decode_step": pp_activation_bytes(p, p.batch),
+        "activation_bytes_per_prefill_chunk": pp_activation_bytes(p, p.max_num_batched_tokens),
+        "decode_stage_step_ms": stage_step * 1e3,
+        "decode_round_ms": round_s * 1e3,
+        "decode_tokens_per_s": p.batch / round_s,
+    }
 
 
 def kv_bytes_per_token(p: PlanInputs) -> float:
@@ -268,8 +349,15 @@ def make_plan(p: PlanInputs) -> Plan:
         "kv_blocks_needed_at_batch": needed_blocks,
         "kv_fits_at_batch": needed_blocks <= pool["kv_blocks"],
     }
+    if p.pp > 1:  # the pool and the decode rate are the pipeline's
+        pipe = pipeline_plan(p)
+        r["pipeline"] = pipe
+        r.update(kv_blocks=pipe["kv_blocks"], kv_tokens=pipe["kv_tokens"],
+                 max_seqs_at_context=paged_capacity(pipe["kv_blocks"], p.context, p.block_size),
+                 paged_max_seqs=paged_capacity(pipe["kv_blocks"], p.avg_context, p.block_size),
+                 kv_fits_at_batch=needed_blocks <= pipe["kv_blocks"])
     inputs = {
-        "tp": p.tp, "weight_dtype": p.weight_dtype, "kv_dtype": p.kv_dtype,
+        "tp": p.tp, "pp": p.pp, "weight_dtype": p.weight_dtype, "kv_dtype": p.kv_dtype,
         "gpu_memory_utilization": p.gpu_memory_utilization, "kv_budget_bytes": p.kv_budget_bytes,
         "block_size": p.block_size, "context": p.context, "avg_context": p.avg_context, "batch": p.batch,
         "step_overhead_s": p.step_overhead_s, "kv_budget_source": budget["kv_budget_source"],

@@ -56,7 +56,7 @@ def render_table(plan: Plan) -> str:
     bw_tbs = h["hbm_bandwidth_bytes_per_s"] / 1e12
     lines: List[str] = []
     head = (f"roofline plan: {m['name']} on {h['name']}"
-            f" (TP={i['tp']}, weights {i['weight_dtype']}, KV {i['kv_dtype']}, block {i['block_size']})")
+            f" (TP={i['tp']}{', PP=' + str(i['pp']) if i.get('pp', 1) > 1 else ''}, weights {i['weight_dtype']}, KV {i['kv_dtype']}, block {i['block_size']})")
     lines.append(head)
     lines.append("=" * len(head))
     attn = m["attention"].upper()
@@ -96,6 +96,21 @@ def render_table(plan: Plan) -> str:
         ("prefill_ms", f"{r['prefill_ms']:.2f}", f"{r['prefill_bound']}-bound at peak, "
                                                    f"intensity {r['prefill_intensity_flops_per_byte']:.0f}"),
     ]
+    pipe = r.get("pipeline")
+    if pipe is not None:
+        rows.append(("", f"Pipeline: {pipe['pp']} stages, {pipe['microbatches']} batches in flight", ""))
+        for s in pipe["stages"]:
+            rows.append((f"stage {s['stage']}", fmt_bytes(s["weight_bytes"]),
+                         f"layers {s['layers'][0]}..{s['layers'][1] - 1}, KV {fmt_bytes(s['kv_bytes_per_token'])}/token, "
+                         f"{s['kv_blocks']:,} blocks"))
+        rows += [
+            ("bubble_fraction", f"{pipe['bubble_fraction']:.3f}", "(pp - 1) / (m + pp - 1)"),
+            ("activations_per_decode", fmt_bytes(pipe["activation_bytes_per_decode_step"]),
+             f"between stages, batch {i['batch']} (hidden + residual)"),
+            ("activations_per_chunk", fmt_bytes(pipe["activation_bytes_per_prefill_chunk"]), "a prefill chunk"),
+            ("pp_decode_tokens_per_s", f"{pipe['decode_tokens_per_s']:,.1f}",
+             f"round of {pipe['microbatches']} batches = {pipe['decode_round_ms']:.3f} ms"),
+        ]
     w0 = max(len(a) for a, _, _ in rows)
     w1 = max(len(b) for a, b, _ in rows if a)
     for a, b, c in rows:
