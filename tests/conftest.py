@@ -11,15 +11,15 @@ torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
 
 
 def pytest_addoption(parser):
-    parser.addoption("--engine-core-process", action="store_true", default=False,
-                     help="every AsyncLLM.from_engine_args runs its engine core in a process of its own "
-                          "(the server suite's second mode)")
+    parser.addoption("--engine-core-in-thread", action="store_true", default=False,
+                     help="every AsyncLLM.from_engine_args runs its engine core in a thread of the test process "
+                          "(the server suite's second mode; the default is a process of its own)")
 
 
 @pytest.fixture(scope="session", autouse=True)
-def engine_core_process_mode(request):
-    """With --engine-core-process, servers built from EngineArgs drive an EngineCoreClient."""
-    if not request.config.getoption("--engine-core-process"):
+def engine_core_in_thread_mode(request):
+    """With --engine-core-in-thread, servers built from EngineArgs drive an in-process EngineCore."""
+    if not request.config.getoption("--engine-core-in-thread"):
         yield False
         return
     import dataclasses
@@ -28,10 +28,10 @@ def engine_core_process_mode(request):
 
     original = AsyncLLM.__dict__["from_engine_args"]
 
-    def in_own_process(cls, engine_args, **kwargs):
-        return original.__func__(cls, dataclasses.replace(engine_args, engine_core_process=True), **kwargs)
+    def in_thread(cls, engine_args, **kwargs):
+        return original.__func__(cls, dataclasses.replace(engine_args, engine_core_process=False), **kwargs)
 
-    AsyncLLM.from_engine_args = classmethod(in_own_process)
+    AsyncLLM.from_engine_args = classmethod(in_thread)
     try:
         yield True
     finally:

@@ -8,6 +8,11 @@ Every step:
   2. swapped requests come back if nothing was preempted this step and the pool has room.
   3. waiting requests are admitted while budget, max_num_seqs and free blocks allow; their
      prompt starts after the longest cached prefix.
+
+Batches in flight (pipeline parallelism): a step may be scheduled before the previous ones have
+returned.  `in_flight` counts, per request, the steps that carry it and have not come back through
+update_from_output; such a request is neither scheduled again (its next token is not known yet) nor
+preempted (a stage may still write its blocks), so no token is ever scheduled twice.
 """
 
 from __future__ import annotations
@@ -87,6 +92,7 @@ class Scheduler:
         self.num_preemptions = 0
         self.step_count = 0
         self.seed = seed
+        self.in_flight: dict[str, int] = {}  # request id -> scheduled steps not yet through update_from_output
 
     # ---- intake -------------------------------------------------------------------------------
     def add_request(self, request: Request) -> None:
@@ -140,10 +146,14 @@ class Scheduler:
         return bool(self.requests)
 
     # ---- the step -----------------------------------------------------------------------------
-    def _victim(self) -> Request:
+    def _victim(self) -> Optional[Request]:
+        """The running request to preempt; None when every one is in a step still in flight."""
+        candidates = [r for r in self.running if r.request_id not in self.in_flight]
+        if not candidates:
+            return None
         if self.config.policy == "priority":
-            return max(self.running, key=lambda r: (r.priority, r.arrival_time))
-        return self.running[-1]
+            return max(candidates, key=lambda r: (r.priority, r.arrival_time))
+        return candidates[-1]
 
     def _preempt(self, victim: Request, scheduled: dict[str, int], swap_out: list) -> int:
         """Take a running request off the device; returns the budget it gave back."""
@@ -189,20 +199,28 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
-            n = self._num_new_tokens(req, budget)
+            n = 0 if req.request_id in self.in_flight else self._num_new_tokens(req, budget)
             if n <= 0:
                 i += 1
                 continue
+            fits = True
             while self.kv.allocate_slots(req, n) is None:
                 if self._release_waiting_holder(req):
                     continue
                 victim = self._victim()
+                if victim is None:  # the others are all in flight: req waits for a later step
+                    fits = False
+                    preempted_any = True  # the pool is short: admit nobody else this step either
+                    break
                 budget += self._preempt(victim, scheduled, swap_out)
                 preempted_any = True
                 if victim is req:
                     break
             if req.status != RequestStatus.RUNNING:
                 continue  # req itself was preempted; running[i] is now the next one
+            if not fits:
+                i += 1
+                continue
             scheduled[req.request_id] = n
             order.append(req)
             budget -= n
@@ -294,6 +312,8 @@ class Scheduler:
                 )
             )
         finished, self.finished_req_ids = self.finished_req_ids, []
+        for item in items:
+            self.in_flight[item.req_id] = self.in_flight.get(item.req_id, 0) + 1
         return SchedulerOutput(
             step=self.step_count,
             new_requests=new_reqs,
@@ -312,6 +332,10 @@ class Scheduler:
         """
         sampled = dict(zip(result.req_ids, result.sampled_token_ids))
         touched: list[tuple[Request, int]] = []
+        for item in out.scheduled:
+            left = self.in_flight.pop(item.req_id, 1) - 1
+            if left > 0:
+                self.in_flight[item.req_id] = left
         for item in out.scheduled:
             req = self.requests.get(item.req_id)
             if req is None or req.status != RequestStatus.RUNNING:

@@ -67,6 +67,15 @@ def recv_from_prev_stage(num_tokens: int, hidden_size: int, dtype: torch.dtype,
     return buf[0], buf[1]
 
 
+def new_output_group(output_rank: int):
+    """The gloo group of rank 0 and the last stage's driver, for step outputs (created by every rank)."""
+    import torch.distributed as dist
+
+    from roofline.distributed.parallel_state import CONTROL_TIMEOUT
+
+    return dist.new_group([0, output_rank], backend="gloo", timeout=CONTROL_TIMEOUT)
+
+
 def last_stage_driver() -> int:
     """Global rank that returns a step's ModelRunnerOutput to rank 0: the last stage's first TP rank."""
     from roofline.distributed.parallel_state import get_layout

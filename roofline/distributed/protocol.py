@@ -112,7 +112,6 @@ reply_decoder = msgspec.msgpack.Decoder(Reply)
 spec_decoder = msgspec.msgpack.Decoder(WorkerSpec)
 bootstrap_decoder = msgspec.msgpack.Decoder(Bootstrap)
 status_decoder = msgspec.msgpack.Decoder(RankStatus)
-runner_output_decoder = msgspec.msgpack.Decoder(ModelRunnerOutput)  # last pipeline stage -> rank 0
 
 
 def encode_bootstrap(config: EngineConfig) -> bytes:

@@ -4,6 +4,11 @@ step():  Scheduler.schedule() -> Executor.execute() -> Scheduler.update_from_out
          -> OutputProcessor (detokenize, stop strings) -> RequestOutputs.
 Not thread-safe: call it from one thread (the async server runs it in its own loop thread).
 
+Batches in flight (pipeline parallelism): with an executor that takes several steps at once
+(max_batches_in_flight > 1), step() first fills the pipeline -- schedules and submits steps while
+fewer than that many are out and the scheduler finds work (requests in a step still in flight are
+skipped, see Scheduler) -- then collects the oldest step's output and processes it as usual.
+
 Fault isolation: an exception caused by one request fails that request alone (FINISHED_ERROR: its
 blocks freed, its output carrying the error) and the engine serves the rest.  Per-request failures
 the workers detect come back in ModelRunnerOutput.failed; any other exception from a step (except
@@ -98,6 +103,7 @@ class EngineCore:
                                                   config.parallel_config.tensor_parallel_size,
                                                   config.observability_config.roofline_hardware)
         self._step_records: deque[StepRoofline] = deque(maxlen=STEP_RECORDS_KEPT)
+        self._in_flight: deque[tuple[SchedulerOutput, float]] = deque()  # submitted, not collected (oldest first)
         logger.info("engine ready in %.1f s: %s, max_model_len=%d, %d KV blocks",
                     time.monotonic() - t0, mc.served_model_name, mc.max_model_len, num_blocks)
 
@@ -205,7 +211,7 @@ class EngineCore:
                 self._end_group(gid, RequestStatus.FINISHED_ERROR, error)
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished_requests() or bool(self.pending_outputs)
+        return self.scheduler.has_unfinished_requests() or bool(self.pending_outputs) or bool(self._in_flight)
 
     def get_num_unfinished_requests(self) -> int:
         return len(self.group_children)
@@ -222,16 +228,49 @@ class EngineCore:
     def step(self) -> list[RequestOutput]:
         if self.structured_output.pending:
             self._structured_output_intake()
+        if self.executor.max_batches_in_flight > 1:
+            return self._step_pipelined()
         if not self.scheduler.has_unfinished_requests():
             outputs, self.pending_outputs = self.pending_outputs, []
             return outputs
         t_start = time.perf_counter()
+        sched_out = self._schedule()
+        return self._finish_step(sched_out, self._execute_isolating(sched_out), t_start)
+
+    def _schedule(self) -> SchedulerOutput:
         sched_out = self.scheduler.schedule()
         self.structured_output.attach_bitmask(sched_out, self.scheduler.requests)
         now = time.monotonic()
         for item in sched_out.scheduled:
             self.output_processor.mark_scheduled(item.req_id, now)
-        result = self._execute_isolating(sched_out)
+        return sched_out
+
+    def _step_pipelined(self) -> list[RequestOutput]:
+        """Fill the pipeline up to max_batches_in_flight steps, then finish the oldest one."""
+        while len(self._in_flight) < self.executor.max_batches_in_flight and self.scheduler.has_unfinished_requests():
+            t_start = time.perf_counter()
+            out = self._schedule()
+            if not (out.scheduled or out.finished_req_ids or out.blocks_to_copy or out.blocks_to_swap_out
+                    or out.blocks_to_swap_in):
+                break  # every runnable request is in flight
+            self.executor.submit(out)
+            self._in_flight.append((out, t_start))
+        if not self._in_flight:
+            outputs, self.pending_outputs = self.pending_outputs, []
+            return outputs
+        sched_out, t_start = self._in_flight.popleft()
+        try:
+            result = self.executor.collect()
+        except ExecutorDeadError:
+            raise
+        except Exception as e:  # the step's requests fail; with steps in flight there is no re-running in halves
+            logger.exception("step %d failed", sched_out.step)
+            result = ModelRunnerOutput(req_ids=[], sampled_token_ids=[], logprobs=[], prompt_logprobs={},
+                                       failed={s.req_id: f"{type(e).__name__}: {e}" for s in sched_out.scheduled})
+        return self._finish_step(sched_out, result, t_start)
+
+    def _finish_step(self, sched_out: SchedulerOutput, result: ModelRunnerOutput, t_start: float) -> list[RequestOutput]:
+        """The step's results into the scheduler, the output processor and RequestOutputs."""
         if result.failed:
             self._fail_requests(result.failed)
         touched = self.scheduler.update_from_output(sched_out, result)

@@ -40,7 +40,8 @@ _HELP = {
     "step_roofline": "live roofline: account each step's bytes and FLOPs against the device's bound "
                      "(/metrics roofline:step_*, /dashboard); --no-step-roofline turns it off",
     "engine_core_process": "server: run the engine core (scheduler, executor, detokenizer) in a process of its "
-                           "own, apart from HTTP and tokenization (messages: msgpack over a socket pair)",
+                           "own, apart from HTTP and tokenization (msgpack over a socket pair); "
+                           "--no-engine-core-process runs it in a thread of the server process",
     "roofline_hardware": "bandwidth/peak for the live roofline: a `roofline plan` preset (h100-sxm, h200, "
                          "a100-80gb, l4) or 'measure'; unset: the matching GPU preset, else measured at start-up",
 }

@@ -27,6 +27,16 @@ class Executor(ABC):
     @abstractmethod
     def execute(self, out: SchedulerOutput) -> ModelRunnerOutput: ...
 
+    # Batches in flight: an executor that takes more than one step at once (pipeline stages) says how
+    # many, and runs submit() / collect() (outputs in submission order) as well as execute().
+    max_batches_in_flight = 1
+
+    def submit(self, out: SchedulerOutput) -> None:
+        raise NotImplementedError(f"{type(self).__name__} runs one step at a time (execute)")
+
+    def collect(self) -> ModelRunnerOutput:
+        raise NotImplementedError(f"{type(self).__name__} runs one step at a time (execute)")
+
     def check_health(self) -> None:
         """Raise if a worker is gone."""
 

@@ -14,6 +14,10 @@ its own; one silent for ROOFLINE_HEARTBEAT_TIMEOUT (5 s), or in the stopped stat
 the same way, mid-step or idle (check_health reads the heartbeats).  A step also has a deadline that
 follows the steps seen so far (10x the slowest recent one, at least 30 s; ROOFLINE_EXECUTE_TIMEOUT caps
 it), for a rank on another node that hangs without its node noticing.
+
+Pipeline parallelism: up to max_batches_in_flight (pipeline_parallel_size) steps are out at once:
+submit() sends a step without waiting, collect() takes the oldest step's output (the last stage
+returns it through rank 0).  execute() is submit() then collect().
 """
 
 from __future__ import annotations
@@ -112,8 +116,10 @@ class MultiprocExecutor(Executor):
         self.world_size = self.layout.world_size
         self._dead: Optional[str] = None
         self._closed = False
-        self._lock = threading.Lock()  # one request in flight at a time
+        self._lock = threading.Lock()  # one message exchange with the ranks at a time
         self._step_times: deque[float] = deque(maxlen=64)
+        self._submitted: deque[float] = deque()  # time.monotonic() of each step not yet collected
+        self.max_batches_in_flight = pc.pipeline_parallel_size
         logger.info("starting %d tensor-parallel ranks on %d node(s) (%s), rendezvous at %s",
                     self.world_size, self.layout.nnodes, self.layout.backend, self.layout.init_method)
         self.ranks = LocalRanks(self.layout, bootstrap=encode_bootstrap(config), show_progress=show_progress,
@@ -177,6 +183,8 @@ class MultiprocExecutor(Executor):
             return reply
 
     def _call(self, method: str, *args, timeout: Optional[float] = None) -> Any:
+        if self._submitted:
+            raise RuntimeError(f"{method}: {len(self._submitted)} step(s) still in flight; collect them first")
         reply = self._request(Call(method, list(args)), timeout if timeout is not None else execute_timeout_s())
         if not isinstance(reply, Result):
             raise self._fail(f"unexpected reply {type(reply).__name__} from rank 0 to {method}")
@@ -202,16 +210,47 @@ class MultiprocExecutor(Executor):
         return min(cap, max(STEP_DEADLINE_FLOOR_S, STEP_DEADLINE_FACTOR * max(self._step_times)))
 
     def execute(self, out: SchedulerOutput) -> ModelRunnerOutput:
-        t0 = time.monotonic()
-        reply = self._request(Execute(out), self.step_deadline_s())
-        self._step_times.append(time.monotonic() - t0)
+        self.submit(out)
+        return self.collect()
+
+    def submit(self, out: SchedulerOutput) -> None:
+        with self._lock:
+            self._ensure_usable()
+            try:
+                self.driver.conn.send_bytes(encoder.encode(Execute(out)))
+            except OSError as e:  # rank 0's socket is gone
+                raise self._fail(self.ranks.dead() or f"lost the connection to rank 0: {e}") from None
+            self._submitted.append(time.monotonic())
+
+    def collect(self) -> ModelRunnerOutput:
+        """The output of the oldest step submitted and not yet collected."""
+        with self._lock:
+            self._ensure_usable()
+            if not self._submitted:
+                raise RuntimeError("collect() with no step in flight")
+            # the oldest step may have queued behind the others in the pipeline: its deadline counts from its submission
+            deadline = self.step_deadline_s() * len(self._submitted)
+            try:
+                reply = self.ranks.recv(0, max(deadline - (time.monotonic() - self._submitted[0]), 1.0))
+            except RankFailure as e:
+                raise self._fail(str(e)) from None
+            except KeyboardInterrupt:
+                # the ranks ignore SIGINT and finish their steps: collect this one so the world stays
+                # consistent, then let the interrupt through
+                try:
+                    self.ranks.recv(0, 30.0)
+                    self._submitted.popleft()
+                except BaseException:
+                    self._fail("interrupted while the ranks were running a step")
+                raise
+            self._step_times.append((time.monotonic() - self._submitted.popleft()) / (len(self._submitted) + 1))
         if not isinstance(reply, Output):
             raise self._fail(f"unexpected reply {type(reply).__name__} from rank 0 to execute")
         return reply.out
 
     def check_health(self) -> None:
         self._ensure_usable(in_background=True)
-        if self._lock.acquire(blocking=False):  # no step in flight: read the heartbeats
+        if not self._submitted and self._lock.acquire(blocking=False):  # no step in flight: read the heartbeats
             try:
                 self.ranks.poll()
             except RankFailure as e:
@@ -234,6 +273,13 @@ class MultiprocExecutor(Executor):
 
     def reset_collective_counts(self) -> None:
         self._call("reset_collective_counts")
+
+    def stage_busy(self) -> list[list[int]]:
+        """[[busy_us, wall_us] per rank] since the last reset (pipeline bubble = 1 - busy / wall)."""
+        return self._call("stage_busy")
+
+    def reset_stage_busy(self) -> None:
+        self._call("reset_stage_busy")
 
     def rank_info(self) -> list[list[Any]]:
         """[[rank, host, pid] per rank], all nodes."""

@@ -11,6 +11,7 @@ prompt rows of requests that asked for prompt logprobs.
 from __future__ import annotations
 
 import logging
+import time
 from typing import Optional
 
 import numpy as np
@@ -49,6 +50,7 @@ class ModelRunner:
         pp = get_pp_group()
         # pipeline stages: all but the first receive (hidden, residual), all but the last send them on
         self.receives_hidden, self.samples = not pp.is_first_rank, pp.is_last_rank
+        self.stage_wait_s = 0.0  # time spent waiting for the previous stage's hidden states (idle)
 
     @property
     def model_dtype(self) -> torch.dtype:
@@ -209,18 +211,20 @@ class ModelRunner:
             # only the rows read below leave the model (a chunk's earlier rows skip its last layer's MLP)
             wanted = sorted(set(sample_rows).union(*(range(j[1], j[1] + j[2]) for j in prompt_lp_jobs)))
             input_ids, positions, meta = self._prepare(items)
-            intermediate = None
+            stage_input = {}
             if self.receives_hidden:  # [N, d] hidden and residual from the previous pipeline stage
-                intermediate = pipeline.recv_from_prev_stage(qsl[-1], self.model.config.hidden_size,
-                                                             self.model_dtype, self.device)
+                t0 = time.perf_counter()
+                stage_input["intermediate"] = pipeline.recv_from_prev_stage(
+                    qsl[-1], self.model.config.hidden_size, self.model_dtype, self.device)
+                self.stage_wait_s += time.perf_counter() - t0
             if len(wanted) < qsl[-1]:
                 at = {row: i for i, row in enumerate(wanted)}
                 sample_rows = [at[row] for row in sample_rows]
                 prompt_lp_jobs = [(rid, at[row0], n, nxt, k) for rid, row0, n, nxt, k in prompt_lp_jobs]
                 hidden = self.model(input_ids, positions, self.kv_caches, meta,
-                                    torch.tensor(wanted, dtype=torch.int64, device=self.device), intermediate)
+                                    torch.tensor(wanted, dtype=torch.int64, device=self.device), **stage_input)
             else:
-                hidden = self.model(input_ids, positions, self.kv_caches, meta, None, intermediate)  # [N, d]
+                hidden = self.model(input_ids, positions, self.kv_caches, meta, **stage_input)  # [N, d]
             if not self.samples:  # a pipeline stage before the last: hand on (hidden, residual), done
                 pipeline.send_to_next_stage(*hidden)
                 return result

@@ -11,6 +11,12 @@ to its parent.  The life of a rank:
 4. loop: rank 0 reads the next request from the engine and broadcasts its bytes to all ranks; every
    rank runs it (the model's collectives keep them in lock step); rank 0 sends the reply back.
 
+Pipeline parallelism (several steps in flight): rank 0 hands each engine message to every other rank
+with point-to-point sends instead of a broadcast (gloo sends return at once; a broadcast waits for
+every receiver, so rank 0 could not take step n+1 while a later stage still runs step n); the last
+stage's first TP rank sends each step's Output to rank 0 on a group of their own, and a thread of
+rank 0 forwards it to the engine as it comes.
+
 Any error after start-up is sent to the parent as a Failure and the process exits: a tensor-parallel
 world cannot continue without one of its ranks.
 """
@@ -57,7 +63,6 @@ from roofline.distributed.protocol import (
     decode_hf_config,
     encoder,
     request_decoder,
-    runner_output_decoder,
     spec_decoder,
     status_decoder,
 )
@@ -103,6 +108,9 @@ class WorkerProc:
         self.config = None
         self.send_lock = threading.Lock()  # the heartbeat thread shares the connection
         self.output_rank = 0
+        self.output_group = None  # pipeline: rank 0 and the last stage's driver
+        self.execute_s = 0.0  # time in Worker.execute since busy_since (pipeline bubble accounting)
+        self.busy_since = time.perf_counter()
 
     # ---- start-up ------------------------------------------------------------------------------
     def startup(self) -> None:
@@ -116,6 +124,10 @@ class WorkerProc:
         layout = self._exchange_status(self._layout, boot)
         init_model_parallel(layout)
         self.output_rank = pipeline.last_stage_driver()  # who holds a step's sampled tokens
+        if self.output_rank != 0:
+            self.output_group = pipeline.new_output_group(self.output_rank)  # collective: every rank
+            if self.rank == 0:
+                threading.Thread(target=self.forward_outputs, name="pp-outputs", daemon=True).start()
         self._exchange_status(self._build, boot)
         self._send(Ready(self.rank, f"rank {self.rank} on {socket.gethostname()} pid {os.getpid()}"))
 
@@ -180,28 +192,47 @@ class WorkerProc:
                 return
             time.sleep(HEARTBEAT_INTERVAL_S)
 
-    def serve(self) -> None:
-        shutdown_bytes = encoder.encode(Shutdown())
+    def forward_outputs(self) -> None:
+        """Rank 0, pipeline: the last stage's Outputs to the engine, in step order, as they come."""
         while True:
-            data = None
-            if self.rank == 0:
-                try:
-                    data = self.conn.recv_bytes()
-                except (EOFError, OSError):  # the engine is gone: take every rank down with us
-                    logger.warning("rank 0 lost its engine connection; shutting down the world")
-                    data = shutdown_bytes
-            data = comm.broadcast_bytes(data, 0)
-            msg = request_decoder.decode(data)
+            try:
+                data = comm.recv_bytes(self.output_rank, self.output_group)
+            except Exception:  # the last stage is gone; the engine hears of it from that rank's parent
+                logger.warning("rank 0 lost the last pipeline stage's output link")
+                return
+            with self.send_lock:
+                self.conn.send_bytes(data)
+
+    def _next_message(self) -> bytes:
+        """The engine's next message, on every rank (rank 0 reads it from the engine)."""
+        data = None
+        if self.rank == 0:
+            try:
+                data = self.conn.recv_bytes()
+            except (EOFError, OSError):  # the engine is gone: take every rank down with us
+                logger.warning("rank 0 lost its engine connection; shutting down the world")
+                data = encoder.encode(Shutdown())
+        if self.output_rank == 0:
+            return comm.broadcast_bytes(data, 0)
+        if self.rank == 0:  # pipeline: sends, which do not wait for the later stages (see the module doc)
+            for r in range(1, self.spec.world_size):
+                comm.send_bytes(data, r)
+            return data
+        return comm.recv_bytes(0)
+
+    def serve(self) -> None:
+        while True:
+            msg = request_decoder.decode(self._next_message())
             if isinstance(msg, Shutdown):
                 return
             if isinstance(msg, Execute):
+                t0 = time.perf_counter()
                 out = self.worker.execute(msg.out)
-                if self.output_rank != 0:  # pipeline: the last stage sampled; rank 0 answers the engine
+                self.execute_s += time.perf_counter() - t0
+                if self.output_rank != 0:  # pipeline: the last stage sampled; rank 0 forwards its Output
                     if self.rank == self.output_rank:
-                        comm.send_bytes(encoder.encode(out), 0)
-                    elif self.rank == 0:
-                        out = runner_output_decoder.decode(comm.recv_bytes(self.output_rank))
-                if self.rank == 0:
+                        comm.send_bytes(encoder.encode(Output(out)), 0, self.output_group)
+                elif self.rank == 0:
                     self._send(Output(out))
             elif isinstance(msg, Call):
                 fn = getattr(self, "rpc_" + msg.method, None)
@@ -227,6 +258,20 @@ class WorkerProc:
 
     def rpc_reset_collective_counts(self) -> None:
         reset_collective_counts()
+
+    def rpc_stage_busy(self) -> list[list[int]]:
+        """[[busy_us, wall_us] per rank] since the last reset: busy = executing steps, less the time spent
+        waiting for the previous pipeline stage (1 - busy / wall is the rank's bubble)."""
+        runner = self.worker.runner
+        busy = self.execute_s - (runner.stage_wait_s if runner is not None else 0.0)
+        wall = time.perf_counter() - self.busy_since
+        return comm.all_gather_ints([int(busy * 1e6), int(wall * 1e6)])
+
+    def rpc_reset_stage_busy(self) -> None:
+        self.execute_s = 0.0
+        if self.worker.runner is not None:
+            self.worker.runner.stage_wait_s = 0.0
+        self.busy_since = time.perf_counter()
 
     def rpc_rank_info(self) -> list[list[Any]]:
         info = msgspec.msgpack.encode([self.rank, socket.gethostname(), os.getpid()])

@@ -5,12 +5,15 @@ each physical slot (copies and swaps included).  Each step checks that every sch
 block table holds exactly its own tokens at positions 0..S-1 (so prefix hits, copy-on-write and
 swapping are right), and the invariants: refcounts never negative, no block both free and in use,
 budgets never exceeded.  At the end every request has finished, its output equals an
-unconstrained reference run, and every block is back in the pool.
+unconstrained reference run, and every block is back in the pool.  With batches in flight (depth > 1,
+as under pipeline parallelism) steps are scheduled before the earlier ones return: no request is in
+two steps at once (so no token is scheduled twice), and the same invariants hold.
 """
 
 from __future__ import annotations
 
 import random
+from collections import deque
 
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -80,7 +83,10 @@ def check_pool_invariants(sched: Scheduler) -> None:
         assert b.block_hash == h
 
 
-def run(requests_spec, block_size, num_blocks, budget, max_seqs, caching, mode, policy="fcfs", abort_at=None):
+def run(requests_spec, block_size, num_blocks, budget, max_seqs, caching, mode, policy="fcfs", abort_at=None,
+        depth=1):
+    """depth: steps in flight at once (each executes on submission, as a pipeline's first stage does,
+    and its output comes back `depth` steps later)."""
     sc = SchedulerConfig(max_num_batched_tokens=budget, max_num_seqs=max_seqs, max_model_len=10_000,
                          policy=policy, preemption_mode=mode)
     cc = CacheConfig(block_size=block_size, enable_prefix_caching=caching)
@@ -89,8 +95,9 @@ def run(requests_spec, block_size, num_blocks, budget, max_seqs, caching, mode, 
     dev = SimDevice(num_blocks, num_swap, block_size)
     reqs = []
     pending = list(enumerate(requests_spec))
+    in_flight: deque = deque()
     step = 0
-    while pending or sched.has_unfinished_requests():
+    while pending or sched.has_unfinished_requests() or in_flight:
         # requests arrive over time
         while pending and pending[0][1][2] <= step:
             i, (prompt, max_tokens, _arrival, prio, n) = pending.pop(0)
@@ -106,9 +113,15 @@ def run(requests_spec, block_size, num_blocks, budget, max_seqs, caching, mode, 
         out = sched.schedule()
         assert out.total_num_scheduled_tokens <= budget
         assert len(sched.running) <= max_seqs
+        busy = {item.req_id for o, _ in in_flight for item in o.scheduled}
+        assert not busy & {item.req_id for item in out.scheduled}, "a request scheduled while in flight"
         check_pool_invariants(sched)
-        res = dev.execute(sched, out)
-        sched.update_from_output(out, res)
+        if out.scheduled or out.blocks_to_swap_out or out.blocks_to_swap_in or out.blocks_to_copy:
+            in_flight.append((out, dev.execute(sched, out)))
+        while in_flight and (len(in_flight) >= depth or not out.scheduled):
+            sched.update_from_output(*in_flight.popleft())
+            if not out.scheduled:
+                break  # one step back, then schedule again
         check_pool_invariants(sched)
         if abort_at is not None and step == abort_at and reqs:
             sched.finish_requests([reqs[0].request_id], RequestStatus.FINISHED_ABORTED)
@@ -166,6 +179,36 @@ def test_scheduler_invariants(specs, block_size, budget, max_seqs, caching, mode
 def test_abort_returns_blocks(specs, abort_at):
     longest = max(len(p) + m for p, m, *_ in specs)
     run(specs, 4, -(-longest // 4) + 2, 32, 4, True, "recompute", abort_at=abort_at)
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(specs=request_specs(True), block_size=st.sampled_from([1, 4, 16]), budget=st.integers(4, 64),
+       max_seqs=st.integers(1, 6), caching=st.booleans(), mode=st.sampled_from(["recompute", "swap"]),
+       depth=st.integers(2, 4), abort_at=st.one_of(st.none(), st.integers(0, 10)), data=st.data())
+def test_batches_in_flight(specs, block_size, budget, max_seqs, caching, mode, depth, abort_at, data):
+    longest = max(len(p) + m for p, m, *_ in specs)
+    min_blocks = -(-longest // block_size) + 2
+    num_blocks = data.draw(st.integers(min_blocks, min_blocks * 4))
+    sched = run(specs, block_size, num_blocks, budget, max_seqs, caching, mode, abort_at=abort_at, depth=depth)
+    assert not sched.in_flight
+
+
+def test_in_flight_requests_are_skipped_then_resume():
+    sc = SchedulerConfig(max_num_batched_tokens=64, max_num_seqs=8, max_model_len=1000)
+    sched = Scheduler(sc, CacheConfig(block_size=4), 64)
+    for i in range(2):
+        sched.add_request(Request(f"r{i}", [1, 2, 3], SamplingParams(max_tokens=4, ignore_eos=True), None, float(i)))
+    first = sched.schedule()
+    assert [s.req_id for s in first.scheduled] == ["r0", "r1"]
+    assert not sched.schedule().scheduled  # both in flight: nothing to schedule, nothing twice
+    sched.add_request(Request("r2", [4, 5], SamplingParams(max_tokens=4, ignore_eos=True), None, 2.0))
+    second = sched.schedule()
+    assert [s.req_id for s in second.scheduled] == ["r2"]  # a newcomer fills the next batch
+    sched.update_from_output(first, ModelRunnerOutput(req_ids=["r0", "r1"], sampled_token_ids=[[7], [8]],
+                                                      logprobs=[None, None], prompt_logprobs={}))
+    third = sched.schedule()
+    assert [(s.req_id, s.token_ids) for s in third.scheduled] == [("r0", [7]), ("r1", [8])]
+    assert sched.in_flight == {"r2": 1, "r0": 1, "r1": 1}
 
 
 def test_small_pool_preempts_and_counts():

@@ -1,6 +1,6 @@
 """Pipeline parallelism end to end on CPU with gloo: stages of layers in their own processes.
 
-Greedy tokens identical to HF at pp=2 and pp=3 (even split and --pp-layer-partition), for a tiny MoE
+Greedy tokens identical to HF at pp=2 and pp=3 (with pp batches in flight) (even split and --pp-layer-partition), for a tiny MoE
 model at pp=2, and for the default SmolLM2 (30 layers) at tp=3 x pp=2 and pp=3 against tp=1; each
 stage's KV pool holds only its layers; every KV block is back after the run; a stage that dies fails
 the in-flight requests with an error naming it, without a hang."""
@@ -53,6 +53,32 @@ def test_greedy_matches_hf(llama4, pp, partition, layers):
         # each stage's pool holds its own layers' K/V only: rank 0's block is its layers' share
         one_layer = LLM(path, **COMMON).llm_engine.executor.block_bytes() // 4
         assert llm.llm_engine.executor.block_bytes() == layers[0] * one_layer
+    finally:
+        llm.llm_engine.shutdown()
+
+
+def test_batches_in_flight_fill_the_pipeline(llama4):
+    """pp=2 keeps two steps in the pipeline when it has two disjoint batches of requests; the output
+    is still HF's, and the stages' busy-time accounting comes back from every rank."""
+    path, hf = llama4
+    llm = LLM(path, pipeline_parallel_size=2, **COMMON)
+    ex = llm.llm_engine.executor
+    depths = []
+    submit = ex.submit
+
+    def recording_submit(out):
+        submit(out)
+        depths.append(len(ex._submitted))
+
+    ex.submit = recording_submit
+    try:
+        assert ex.max_batches_in_flight == 2
+        ex.reset_stage_busy()
+        _greedy_matches_hf(llm, hf, 384, n=6)
+        assert max(depths) == 2
+        busy = ex.stage_busy()
+        assert len(busy) == 2 and all(0 < b <= w for b, w in busy)
+        assert not llm.llm_engine.scheduler.in_flight
     finally:
         llm.llm_engine.shutdown()
 

@@ -193,8 +193,7 @@ class DeepseekModel(nn.Module):
         return list(self.layers)
 
     def forward(self, input_ids, positions, kv_caches, meta: AttentionMetadata,
-                output_rows: Optional[torch.Tensor] = None, intermediate=None):
-        """intermediate: unused (one pipeline stage holds the whole model)."""
+                output_rows: Optional[torch.Tensor] = None):
         x = self.embed_tokens(input_ids)
         residual = None
         cos_sin = self.layers[0].self_attn.rotary.cos_sin(positions, x.dtype) if self.layers else None

@@ -220,7 +220,8 @@ class LlamaForCausalLM(nn.Module):
 
     def forward(self, input_ids, positions, kv_caches, meta, output_rows: Optional[torch.Tensor] = None,
                 intermediate: Optional[tuple[torch.Tensor, torch.Tensor]] = None):
-        return self.model(input_ids, positions, kv_caches, meta, output_rows, intermediate)
+        stage_input = {} if intermediate is None else {"intermediate": intermediate}  # pipeline stages after the first
+        return self.model(input_ids, positions, kv_caches, meta, output_rows, **stage_input)
 
     def kv_cache_specs(self) -> list[kv_spec.KVCacheSpec]:
         """What each of this stage's layers caches, in layer order (the worker sizes and allocates the
