@@ -54,14 +54,62 @@ class SchedulerConfig:
     max_waiting_requests: Optional[int] = None
 
 
+ALL2ALL_BACKENDS = ("all_to_all", "allgather_reducescatter")
+
+
+@dataclass
+class EPLBConfig:
+    """Expert-parallel load balancing (--eplb-config JSON, vLLM's names)."""
+
+    window_size: int = 1000  # steps of per-expert token counts the rebalance looks at
+    step_interval: int = 3000  # steps between rebalances
+    num_redundant_experts: int = 0  # extra physical expert slots per MoE layer, given to hot experts
+    log_balancedness: bool = False  # log mean/max tokens per rank per layer at every rebalance
+
+    @classmethod
+    def from_json(cls, text: Optional[str]) -> "EPLBConfig":
+        import json
+
+        if not text:
+            return cls()
+        try:
+            d = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"eplb_config is not valid JSON: {e}") from None
+        if not isinstance(d, dict):
+            raise ValueError("eplb_config must be a JSON object")
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(d) - known)
+        if unknown:
+            raise ValueError(f"eplb_config: unknown field(s) {unknown}; known: {sorted(known)}")
+        cfg = cls(**d)
+        for name in ("window_size", "step_interval"):
+            if not isinstance(getattr(cfg, name), int) or getattr(cfg, name) <= 0:
+                raise ValueError(f"eplb_config.{name} must be a positive integer, got {getattr(cfg, name)!r}")
+        if not isinstance(cfg.num_redundant_experts, int) or cfg.num_redundant_experts < 0:
+            raise ValueError(f"eplb_config.num_redundant_experts must be an integer >= 0, "
+                             f"got {cfg.num_redundant_experts!r}")
+        return cfg
+
+
 @dataclass
 class ParallelConfig:
     tensor_parallel_size: int = 1
+    pipeline_parallel_size: int = 1
+    data_parallel_size: int = 1
+    enable_expert_parallel: bool = False  # MoE layers: whole experts spread over DP x TP ranks
+    all2all_backend: str = "all_to_all"  # expert-parallel dispatch/combine: see ALL2ALL_BACKENDS
+    enable_eplb: bool = False
+    eplb: EPLBConfig = field(default_factory=EPLBConfig)
     nnodes: int = 1
     node_rank: int = 0
     master_addr: str = "127.0.0.1"
     master_port: Optional[int] = None
     distributed_backend: Optional[str] = None  # gloo on CPU, nccl on CUDA when None
+
+    @property
+    def world_size(self) -> int:
+        return self.data_parallel_size * self.pipeline_parallel_size * self.tensor_parallel_size
 
 
 @dataclass
@@ -126,6 +174,12 @@ class EngineArgs:
     max_waiting_requests: Optional[int] = None
     # parallel
     tensor_parallel_size: int = 1
+    pipeline_parallel_size: int = 1
+    data_parallel_size: int = 1
+    enable_expert_parallel: bool = False
+    all2all_backend: str = "all_to_all"
+    enable_eplb: bool = False
+    eplb_config: Optional[str] = None
     nnodes: int = 1
     node_rank: int = 0
     master_addr: str = "127.0.0.1"
@@ -165,8 +219,20 @@ class EngineArgs:
             errors.append(f"scheduling_policy must be 'fcfs' or 'priority', got {self.scheduling_policy!r}")
         if self.preemption_mode not in ("recompute", "swap"):
             errors.append(f"preemption_mode must be 'recompute' or 'swap', got {self.preemption_mode!r}")
-        if self.tensor_parallel_size <= 0:
-            errors.append(f"tensor_parallel_size must be positive, got {self.tensor_parallel_size}")
+        for name in ("tensor_parallel_size", "pipeline_parallel_size", "data_parallel_size"):
+            if getattr(self, name) <= 0:
+                errors.append(f"{name} must be positive, got {getattr(self, name)}")
+        if self.all2all_backend not in ALL2ALL_BACKENDS:
+            errors.append(f"all2all_backend must be one of {', '.join(ALL2ALL_BACKENDS)}, got {self.all2all_backend!r}")
+        if self.enable_eplb and not self.enable_expert_parallel:
+            errors.append("enable_eplb needs enable_expert_parallel")
+        try:
+            eplb = EPLBConfig.from_json(self.eplb_config)
+        except (TypeError, ValueError) as e:
+            errors.append(str(e))
+        if self.pipeline_parallel_size != 1:
+            errors.append(f"pipeline_parallel_size must be 1 (pipeline parallelism is not served yet), "
+                          f"got {self.pipeline_parallel_size}")
         if self.swap_space < 0:
             errors.append(f"swap_space must be >= 0, got {self.swap_space}")
         if self.max_num_batched_tokens is not None and self.max_num_batched_tokens <= 0:
@@ -211,6 +277,12 @@ class EngineArgs:
         )
         parallel_config = ParallelConfig(
             tensor_parallel_size=self.tensor_parallel_size,
+            pipeline_parallel_size=self.pipeline_parallel_size,
+            data_parallel_size=self.data_parallel_size,
+            enable_expert_parallel=self.enable_expert_parallel,
+            all2all_backend=self.all2all_backend,
+            enable_eplb=self.enable_eplb,
+            eplb=eplb,
             nnodes=self.nnodes,
             node_rank=self.node_rank,
             master_addr=self.master_addr,

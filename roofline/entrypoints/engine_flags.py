@@ -18,7 +18,18 @@ _HELP = {
     "scheduling_policy": "fcfs | priority",
     "attention_backend": "auto | torch | cpu | triton",
     "tensor_parallel_size": "ranks (processes, one device each) to split every layer over, across all nodes",
-    "nnodes": "machines taking part (torchrun-style); each runs tensor_parallel_size/nnodes ranks",
+    "pipeline_parallel_size": "pipeline stages (world = data x pipeline x tensor parallel ranks); 1 for now",
+    "data_parallel_size": "replicas of the tensor-parallel group; their MoE layers run expert-parallel "
+                          "together with --enable-expert-parallel",
+    "enable_expert_parallel": "MoE layers hold whole experts, spread over the data x tensor parallel ranks, "
+                              "tokens sent to them and back (all-to-all)",
+    "all2all_backend": "expert-parallel token exchange: all_to_all (all_to_all_single: each token to its "
+                       "experts' ranks and back) | allgather_reducescatter (every rank sees every token)",
+    "enable_eplb": "expert-parallel load balancing: replicate hot experts and move experts between ranks "
+                   "while serving (needs --enable-expert-parallel)",
+    "eplb_config": 'EPLB settings as JSON: {"window_size": 1000, "step_interval": 3000, '
+                   '"num_redundant_experts": 0, "log_balancedness": false}',
+    "nnodes": "machines taking part (torchrun-style); each runs world_size/nnodes ranks",
     "node_rank": "this machine's index in [0, nnodes); node 0 runs the engine, others `roofline worker`",
     "master_addr": "address of node 0, where rank 0 hosts the rendezvous",
     "master_port": "rendezvous port on node 0 (a free one on one node; 29500 when unset with nnodes > 1)",
