@@ -371,6 +371,8 @@ class Scheduler:
         """
         sampled = dict(zip(result.req_ids, result.sampled_token_ids))
         drafts = dict(zip(result.req_ids, result.draft_token_ids))
+        if out.num_tokens_to_propose and self.draft_length_policy is not None:
+            self.draft_length_policy.observe_proposals(len(result.req_ids), sum(1 for d in result.draft_token_ids if d))
         touched: list[tuple[Request, int]] = []
         for item in out.scheduled:
             req = self.requests.get(item.req_id)

@@ -32,6 +32,7 @@ from roofline.outputs import RequestOutput
 from roofline.sampling_params import SamplingParams
 from roofline.spec_decode.draft_length import DraftLengthPolicy, roofline_step_time
 from roofline.spec_decode.proposer import MODEL_BASED_METHODS
+from roofline.spec_decode.stats import SpecDecodeStats
 from roofline.structured_output.manager import StructuredOutputManager
 
 logger = logging.getLogger(__name__)
@@ -56,6 +57,7 @@ class EngineStats:
     generation_tokens: int
     # live roofline: the steps since the previous snapshot (oldest first; empty when switched off)
     step_roofline: list[StepRoofline] = field(default_factory=list)
+    spec_decode: Optional[SpecDecodeStats] = None  # speculative decoding counters (cumulative), when on
 
 
 # steps kept for the next get_stats() (a caller that never asks keeps only the latest ones)
@@ -288,6 +290,9 @@ class EngineCore:
                 outputs.append(out)
                 if out.finished:
                     self.group_children.pop(gid, None)
+        policy = self.scheduler.draft_length_policy
+        if policy is not None:
+            policy.observe_step(sched_out.total_num_scheduled_tokens, time.perf_counter() - t_start)
         if self.step_roofline is not None and sched_out.scheduled and self.config.observability_config.step_roofline:
             self._step_records.append(self.step_roofline.account(
                 sched_out.scheduled, time.perf_counter() - t_start, now, self.scheduler.kv.pool.usage()))
@@ -331,6 +336,7 @@ class EngineCore:
             prefix_cache_queries=s.prefix_cache_queries, prefix_cache_hits=s.prefix_cache_hits,
             num_preemptions=s.num_preemptions, prompt_tokens=self.prompt_tokens,
             generation_tokens=self.generation_tokens, step_roofline=self._drain_step_records(),
+            spec_decode=s.spec_decode.copy() if s.spec_decode is not None else None,
         )
 
     def _drain_step_records(self) -> list[StepRoofline]:

@@ -9,7 +9,9 @@ share of the step and pays only if it is accepted often enough.  Per step we tak
     k* = argmax_k  num_decodes * (1 + f * (E(k) - 1)) / T(other + num_decodes * (1 + f * k))
 
 with T(n) the planner's step-time estimate for n tokens (cost_model: max(bytes / BW, FLOPs / F) over
-the step's tokens, plus the engine's own per-step overhead), a the running acceptance rate and f the
+the step's tokens) scaled by the measured ratio of real step time to that bound for steps of about n
+tokens (StepTimeModel: the bound alone leaves out the per-step framework cost and rests on start-up
+probes of bandwidth and FLOP/s that a shared machine makes noisy), a the running acceptance rate and f the
 running share of decodes that had a proposal at all (prompt lookup often finds none).
 a is estimated as accepted / (accepted + rejections), the maximum-likelihood estimate for run lengths
 of independent acceptances, with exponential forgetting so that it follows the workload.
@@ -20,14 +22,15 @@ from __future__ import annotations
 from typing import Callable, Optional
 
 DECAY = 0.98  # per observation: about the last 50 verifying request-steps weigh
+TIE = 1e-3  # rates this close count as equal
 PRIOR_ACCEPTED, PRIOR_REJECTED = 2.0, 1.0  # a ~ 0.67 until measured: speculate at first
 
 
 class DraftLengthPolicy:
     def __init__(self, max_k: int, step_time: Optional[Callable[[int], float]] = None) -> None:
-        """step_time(num_tokens) -> seconds; None: always max_k (no cost model, or adaptivity off)."""
+        """step_time(num_tokens) -> seconds, the bound; None: always max_k (adaptivity off)."""
         self.max_k = max_k
-        self.step_time = step_time
+        self.step_time = StepTimeModel(step_time) if step_time is not None else None
         self.accepted = PRIOR_ACCEPTED
         self.rejected = PRIOR_REJECTED
         self.asked = 1.0  # decodes asked for a proposal (decayed)
@@ -44,6 +47,11 @@ class DraftLengthPolicy:
     def observe(self, num_drafts: int, num_accepted: int) -> None:
         self.accepted = self.accepted * DECAY + num_accepted
         self.rejected = self.rejected * DECAY + (1 if num_accepted < num_drafts else 0)
+
+    def observe_step(self, num_tokens: int, seconds: float) -> None:
+        """A finished step's size and measured wall time (calibrates T)."""
+        if self.step_time is not None:
+            self.step_time.observe(num_tokens, seconds)
 
     def observe_proposals(self, num_asked: int, num_with_drafts: int) -> None:
         if num_asked:
@@ -63,9 +71,44 @@ class DraftLengthPolicy:
         for k in range(self.max_k + 1):
             gain = b * (1.0 + f * (self.expected_tokens(k) - 1.0))
             rate = gain / self.step_time(other_tokens + int(round(b * (1.0 + f * k))))
-            if rate > best * (1.0 + 1e-9):
+            if rate > best * (1.0 + TIE):  # a longer draft must pay for itself
                 best_k, best = k, rate
         return best_k
+
+
+class StepTimeModel:
+    """T(n) = ratio(n) * bound(n): the cost model's bound for n tokens times the measured ratio of real
+    step time to bound, kept per power-of-two bucket of n (an EMA); a bucket not yet seen borrows the
+    ratio of the nearest seen bucket below (above when none is below), 1 before any step."""
+
+    def __init__(self, bound: Callable[[int], float], decay: float = 0.9) -> None:
+        self.bound = bound
+        self.decay = decay
+        self.ratios: dict[int, float] = {}
+
+    @staticmethod
+    def bucket(n: int) -> int:
+        return max(n, 1).bit_length()
+
+    def observe(self, num_tokens: int, seconds: float) -> None:
+        if num_tokens <= 0 or seconds <= 0:
+            return
+        b = self.bucket(num_tokens)
+        r = seconds / self.bound(num_tokens)
+        old = self.ratios.get(b)
+        self.ratios[b] = r if old is None else old * self.decay + r * (1.0 - self.decay)
+
+    def ratio(self, n: int) -> float:
+        b = self.bucket(n)
+        if b in self.ratios:
+            return self.ratios[b]
+        below = [k for k in self.ratios if k < b]
+        if below:
+            return self.ratios[max(below)]
+        return self.ratios[min(self.ratios)] if self.ratios else 1.0
+
+    def __call__(self, n: int) -> float:
+        return self.ratio(n) * self.bound(n)
 
 
 TYPICAL_CONTEXT = 512  # positions each decode attends to, for the estimate (the KV term is minor at small b)

@@ -3,16 +3,17 @@ accepted tokens per draft position).  Plain Python: the scheduler keeps one."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import msgspec
 
 
-@dataclass
-class SpecDecodeStats:
+class SpecDecodeStats(msgspec.Struct):
+    """A msgspec Struct, so that it travels with EngineStats across a process boundary."""
+
     max_k: int
     num_drafts: int = 0  # request-steps that verified at least one draft
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
-    accepted_per_pos: list[int] = field(default_factory=list)  # [max_k]: drafts accepted at position i
+    accepted_per_pos: list[int] = msgspec.field(default_factory=list)  # [max_k]: drafts accepted at position i
 
     def __post_init__(self) -> None:
         if not self.accepted_per_pos:
