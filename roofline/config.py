@@ -125,6 +125,71 @@ class ObservabilityConfig:
     roofline_hardware: Optional[str] = None  # planner preset for the bound; None: GPU preset or measured
 
 
+SPECULATIVE_METHODS = ("ngram", "draft_model", "mtp")
+MAX_SPECULATIVE_TOKENS = 16
+SPECULATIVE_KEYS = ("method", "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max", "model",
+                    "draft_tensor_parallel_size", "adaptive")
+
+
+@dataclass
+class SpeculativeConfig:
+    """Speculative decoding (vLLM's `speculative_config` dict): who proposes and how many tokens."""
+
+    method: str  # ngram | draft_model | mtp
+    num_speculative_tokens: int  # k: the most tokens proposed per request per step
+    prompt_lookup_min: int = 2  # ngram: shortest suffix n-gram matched
+    prompt_lookup_max: int = 5  # ngram: longest suffix n-gram matched (tried first)
+    model: Optional[str] = None  # draft_model: the draft checkpoint
+    draft_tensor_parallel_size: int = 1
+    adaptive: bool = True  # pick k per step from the cost model and the running acceptance rate
+
+    @classmethod
+    def from_dict(cls, d: Any) -> "SpeculativeConfig":
+        """Validate the user's dict; a ValueError names the offending field."""
+        if not isinstance(d, dict):
+            raise ValueError(f"speculative_config must be a dict, got {type(d).__name__}")
+        unknown = sorted(set(d) - set(SPECULATIVE_KEYS))
+        if unknown:
+            raise ValueError(f"speculative_config: unknown field(s) {unknown}; known: {list(SPECULATIVE_KEYS)}")
+        method = d.get("method")
+        if method is None and d.get("model") is not None:
+            method = "draft_model"
+        if method not in SPECULATIVE_METHODS:
+            raise ValueError(f"speculative_config.method must be one of {list(SPECULATIVE_METHODS)}, got {method!r}")
+        k = d.get("num_speculative_tokens")
+        if not _is_int(k) or not 1 <= k <= MAX_SPECULATIVE_TOKENS:
+            raise ValueError(f"speculative_config.num_speculative_tokens must be an integer in "
+                             f"[1, {MAX_SPECULATIVE_TOKENS}], got {k!r}")
+        lo, hi = d.get("prompt_lookup_min"), d.get("prompt_lookup_max")
+        if lo is None and hi is None:
+            lo, hi = cls.prompt_lookup_min, cls.prompt_lookup_max
+        elif lo is None:
+            lo = min(cls.prompt_lookup_min, hi) if _is_int(hi) else hi
+        elif hi is None:
+            hi = max(cls.prompt_lookup_max, lo) if _is_int(lo) else lo
+        if not _is_int(lo) or lo < 1:
+            raise ValueError(f"speculative_config.prompt_lookup_min must be an integer >= 1, got {lo!r}")
+        if not _is_int(hi) or hi < lo:
+            raise ValueError(f"speculative_config.prompt_lookup_max must be an integer >= prompt_lookup_min "
+                             f"({lo}), got {hi!r}")
+        model = d.get("model")
+        if method == "draft_model" and not model:
+            raise ValueError("speculative_config.model is required for method 'draft_model'")
+        if method != "draft_model" and model is not None:
+            raise ValueError(f"speculative_config.model applies to method 'draft_model' only, not {method!r}")
+        dtp = d.get("draft_tensor_parallel_size", 1)
+        if not _is_int(dtp) or dtp < 1:
+            raise ValueError(f"speculative_config.draft_tensor_parallel_size must be an integer >= 1, got {dtp!r}")
+        adaptive = d.get("adaptive", True)
+        if not isinstance(adaptive, bool):
+            raise ValueError(f"speculative_config.adaptive must be true or false, got {adaptive!r}")
+        return cls(method, k, lo, hi, model, dtp, adaptive)
+
+
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
 @dataclass
 class EngineConfig:
     model_config: ModelConfig
@@ -133,6 +198,7 @@ class EngineConfig:
     parallel_config: ParallelConfig
     device_config: DeviceConfig
     observability_config: ObservabilityConfig = field(default_factory=ObservabilityConfig)
+    speculative_config: Optional[SpeculativeConfig] = None
 
 
 def _default_device() -> str:
@@ -191,6 +257,8 @@ class EngineArgs:
     # observability
     step_roofline: bool = True
     roofline_hardware: Optional[str] = None
+    # speculative decoding: vLLM's dict (method, num_speculative_tokens, prompt_lookup_min/max, model, ...)
+    speculative_config: Optional[dict] = None
 
     @classmethod
     def field_names(cls) -> set[str]:
@@ -244,6 +312,17 @@ class EngineArgs:
                 get_hardware(self.roofline_hardware)
             except ValueError as e:
                 errors.append(f"roofline_hardware must be 'measure' or a planner preset: {e}")
+        speculative = None
+        if self.speculative_config is not None:
+            try:
+                speculative = SpeculativeConfig.from_dict(self.speculative_config)
+            except ValueError as e:
+                errors.append(str(e))
+            else:
+                tp = self.tensor_parallel_size
+                if speculative.draft_tensor_parallel_size not in (1, tp):
+                    errors.append(f"speculative_config.draft_tensor_parallel_size must be 1 or "
+                                  f"tensor_parallel_size ({tp}), got {speculative.draft_tensor_parallel_size}")
         if errors:
             raise ValueError("invalid engine arguments: " + "; ".join(errors))
         device = self.device or _default_device()
@@ -293,7 +372,8 @@ class EngineArgs:
             device=device, attention_backend=self.attention_backend, enforce_eager=self.enforce_eager
         )
         observability = ObservabilityConfig(step_roofline=self.step_roofline, roofline_hardware=self.roofline_hardware)
-        return EngineConfig(model_config, cache_config, scheduler_config, parallel_config, device_config, observability)
+        return EngineConfig(model_config, cache_config, scheduler_config, parallel_config, device_config, observability,
+                            speculative)
 
 
 def finalize_lengths(config: EngineConfig, model_max_len: int) -> None:

@@ -30,6 +30,9 @@ from roofline.metrics.step_roofline import StepRoofline, model_for_engine
 from roofline.model_executor.loader.source import load_hf_config, load_tokenizer, resolve_source
 from roofline.outputs import RequestOutput
 from roofline.sampling_params import SamplingParams
+from roofline.spec_decode.draft_length import DraftLengthPolicy, roofline_step_time
+from roofline.spec_decode.proposer import MODEL_BASED_METHODS
+from roofline.spec_decode.stats import SpecDecodeStats
 from roofline.structured_output.manager import StructuredOutputManager
 
 logger = logging.getLogger(__name__)
@@ -54,6 +57,7 @@ class EngineStats:
     generation_tokens: int
     # live roofline: the steps since the previous snapshot (oldest first; empty when switched off)
     step_roofline: list[StepRoofline] = field(default_factory=list)
+    spec_decode: Optional[SpecDecodeStats] = None  # speculative decoding counters (cumulative), when on
 
 
 # steps kept for the next get_stats() (a caller that never asks keeps only the latest ones)
@@ -80,16 +84,8 @@ class EngineCore:
         cc, sc = config.cache_config, config.scheduler_config
         num_swap = int(cc.swap_space * GiB) // self.executor.block_bytes() if sc.preemption_mode == "swap" else 0
         self.executor.init_kv_cache(num_blocks, num_swap)
-        self.scheduler = Scheduler(sc, cc, num_blocks, num_swap, seed=mc.seed)
-        self.kv_capacity_tokens = num_blocks * cc.block_size
-        self.output_processor = OutputProcessor(self.tokenizer)
-        self.structured_output = StructuredOutputManager(self.tokenizer, self.vocab_size)
-        self.pending_outputs: list[RequestOutput] = []
-        self.group_children: dict[str, list[str]] = {}
-        self.prompt_tokens = 0
-        self.generation_tokens = 0
         self.step_roofline = None
-        if config.observability_config.step_roofline:
+        if config.observability_config.step_roofline or config.speculative_config is not None:
             from roofline.worker.worker import resolve_dtype
 
             dev = config.device_config.device
@@ -97,9 +93,29 @@ class EngineCore:
             self.step_roofline = model_for_engine(mc.hf_config, dev, dtype, cc.kv_cache_dtype,
                                                   config.parallel_config.tensor_parallel_size,
                                                   config.observability_config.roofline_hardware)
+        policy, lookahead = self._speculation()
+        self.scheduler = Scheduler(sc, cc, num_blocks, num_swap, seed=mc.seed, draft_length_policy=policy,
+                                   num_lookahead_slots=lookahead)
+        self.kv_capacity_tokens = num_blocks * cc.block_size
+        self.output_processor = OutputProcessor(self.tokenizer)
+        self.structured_output = StructuredOutputManager(self.tokenizer, self.vocab_size)
+        self.pending_outputs: list[RequestOutput] = []
+        self.group_children: dict[str, list[str]] = {}
+        self.prompt_tokens = 0
+        self.generation_tokens = 0
         self._step_records: deque[StepRoofline] = deque(maxlen=STEP_RECORDS_KEPT)
         logger.info("engine ready in %.1f s: %s, max_model_len=%d, %d KV blocks",
                     time.monotonic() - t0, mc.served_model_name, mc.max_model_len, num_blocks)
+
+    def _speculation(self):
+        """Speculative decoding: the scheduler's DraftLengthPolicy (adaptive: the roofline's step-time
+        estimate) and lookahead slots (a model-based proposer writes its drafts' KV there)."""
+        spec = self.config.speculative_config
+        if spec is None:
+            return None, 0
+        step_time = roofline_step_time(self.step_roofline) if spec.adaptive else None
+        lookahead = spec.num_speculative_tokens if spec.method in MODEL_BASED_METHODS else 0
+        return DraftLengthPolicy(spec.num_speculative_tokens, step_time), lookahead
 
     @classmethod
     def from_engine_args(cls, args: EngineArgs, show_progress: bool = True) -> "EngineCore":
@@ -253,7 +269,7 @@ class EngineCore:
             self.generation_tokens += k
             lp = lp_by_req.get(req.request_id)
             try:
-                stop = op.process(req, new_tokens, [lp] * k if lp is not None else None, now)
+                stop = op.process(req, new_tokens, lp[:k] if lp is not None else None, now)
             except Exception as e:  # detokenizing this request failed: it alone fails
                 failed[req.request_id] = f"output processing failed: {type(e).__name__}: {e}"
                 continue
@@ -274,7 +290,10 @@ class EngineCore:
                 outputs.append(out)
                 if out.finished:
                     self.group_children.pop(gid, None)
-        if self.step_roofline is not None and sched_out.scheduled:
+        policy = self.scheduler.draft_length_policy
+        if policy is not None:
+            policy.observe_step(sched_out.total_num_scheduled_tokens, time.perf_counter() - t_start)
+        if self.step_roofline is not None and sched_out.scheduled and self.config.observability_config.step_roofline:
             self._step_records.append(self.step_roofline.account(
                 sched_out.scheduled, time.perf_counter() - t_start, now, self.scheduler.kv.pool.usage()))
         return outputs
@@ -317,6 +336,7 @@ class EngineCore:
             prefix_cache_queries=s.prefix_cache_queries, prefix_cache_hits=s.prefix_cache_hits,
             num_preemptions=s.num_preemptions, prompt_tokens=self.prompt_tokens,
             generation_tokens=self.generation_tokens, step_roofline=self._drain_step_records(),
+            spec_decode=s.spec_decode.copy() if s.spec_decode is not None else None,
         )
 
     def _drain_step_records(self) -> list[StepRoofline]:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import typing
 
 from roofline.config import EngineArgs
@@ -36,6 +37,10 @@ _HELP = {
     "distributed_backend": "gloo | nccl for the model's collectives (gloo on CPU, nccl on CUDA when unset)",
     "step_roofline": "live roofline: account each step's bytes and FLOPs against the device's bound "
                      "(/metrics roofline:step_*, /dashboard); --no-step-roofline turns it off",
+    "speculative_config": "speculative decoding as a JSON object, vLLM's keys: method (ngram | draft_model | mtp), "
+                          "num_speculative_tokens, prompt_lookup_min, prompt_lookup_max, model, "
+                          "draft_tensor_parallel_size; and adaptive (true: drafts per step from the cost model), "
+                          "e.g. '{\"method\": \"ngram\", \"num_speculative_tokens\": 4}'",
     "roofline_hardware": "bandwidth/peak for the live roofline: a `roofline plan` preset (h100-sxm, h200, "
                          "a100-80gb, l4) or 'measure'; unset: the matching GPU preset, else measured at start-up",
 }
@@ -47,6 +52,17 @@ def _base_type(tp):
         args = [a for a in typing.get_args(tp) if a is not type(None)]
         return args[0]
     return tp
+
+
+def json_object(text: str) -> dict:
+    """A command-line JSON object (e.g. --speculative-config)."""
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise argparse.ArgumentTypeError(f"not valid JSON: {e}") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"expected a JSON object, got {type(value).__name__}")
+    return value
 
 
 def add_engine_args(parser: argparse.ArgumentParser, skip: tuple[str, ...] = ()) -> None:
@@ -62,7 +78,8 @@ def add_engine_args(parser: argparse.ArgumentParser, skip: tuple[str, ...] = ())
             group.add_argument(*names, dest=f.name, action=argparse.BooleanOptionalAction,
                                default=f.default, help=help_text)
         else:
-            group.add_argument(*names, dest=f.name, type=tp, default=f.default, help=help_text)
+            group.add_argument(*names, dest=f.name, type=json_object if tp is dict else tp, default=f.default,
+                               help=help_text)
 
 
 def engine_args_from(ns: argparse.Namespace, **overrides) -> EngineArgs:

@@ -82,6 +82,35 @@ class PrometheusStatLogger:
         # Cumulative engine counters already exported, so each record() adds only the difference.
         self._last: dict[str, float] = {}
         self._init_step_roofline(reg)
+        self._init_spec_decode(reg)
+
+    def _init_spec_decode(self, reg: CollectorRegistry) -> None:
+        """Speculative decoding counters (vLLM's names): drafts verified, draft tokens, accepted tokens, and
+        accepted tokens per draft position (position 0 = the first draft of a step)."""
+        m = self.model_name
+        self.spec_num_drafts = Counter(PREFIX + "spec_decode_num_drafts", "Request-steps that verified drafts.",
+                                       ["model_name"], registry=reg).labels(m)
+        self.spec_num_draft_tokens = Counter(PREFIX + "spec_decode_num_draft_tokens", "Draft tokens verified.",
+                                             ["model_name"], registry=reg).labels(m)
+        self.spec_num_accepted = Counter(PREFIX + "spec_decode_num_accepted_tokens", "Draft tokens accepted.",
+                                         ["model_name"], registry=reg).labels(m)
+        self.spec_per_pos = Counter(PREFIX + "spec_decode_num_accepted_tokens_per_pos",
+                                    "Draft tokens accepted, by position in the step's drafts.",
+                                    ["model_name", "position"], registry=reg)
+        self._spec_last = None
+
+    def _record_spec_decode(self, spec: Any) -> None:
+        if spec is None:
+            return
+        last = self._spec_last
+        d = spec.minus(last) if last is not None else spec
+        self.spec_num_drafts.inc(d.num_drafts)
+        self.spec_num_draft_tokens.inc(d.num_draft_tokens)
+        self.spec_num_accepted.inc(d.num_accepted_tokens)
+        for pos, n in enumerate(d.accepted_per_pos):
+            if n > 0 or last is None:
+                self.spec_per_pos.labels(self.model_name, str(pos)).inc(n)
+        self._spec_last = spec.copy()
 
     def _init_step_roofline(self, reg: CollectorRegistry) -> None:
         """The live roofline (metrics/step_roofline.py): one observation per engine step."""
@@ -172,6 +201,7 @@ class PrometheusStatLogger:
         self._inc_from_cumulative(self.prompt_tokens, e, "prompt_tokens")
         self._inc_from_cumulative(self.generation_tokens, e, "generation_tokens")
         self._record_steps(getattr(e, "step_roofline", None))
+        self._record_spec_decode(getattr(e, "spec_decode", None))
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -209,6 +209,10 @@ class Worker:
 
         # CUDA, not enforce_eager, triton attention, tp=1: decode steps replay captured graphs
         self.runner.graph_runner = create_graph_runner(self.model, caches, self.config, self.device)
+        if self.config.speculative_config is not None:
+            from roofline.spec_decode.proposer import create_proposer
+
+            self.runner.proposer = create_proposer(self.config.speculative_config)
         total = num_blocks * self.block_bytes()
         logger.info("KV cache: %d blocks x %d tokens = %d tokens, %.3f GiB", num_blocks, bs, num_blocks * bs, total / GiB)
 
