@@ -85,6 +85,7 @@ class EngineConfig:
     parallel_config: ParallelConfig
     device_config: DeviceConfig
     observability_config: ObservabilityConfig = field(default_factory=ObservabilityConfig)
+    kv_transfer_config: Optional[Any] = None  # kv_transfer.config.KVTransferConfig: a KV connector, if any
 
 
 def _default_device() -> str:
@@ -137,6 +138,8 @@ class EngineArgs:
     # observability
     step_roofline: bool = True
     roofline_hardware: Optional[str] = None
+    # KV transfer (prefill/decode disaggregation): vLLM's --kv-transfer-config JSON (or a dict)
+    kv_transfer_config: Optional[str] = None
 
     @classmethod
     def field_names(cls) -> set[str]:
@@ -178,6 +181,17 @@ class EngineArgs:
                 get_hardware(self.roofline_hardware)
             except ValueError as e:
                 errors.append(f"roofline_hardware must be 'measure' or a planner preset: {e}")
+        kv_transfer = None
+        if self.kv_transfer_config is not None:
+            from roofline.kv_transfer.config import KVTransferConfig
+
+            try:
+                kv_transfer = (KVTransferConfig(**self.kv_transfer_config) if isinstance(self.kv_transfer_config, dict)
+                               else KVTransferConfig.from_json(self.kv_transfer_config))
+            except (TypeError, ValueError) as e:
+                errors.append(str(e))
+            if self.tensor_parallel_size > 1 or self.nnodes > 1:
+                errors.append("kv_transfer_config needs tensor_parallel_size 1 (a KV connector serves one pool)")
         if errors:
             raise ValueError("invalid engine arguments: " + "; ".join(errors))
         device = self.device or _default_device()
@@ -221,7 +235,8 @@ class EngineArgs:
             device=device, attention_backend=self.attention_backend, enforce_eager=self.enforce_eager
         )
         observability = ObservabilityConfig(step_roofline=self.step_roofline, roofline_hardware=self.roofline_hardware)
-        return EngineConfig(model_config, cache_config, scheduler_config, parallel_config, device_config, observability)
+        return EngineConfig(model_config, cache_config, scheduler_config, parallel_config, device_config, observability,
+                            kv_transfer)
 
 
 def finalize_lengths(config: EngineConfig, model_max_len: int) -> None:

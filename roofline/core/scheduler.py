@@ -20,6 +20,8 @@ from typing import Iterable, Optional
 from roofline.config import CacheConfig, SchedulerConfig
 from roofline.core.kv_cache_manager import KVCacheManager
 from roofline.core.request import Request, RequestStatus
+from roofline.kv_transfer.base import KVConnectorScheduler
+from roofline.kv_transfer.tracker import KVTransferTracker
 from roofline.core.scheduler_output import (
     ModelRunnerOutput,
     NewRequestData,
@@ -74,6 +76,7 @@ class Scheduler:
         num_blocks: int,
         num_swap_blocks: int = 0,
         seed: int = 0,
+        kv_connector: Optional[KVConnectorScheduler] = None,
     ) -> None:
         self.config = scheduler_config
         self.block_size = cache_config.block_size
@@ -87,6 +90,8 @@ class Scheduler:
         self.num_preemptions = 0
         self.step_count = 0
         self.seed = seed
+        # KV transfer between engines (kv_transfer/): loads in flight, held prefills
+        self.kv_transfer = KVTransferTracker(kv_connector, self.kv) if kv_connector is not None else None
 
     # ---- intake -------------------------------------------------------------------------------
     def add_request(self, request: Request) -> None:
@@ -130,14 +135,15 @@ class Scheduler:
         return done
 
     def _free(self, req: Request) -> None:
-        self.kv.free(req)
+        if self.kv_transfer is None or not self.kv_transfer.keep_blocks(req):
+            self.kv.free(req)
         self.requests.pop(req.request_id, None)
         if req.request_id in self.sent_to_worker:
             self.sent_to_worker.discard(req.request_id)
             self.finished_req_ids.append(req.request_id)
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self.requests)
+        return bool(self.requests) or (self.kv_transfer is not None and self.kv_transfer.busy)
 
     # ---- the step -----------------------------------------------------------------------------
     def _victim(self) -> Request:
@@ -184,6 +190,8 @@ class Scheduler:
         swap_out: list[tuple[int, int]] = []
         swap_in: list[tuple[int, int]] = []
         preempted_any = False
+        if self.kv_transfer is not None:
+            self.kv_transfer.expire_holds()
 
         # 1. running requests, admission order
         i = 0
@@ -241,6 +249,13 @@ class Scheduler:
                 compiling.append(self.waiting.pop(0))
                 continue
             hits, num_hit = self.kv.get_computed_blocks(req) if req.num_computed_tokens == 0 else ([], 0)
+            if self.kv_transfer is not None and req.num_computed_tokens == 0:
+                loading = self.kv_transfer.try_load(req, hits, num_hit)  # the rest of the prompt from elsewhere
+                if loading is False:
+                    break
+                if loading:
+                    self.waiting.pop(0)
+                    continue
             remaining = req.num_tokens - req.num_computed_tokens - num_hit
             if not self.config.enable_chunked_prefill and remaining > budget:
                 break
@@ -284,6 +299,8 @@ class Scheduler:
                     )
                 )
             start = req.num_computed_tokens
+            if self.kv_transfer is not None:
+                self.kv_transfer.on_scheduled(req, start, n)
             items.append(
                 ScheduledRequest(
                     req_id=req.request_id,
@@ -302,6 +319,7 @@ class Scheduler:
             blocks_to_copy=self.kv.take_pending_copies(),
             blocks_to_swap_out=swap_out,
             blocks_to_swap_in=swap_in,
+            kv_connector_metadata=self.kv_transfer.build_meta() if self.kv_transfer is not None else None,
         )
 
     # ---- results ------------------------------------------------------------------------------
@@ -310,6 +328,12 @@ class Scheduler:
 
         Returns (request, number of tokens appended) for requests that got tokens this step.
         """
+        if self.kv_transfer is not None:
+            resumed, failed = self.kv_transfer.process_output(result.kv_connector_output)
+            for req in failed:
+                self._free(req)
+            for req in reversed(resumed):
+                self._enqueue(req, front=True)
         sampled = dict(zip(result.req_ids, result.sampled_token_ids))
         touched: list[tuple[Request, int]] = []
         for item in out.scheduled:
@@ -368,7 +392,7 @@ class Scheduler:
         pool = self.kv.pool
         return SchedulerStats(
             num_running=len(self.running),
-            num_waiting=len(self.waiting) + sum(
+            num_waiting=len(self.waiting) + (len(self.kv_transfer.loading) if self.kv_transfer else 0) + sum(
                 1 for r in self.requests.values() if r.status == RequestStatus.WAITING_FOR_FORK
             ),
             num_swapped=len(self.swapped),

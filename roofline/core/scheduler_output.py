@@ -8,6 +8,8 @@ from typing import Optional
 
 import msgspec
 
+from roofline.kv_transfer.metadata import KVConnectorMetadata, KVConnectorOutput, merge_connector_outputs
+
 
 class SamplingSpec(msgspec.Struct, array_like=True):
     """The part of SamplingParams a worker needs to sample."""
@@ -54,6 +56,7 @@ class SchedulerOutput(msgspec.Struct, array_like=True):
     # structured outputs: the constrained sampling rows' token bitmask (structured_output/bitmask.py)
     grammar_req_ids: list[str] = msgspec.field(default_factory=list)
     grammar_bitmask: Optional[bytes] = None  # int32 [len(grammar_req_ids) x ceil(V/32)], little-endian
+    kv_connector_metadata: Optional[KVConnectorMetadata] = None  # the step's KV transfer plan (kv_transfer/)
 
     @property
     def total_num_scheduled_tokens(self) -> int:
@@ -76,6 +79,7 @@ class ModelRunnerOutput(msgspec.Struct, array_like=True):
     # Requests that failed on the worker (e.g. their sampling state could not be set up): req_id -> error.
     # The engine fails them alone; they sampled nothing this step.
     failed: dict[str, str] = {}
+    kv_connector_output: Optional[KVConnectorOutput] = None  # finished / failed KV transfers (kv_transfer/)
 
 
 def merge_runner_outputs(parts: list[ModelRunnerOutput]) -> ModelRunnerOutput:
@@ -87,6 +91,7 @@ def merge_runner_outputs(parts: list[ModelRunnerOutput]) -> ModelRunnerOutput:
         out.logprobs += p.logprobs
         out.prompt_logprobs.update(p.prompt_logprobs)
         out.failed.update(p.failed)
+    out.kv_connector_output = merge_connector_outputs([p.kv_connector_output for p in parts])
     return out
 
 

@@ -26,6 +26,7 @@ from roofline.core.scheduler import Scheduler
 from roofline.core.scheduler_output import ModelRunnerOutput, SchedulerOutput, merge_runner_outputs
 from roofline.engine.output_processor import OutputProcessor
 from roofline.executor.base import ExecutorDeadError, create_executor
+from roofline.kv_transfer import create_scheduler_connector, request_params
 from roofline.metrics.step_roofline import StepRoofline, model_for_engine
 from roofline.model_executor.loader.source import load_hf_config, load_tokenizer, resolve_source
 from roofline.outputs import RequestOutput
@@ -58,6 +59,8 @@ class EngineStats:
 
 # steps kept for the next get_stats() (a caller that never asks keeps only the latest ones)
 STEP_RECORDS_KEPT = 16384
+# a step with nothing to compute while KV transfers are in flight waits this long before the next poll
+TRANSFER_POLL_S = 0.002
 
 
 class EngineCore:
@@ -80,7 +83,8 @@ class EngineCore:
         cc, sc = config.cache_config, config.scheduler_config
         num_swap = int(cc.swap_space * GiB) // self.executor.block_bytes() if sc.preemption_mode == "swap" else 0
         self.executor.init_kv_cache(num_blocks, num_swap)
-        self.scheduler = Scheduler(sc, cc, num_blocks, num_swap, seed=mc.seed)
+        self.scheduler = Scheduler(sc, cc, num_blocks, num_swap, seed=mc.seed,
+                                   kv_connector=create_scheduler_connector(config))
         self.kv_capacity_tokens = num_blocks * cc.block_size
         self.output_processor = OutputProcessor(self.tokenizer)
         self.structured_output = StructuredOutputManager(self.tokenizer, self.vocab_size)
@@ -140,6 +144,8 @@ class EngineCore:
             )
         if params.structured_outputs is not None and self.tokenizer is None:
             raise ValueError("structured_outputs need the model's tokenizer, and this model has none")
+        if params.kv_transfer_params is not None:
+            request_params(self.scheduler.kv_transfer, params, params.n)
         bad_stop = [t for t in params.stop_token_ids if t >= self.vocab_size]
         if bad_stop:
             raise ValueError(f"stop_token_ids {bad_stop} out of range for a vocabulary of {self.vocab_size}")
@@ -167,6 +173,8 @@ class EngineCore:
                                                            len(reqs))
             for r, g in zip(reqs, grammars):
                 r.grammar = g
+        if params.kv_transfer_params is not None:
+            reqs[0].kv_transfer = request_params(self.scheduler.kv_transfer, params, len(reqs))
         for child in reqs[1:]:
             child.status = RequestStatus.WAITING_FOR_FORK
         reqs[0].forks_pending = reqs[1:]
@@ -235,6 +243,9 @@ class EngineCore:
         if result.failed:
             self._fail_requests(result.failed)
         touched = self.scheduler.update_from_output(sched_out, result)
+        transfers = self.scheduler.kv_transfer
+        if transfers is not None and transfers.failed:
+            self._fail_requests(transfers.take_failed())
         self.structured_output.accept(touched)
         now = time.monotonic()
         op = self.output_processor
@@ -274,6 +285,10 @@ class EngineCore:
                 outputs.append(out)
                 if out.finished:
                     self.group_children.pop(gid, None)
+                    if transfers is not None:
+                        out.kv_transfer_params = transfers.take_result(gid)
+        if not sched_out.scheduled and transfers is not None and transfers.busy:
+            time.sleep(TRANSFER_POLL_S)  # only transfers in flight: poll them without spinning a core
         if self.step_roofline is not None and sched_out.scheduled:
             self._step_records.append(self.step_roofline.account(
                 sched_out.scheduled, time.perf_counter() - t_start, now, self.scheduler.kv.pool.usage()))
@@ -304,6 +319,7 @@ class EngineCore:
                 blocks_to_copy=out.blocks_to_copy if first else [],
                 blocks_to_swap_out=out.blocks_to_swap_out if first else [],
                 blocks_to_swap_in=out.blocks_to_swap_in if first else [],
+                kv_connector_metadata=out.kv_connector_metadata if first else None,
                 grammar_req_ids=out.grammar_req_ids, grammar_bitmask=out.grammar_bitmask)  # rows found by req id
             parts.append(self._execute_isolating(sub))
         return merge_runner_outputs(parts)
