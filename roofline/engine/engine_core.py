@@ -55,6 +55,9 @@ class EngineStats:
     generation_tokens: int
     # live roofline: the steps since the previous snapshot (oldest first; empty when switched off)
     step_roofline: list[StepRoofline] = field(default_factory=list)
+    # KV transfer (kv_transfer/): bytes of KV loaded from / handed to other engines or the storage
+    kv_transfer_bytes_received: int = 0
+    kv_transfer_bytes_sent: int = 0
 
 
 # steps kept for the next get_stats() (a caller that never asks keeps only the latest ones)
@@ -333,6 +336,8 @@ class EngineCore:
             prefix_cache_queries=s.prefix_cache_queries, prefix_cache_hits=s.prefix_cache_hits,
             num_preemptions=s.num_preemptions, prompt_tokens=self.prompt_tokens,
             generation_tokens=self.generation_tokens, step_roofline=self._drain_step_records(),
+            kv_transfer_bytes_received=self.scheduler.kv_transfer.bytes_received if self.scheduler.kv_transfer else 0,
+            kv_transfer_bytes_sent=self.scheduler.kv_transfer.bytes_sent if self.scheduler.kv_transfer else 0,
         )
 
     def _drain_step_records(self) -> list[StepRoofline]:
