@@ -199,6 +199,7 @@ class EngineConfig:
     device_config: DeviceConfig
     observability_config: ObservabilityConfig = field(default_factory=ObservabilityConfig)
     speculative_config: Optional[SpeculativeConfig] = None
+    kv_transfer_config: Optional[Any] = None  # kv_transfer.config.KVTransferConfig: a KV connector, if any
 
 
 def _default_device() -> str:
@@ -259,6 +260,8 @@ class EngineArgs:
     roofline_hardware: Optional[str] = None
     # speculative decoding: vLLM's dict (method, num_speculative_tokens, prompt_lookup_min/max, model, ...)
     speculative_config: Optional[dict] = None
+    # KV transfer (prefill/decode disaggregation): vLLM's --kv-transfer-config JSON (or a dict)
+    kv_transfer_config: Optional[str] = None
 
     @classmethod
     def field_names(cls) -> set[str]:
@@ -323,6 +326,17 @@ class EngineArgs:
                 if speculative.draft_tensor_parallel_size not in (1, tp):
                     errors.append(f"speculative_config.draft_tensor_parallel_size must be 1 or "
                                   f"tensor_parallel_size ({tp}), got {speculative.draft_tensor_parallel_size}")
+        kv_transfer = None
+        if self.kv_transfer_config is not None:
+            from roofline.kv_transfer.config import KVTransferConfig
+
+            try:
+                kv_transfer = (KVTransferConfig(**self.kv_transfer_config) if isinstance(self.kv_transfer_config, dict)
+                               else KVTransferConfig.from_json(self.kv_transfer_config))
+            except (TypeError, ValueError) as e:
+                errors.append(str(e))
+            if self.tensor_parallel_size > 1 or self.nnodes > 1:
+                errors.append("kv_transfer_config needs tensor_parallel_size 1 (a KV connector serves one pool)")
         if errors:
             raise ValueError("invalid engine arguments: " + "; ".join(errors))
         device = self.device or _default_device()
@@ -373,7 +387,7 @@ class EngineArgs:
         )
         observability = ObservabilityConfig(step_roofline=self.step_roofline, roofline_hardware=self.roofline_hardware)
         return EngineConfig(model_config, cache_config, scheduler_config, parallel_config, device_config, observability,
-                            speculative)
+                            speculative, kv_transfer)
 
 
 def finalize_lengths(config: EngineConfig, model_max_len: int) -> None:

@@ -43,6 +43,10 @@ _HELP = {
                           "e.g. '{\"method\": \"ngram\", \"num_speculative_tokens\": 4}'",
     "roofline_hardware": "bandwidth/peak for the live roofline: a `roofline plan` preset (h100-sxm, h200, "
                          "a100-80gb, l4) or 'measure'; unset: the matching GPU preset, else measured at start-up",
+    "kv_transfer_config": "prefill/decode disaggregation, as JSON: {\"kv_connector\": \"SharedStorageConnector\" | "
+                          "\"P2pConnector\", \"kv_role\": \"kv_producer\" | \"kv_consumer\" | \"kv_both\", "
+                          "\"kv_ip\", \"kv_port\", \"kv_load_failure_policy\": \"recompute\" | \"fail\", "
+                          "\"kv_connector_extra_config\": {...}}",
 }
 
 

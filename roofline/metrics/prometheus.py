@@ -75,6 +75,8 @@ class PrometheusStatLogger:
         self.preemptions = counter("num_preemptions", "Requests preempted to free KV blocks.")
         self.prompt_tokens = counter("prompt_tokens", "Prompt tokens processed (prefilled).")
         self.generation_tokens = counter("generation_tokens", "Tokens generated.")
+        self.kv_received = counter("kv_transfer_received_bytes", "KV bytes loaded by the KV connector.")
+        self.kv_sent = counter("kv_transfer_sent_bytes", "KV bytes the KV connector sent or stored.")
         success = Counter(PREFIX + "request_success", "Requests that left the engine, by finish reason.",
                           ["model_name", "finish_reason"], registry=reg)
         self.request_success = {r: success.labels(model_name, r) for r in FINISH_REASONS}
@@ -200,6 +202,8 @@ class PrometheusStatLogger:
         self._inc_from_cumulative(self.preemptions, e, "num_preemptions")
         self._inc_from_cumulative(self.prompt_tokens, e, "prompt_tokens")
         self._inc_from_cumulative(self.generation_tokens, e, "generation_tokens")
+        self._inc_from_cumulative(self.kv_received, e, "kv_transfer_bytes_received")
+        self._inc_from_cumulative(self.kv_sent, e, "kv_transfer_bytes_sent")
         self._record_steps(getattr(e, "step_roofline", None))
         self._record_spec_decode(getattr(e, "spec_decode", None))
 
