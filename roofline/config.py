@@ -96,6 +96,7 @@ class EPLBConfig:
 class ParallelConfig:
     tensor_parallel_size: int = 1
     pipeline_parallel_size: int = 1
+    pp_layer_partition: Optional[str] = None  # "a,b,...": layers per pipeline stage; None: even split
     data_parallel_size: int = 1
     enable_expert_parallel: bool = False  # MoE layers: whole experts spread over DP x TP ranks
     all2all_backend: str = "all_to_all"  # expert-parallel dispatch/combine: see ALL2ALL_BACKENDS
@@ -200,6 +201,9 @@ class EngineConfig:
     observability_config: ObservabilityConfig = field(default_factory=ObservabilityConfig)
     speculative_config: Optional[SpeculativeConfig] = None
     kv_transfer_config: Optional[Any] = None  # kv_transfer.config.KVTransferConfig: a KV connector, if any
+    # the server runs EngineCore in a process of its own (engine/core_process.py), apart from HTTP,
+    # tokenization and detokenization of requests; offline LLM(...) always runs it in-process
+    engine_core_process: bool = False
 
 
 def _default_device() -> str:
@@ -242,6 +246,7 @@ class EngineArgs:
     # parallel
     tensor_parallel_size: int = 1
     pipeline_parallel_size: int = 1
+    pp_layer_partition: Optional[str] = None
     data_parallel_size: int = 1
     enable_expert_parallel: bool = False
     all2all_backend: str = "all_to_all"
@@ -262,6 +267,8 @@ class EngineArgs:
     speculative_config: Optional[dict] = None
     # KV transfer (prefill/decode disaggregation): vLLM's --kv-transfer-config JSON (or a dict)
     kv_transfer_config: Optional[str] = None
+    # server
+    engine_core_process: bool = False
 
     @classmethod
     def field_names(cls) -> set[str]:
@@ -301,9 +308,13 @@ class EngineArgs:
             eplb = EPLBConfig.from_json(self.eplb_config)
         except (TypeError, ValueError) as e:
             errors.append(str(e))
-        if self.pipeline_parallel_size != 1:
-            errors.append(f"pipeline_parallel_size must be 1 (pipeline parallelism is not served yet), "
-                          f"got {self.pipeline_parallel_size}")
+        if self.pp_layer_partition is not None and self.pipeline_parallel_size >= 1:
+            from roofline.distributed.pipeline import parse_partition
+
+            try:
+                parse_partition(self.pp_layer_partition, self.pipeline_parallel_size)
+            except ValueError as e:
+                errors.append(str(e))
         if self.swap_space < 0:
             errors.append(f"swap_space must be >= 0, got {self.swap_space}")
         if self.max_num_batched_tokens is not None and self.max_num_batched_tokens <= 0:
@@ -326,6 +337,9 @@ class EngineArgs:
                 if speculative.draft_tensor_parallel_size not in (1, tp):
                     errors.append(f"speculative_config.draft_tensor_parallel_size must be 1 or "
                                   f"tensor_parallel_size ({tp}), got {speculative.draft_tensor_parallel_size}")
+                if self.pipeline_parallel_size > 1 or self.data_parallel_size > 1:
+                    errors.append("speculative_config needs pipeline_parallel_size 1 and data_parallel_size 1 "
+                                  "(the draft runs beside one tensor-parallel group)")
         kv_transfer = None
         if self.kv_transfer_config is not None:
             from roofline.kv_transfer.config import KVTransferConfig
@@ -335,8 +349,10 @@ class EngineArgs:
                                else KVTransferConfig.from_json(self.kv_transfer_config))
             except (TypeError, ValueError) as e:
                 errors.append(str(e))
-            if self.tensor_parallel_size > 1 or self.nnodes > 1:
-                errors.append("kv_transfer_config needs tensor_parallel_size 1 (a KV connector serves one pool)")
+            if (self.tensor_parallel_size > 1 or self.pipeline_parallel_size > 1 or self.data_parallel_size > 1
+                    or self.nnodes > 1):
+                errors.append("kv_transfer_config needs tensor_parallel_size, pipeline_parallel_size and "
+                              "data_parallel_size 1 (a KV connector serves one pool)")
         if errors:
             raise ValueError("invalid engine arguments: " + "; ".join(errors))
         device = self.device or _default_device()
@@ -371,6 +387,7 @@ class EngineArgs:
         parallel_config = ParallelConfig(
             tensor_parallel_size=self.tensor_parallel_size,
             pipeline_parallel_size=self.pipeline_parallel_size,
+            pp_layer_partition=self.pp_layer_partition,
             data_parallel_size=self.data_parallel_size,
             enable_expert_parallel=self.enable_expert_parallel,
             all2all_backend=self.all2all_backend,
@@ -387,7 +404,8 @@ class EngineArgs:
         )
         observability = ObservabilityConfig(step_roofline=self.step_roofline, roofline_hardware=self.roofline_hardware)
         return EngineConfig(model_config, cache_config, scheduler_config, parallel_config, device_config, observability,
-                            speculative, kv_transfer)
+                            speculative, kv_transfer,
+                            engine_core_process=self.engine_core_process)
 
 
 def finalize_lengths(config: EngineConfig, model_max_len: int) -> None:

@@ -9,7 +9,7 @@ import typing
 
 from roofline.config import EngineArgs
 
-_SHORT = {"tensor_parallel_size": ["-tp"]}
+_SHORT = {"tensor_parallel_size": ["-tp"], "pipeline_parallel_size": ["-pp"]}
 _HELP = {
     "model": "HF model directory or .gguf file (default: the embedded SmolLM2-135M-Instruct)",
     "load_format": "auto | safetensors | gguf | dummy (random weights)",
@@ -19,7 +19,10 @@ _HELP = {
     "scheduling_policy": "fcfs | priority",
     "attention_backend": "auto | torch | cpu | triton",
     "tensor_parallel_size": "ranks (processes, one device each) to split every layer over, across all nodes",
-    "pipeline_parallel_size": "pipeline stages (world = data x pipeline x tensor parallel ranks); 1 for now",
+    "pipeline_parallel_size": "pipeline stages, each holding a slice of the layers (world = data x pipeline x "
+                              "tensor parallel ranks); the last stage holds the final norm and LM head and samples",
+    "pp_layer_partition": "layers per pipeline stage, e.g. \"16,14\" (default: an even split, the remainder to "
+                          "the stages before the last)",
     "data_parallel_size": "replicas of the tensor-parallel group; their MoE layers run expert-parallel "
                           "together with --enable-expert-parallel",
     "enable_expert_parallel": "MoE layers hold whole experts, spread over the data x tensor parallel ranks, "
@@ -41,6 +44,8 @@ _HELP = {
                           "num_speculative_tokens, prompt_lookup_min, prompt_lookup_max, model, "
                           "draft_tensor_parallel_size; and adaptive (true: drafts per step from the cost model), "
                           "e.g. '{\"method\": \"ngram\", \"num_speculative_tokens\": 4}'",
+    "engine_core_process": "server: run the engine core (scheduler, executor, detokenizer) in a process of its "
+                           "own, apart from HTTP and tokenization (messages: msgpack over a socket pair)",
     "roofline_hardware": "bandwidth/peak for the live roofline: a `roofline plan` preset (h100-sxm, h200, "
                          "a100-80gb, l4) or 'measure'; unset: the matching GPU preset, else measured at start-up",
     "kv_transfer_config": "prefill/decode disaggregation, as JSON: {\"kv_connector\": \"SharedStorageConnector\" | "

@@ -70,6 +70,10 @@ def check_tensor_parallel_split(config: EngineConfig) -> None:
     hf_config = config.model_config.hf_config
     tp = config.parallel_config.tensor_parallel_size
     layout = ParallelLayout.from_config(config.parallel_config)
+    from roofline.distributed import pipeline
+
+    pc = config.parallel_config
+    pipeline.set_partition(pipeline.parse_partition(pc.pp_layer_partition, pc.pipeline_parallel_size))
     if hf_config is None:
         return
     arch, cls = resolve_architecture(hf_config)
