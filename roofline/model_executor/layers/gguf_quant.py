@@ -127,3 +127,21 @@ def linear(x: torch.Tensor, weight: QuantizedTensor, bias: Optional[torch.Tensor
                                        weight.data.shape[1], None if b is None else b.data_ptr(), y.data_ptr(), n,
                                        m, weight.cols, n, torch.get_num_threads())
     return y
+
+
+def weight_bytes_by_format(model: torch.nn.Module) -> dict[str, int]:
+    """The bytes a model's weights occupy as its layers compute on them, by format ("Q4_1", "float32",
+    ...): blocks where a layer keeps them (a module's `quant`), every other parameter once (tied ones
+    once); packed copies and caches not counted."""
+    out: dict[str, int] = {}
+    seen: set[int] = set()
+    for module in model.modules():
+        q = getattr(module, "quant", None)
+        if isinstance(q, QuantizedTensor):
+            out[q.format] = out.get(q.format, 0) + q.nbytes
+    for p in model.parameters():  # unique parameters (tied ones once); meta ones hold nothing
+        if p.device.type != "meta" and id(p) not in seen:
+            seen.add(id(p))
+            name = str(p.dtype).replace("torch.", "")
+            out[name] = out.get(name, 0) + p.numel() * p.element_size()
+    return out
