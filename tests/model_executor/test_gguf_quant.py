@@ -2,32 +2,15 @@
 exactly gguf's dequantization, and its GEMV / GEMM the fp32 products over those values."""
 
 import gguf
-import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
 
 from roofline.model_executor.layers import cpu_gemm, cpu_ops, gguf_quant
 from roofline.model_executor.layers.gguf_quant import FORMATS, QuantizedTensor
+from tests.reference.quantized import random_blocks
 
 pytestmark = pytest.mark.skipif(not cpu_ops.available(), reason="native CPU kernels unavailable (no C compiler)")
-
-# byte offsets of each format's fp16 scale fields inside a block (the rest is quants and packed scales)
-_HALF_FIELDS = {2: (0,), 3: (0, 2), 8: (0,), 12: (0, 2), 13: (0, 2), 14: (208,)}
-
-
-def random_blocks(qtype: int, rows: int, cols: int, seed: int) -> QuantizedTensor:
-    """Blocks of random bytes (every quant and packed-scale pattern) with finite fp16 scales, some of
-    them fp16 subnormals, some negative."""
-    rng = np.random.default_rng(seed)
-    _, qk, bb = FORMATS[qtype]
-    blocks = rng.integers(0, 256, size=(rows * (cols // qk), bb), dtype=np.uint8)
-    for off in _HALF_FIELDS[qtype]:
-        scale = (rng.standard_normal(blocks.shape[0]) * 0.02).astype(np.float16)
-        scale[::7] = np.float16(3e-6)  # an fp16 subnormal
-        blocks[:, off:off + 2] = scale.view(np.uint8).reshape(-1, 2)
-    return QuantizedTensor(torch.from_numpy(blocks.reshape(rows, -1).copy()), qtype, cols)
-
 
 def reference(x, w, b=None):
     return F.linear(x.double(), w.double(), None if b is None else b.double()).float()
