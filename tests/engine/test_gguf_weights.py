@@ -112,6 +112,7 @@ def test_default_model_runs_on_its_blocks(default_llm):
     # 30 layers x (q, k, v, o: 576 x (576 + 192 + 192 + 576); gate, up, down: 3 x 576 x 1536) at 20 bytes / 32
     assert worker.weight_bytes["Q4_1"] == 30 * 576 * (576 + 192 + 192 + 576 + 3 * 1536) * 20 // 32
     assert worker.weight_bytes["float32"] < 120e6  # embedding (tied LM head) and norms
+    assert default_llm.llm_engine.get_stats().weight_bytes == worker.weight_bytes  # what /metrics exports
 
 
 def test_dequantize_mode_keeps_fp32():
