@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any, Literal, Optional
 
 GiB = 1 << 30
+GGUF_WEIGHTS = ("native", "dequantize")  # how a GGUF file's quantized layers are computed
 
 
 @dataclass
@@ -23,6 +24,7 @@ class ModelConfig:
     dtype: str = "auto"  # auto | float32 | bfloat16 | float16
     seed: int = 0
     load_format: str = "auto"  # auto | safetensors | gguf | dummy
+    gguf_weights: str = "native"  # native (layers computed on GGUF blocks, CPU) | dequantize (fp32)
     max_model_len: Optional[int] = None
     served_model_name: Optional[str] = None
     trust_remote_code: bool = False
@@ -225,6 +227,7 @@ class EngineArgs:
     seed: int = 0
     device: Optional[str] = None
     load_format: str = "auto"
+    gguf_weights: str = "native"
     max_model_len: Optional[int] = None
     served_model_name: Optional[str] = None
     trust_remote_code: bool = False
@@ -315,6 +318,8 @@ class EngineArgs:
                 parse_partition(self.pp_layer_partition, self.pipeline_parallel_size)
             except ValueError as e:
                 errors.append(str(e))
+        if self.gguf_weights not in GGUF_WEIGHTS:
+            errors.append(f"gguf_weights must be one of {', '.join(GGUF_WEIGHTS)}, got {self.gguf_weights!r}")
         if self.swap_space < 0:
             errors.append(f"swap_space must be >= 0, got {self.swap_space}")
         if self.max_num_batched_tokens is not None and self.max_num_batched_tokens <= 0:
@@ -362,6 +367,7 @@ class EngineArgs:
             dtype=self.dtype,
             seed=self.seed,
             load_format=self.load_format,
+            gguf_weights=self.gguf_weights,
             max_model_len=self.max_model_len,
             served_model_name=self.served_model_name,
             trust_remote_code=self.trust_remote_code,

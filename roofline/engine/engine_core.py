@@ -56,6 +56,8 @@ class EngineStats:
     num_preemptions: int
     prompt_tokens: int
     generation_tokens: int
+    # bytes of the model's weights as its layers compute on them, by format ("Q4_1", "float32"; rank 0)
+    weight_bytes: dict[str, int] = field(default_factory=dict)
     # live roofline: the steps since the previous snapshot (oldest first; empty when switched off)
     step_roofline: list[StepRoofline] = field(default_factory=list)
     spec_decode: Optional[SpecDecodeStats] = None  # speculative decoding counters (cumulative), when on
@@ -86,6 +88,7 @@ class EngineCore:
         self.vocab_size = int(mc.hf_config.vocab_size)
         self.eos_token_id = self._eos_token_id()
         self.executor = create_executor(config, self.source, show_progress)
+        self.weight_bytes = self.executor.weight_bytes()
         num_blocks = self.executor.determine_num_blocks()
         cc, sc = config.cache_config, config.scheduler_config
         num_swap = int(cc.swap_space * GiB) // self.executor.block_bytes() if sc.preemption_mode == "swap" else 0
@@ -354,7 +357,8 @@ class EngineCore:
             num_free_blocks=s.num_free_blocks, num_cached_blocks=s.num_cached_blocks,
             prefix_cache_queries=s.prefix_cache_queries, prefix_cache_hits=s.prefix_cache_hits,
             num_preemptions=s.num_preemptions, prompt_tokens=self.prompt_tokens,
-            generation_tokens=self.generation_tokens, step_roofline=self._drain_step_records(),
+            generation_tokens=self.generation_tokens, weight_bytes=dict(self.weight_bytes),
+            step_roofline=self._drain_step_records(),
             spec_decode=s.spec_decode.copy() if s.spec_decode is not None else None,
             kv_transfer_bytes_received=self.scheduler.kv_transfer.bytes_received if self.scheduler.kv_transfer else 0,
             kv_transfer_bytes_sent=self.scheduler.kv_transfer.bytes_sent if self.scheduler.kv_transfer else 0,

@@ -13,6 +13,8 @@ _SHORT = {"tensor_parallel_size": ["-tp"], "pipeline_parallel_size": ["-pp"]}
 _HELP = {
     "model": "HF model directory or .gguf file (default: the embedded SmolLM2-135M-Instruct)",
     "load_format": "auto | safetensors | gguf | dummy (random weights)",
+    "gguf_weights": "native (a GGUF file's Q4_0/Q4_1/Q8_0/Q4_K/Q5_K/Q6_K layers stay in their blocks and are "
+                    "computed natively on the CPU) | dequantize (fp32 copies, as on GPUs)",
     "kv_cache_memory": "bytes for the KV pool on CPU",
     "num_kv_blocks": "force the number of KV blocks",
     "preemption_mode": "recompute | swap",

@@ -69,6 +69,9 @@ class PrometheusStatLogger:
         self.num_free_blocks = gauge("kv_cache_num_free_blocks", "KV blocks not held by any request.")
         self.num_cached_blocks = gauge("kv_cache_num_cached_blocks",
                                        "Free KV blocks that still hold a reusable cached prefix.")
+        self.weight_bytes = Gauge(PREFIX + "model_weight_bytes", "Bytes of the model's weights as its layers "
+                                  "compute on them (GGUF blocks where kept, else dense), by format; rank 0.",
+                                  ["model_name", "format"], registry=reg)
 
         self.prefix_queries = counter("prefix_cache_queries", "Prompt tokens looked up in the prefix cache.")
         self.prefix_hits = counter("prefix_cache_hits", "Prompt tokens found in the prefix cache.")
@@ -197,6 +200,8 @@ class PrometheusStatLogger:
         self.num_total_blocks.set(stat(e, "num_total_blocks"))
         self.num_free_blocks.set(stat(e, "num_free_blocks"))
         self.num_cached_blocks.set(stat(e, "num_cached_blocks"))
+        for fmt, n in (getattr(e, "weight_bytes", None) or {}).items():
+            self.weight_bytes.labels(self.model_name, fmt).set(n)
         self._inc_from_cumulative(self.prefix_queries, e, "prefix_cache_queries")
         self._inc_from_cumulative(self.prefix_hits, e, "prefix_cache_hits")
         self._inc_from_cumulative(self.preemptions, e, "num_preemptions")

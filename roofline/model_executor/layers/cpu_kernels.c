@@ -1305,15 +1305,27 @@ int64_t greedy_head_f32(const float *h, int64_t ldh, int64_t R, int64_t K, int64
  *   rest prefill chunks (query_start_loc qsl [R+1], seq_lens [R], block tables [R x bt_stride]).
  * Scratch (residual, normed rows, qkv, attention output, MLP rows) is allocated here per call. */
 enum { L_IN_NORM, L_QKV, L_QKV_BIAS, L_Q_NORM, L_K_NORM, L_O, L_O_BIAS, L_POST_NORM, L_GATE_UP, L_DOWN,
-       L_DOWN_BIAS, L_QKV_DENSE, L_O_DENSE, L_GATE_UP_DENSE, L_DOWN_DENSE, L_K_CACHE, L_V_CACHE, STACK_FIELDS };
+       L_DOWN_BIAS, L_QKV_DENSE, L_O_DENSE, L_GATE_UP_DENSE, L_DOWN_DENSE, L_K_CACHE, L_V_CACHE,
+       L_QKV_QUANT, L_O_QUANT, L_GATE_UP_QUANT, L_DOWN_QUANT, L_QUANT_TYPES, STACK_FIELDS };
+/* L_*_QUANT: a projection kept in GGUF blocks (quant_kernels.c; its packed/dense slots are then 0);
+ * L_QUANT_TYPES: not an address but their ggml types, 8 bits each: qkv | o << 8 | gate_up << 16 | down << 24 */
+
+/* quant_kernels.c (the same library) */
+void quant_linear_f32(int qt, const float *a, int64_t lda, const uint8_t *w, int64_t row_bytes, const float *bias,
+                      float *c, int64_t ldc, int64_t M, int64_t K, int64_t N, int nthreads);
+int64_t quant_block_elems(int qt);
+int64_t quant_block_bytes(int qt);
 
 /* c = a W^T (+ bias) for rows a [N x K] (row stride lda) -> c [N x Nout] (row stride ldc): the route
  * cpu_gemm.linear takes for the same rows, so values match the modules' bit for bit.  Batches of 2+
  * rows multiply the packed panels; a single row runs the threaded GEMV over the dense weight stored
  * [in x out]-major (`dense`, 0 where the caller takes no single rows). */
 static void project(const float *a, int64_t lda, const float *packed, const float *dense, const float *bias,
-                    float *c, int64_t ldc, int64_t N, int64_t K, int64_t Nout, int nthreads) {
-    if (N == 1 && dense) gemv_f32(a, dense, bias, c, K, Nout, Nout, nthreads);
+                    float *c, int64_t ldc, int64_t N, int64_t K, int64_t Nout, const uint8_t *quant, int qt,
+                    int nthreads) {
+    if (quant) quant_linear_f32(qt, a, lda, quant, K / quant_block_elems(qt) * quant_block_bytes(qt), bias, c, ldc, N,
+                                K, Nout, nthreads);
+    else if (N == 1 && dense) gemv_f32(a, dense, bias, c, K, Nout, Nout, nthreads);
     else packed_gemm(a, lda, packed, bias, c, ldc, N, K, Nout, 0, nthreads);
 }
 
@@ -1348,13 +1360,19 @@ void llama_stack_f32(const float *x, float *out, int64_t N, const int64_t *layer
     float *qkv = (float *)malloc((size_t)(N * W) * sizeof(float));
     float *att = (float *)malloc((size_t)(N * QD) * sizeof(float));
     float *mid = (float *)malloc((size_t)(N * I) * sizeof(float));
-    float *gate_up = (float *)malloc((size_t)(2 * I) * sizeof(float)); /* a lone row's [gate; up] */
+    /* [gate; up] of a lone row, or of every row where the layers keep gate/up in GGUF blocks */
+    int64_t gu_rows = 1;
+    for (int64_t l = 0; l < nlayers; l++)
+        if (layers[l * STACK_FIELDS + L_GATE_UP_QUANT]) gu_rows = N;
+    float *gate_up = (float *)malloc((size_t)(gu_rows * 2 * I) * sizeof(float));
     memcpy(res, x, (size_t)(N * d) * sizeof(float));
     if (keep && nlayers == 0) {
         keep_rows(res, d, keep, nkeep);
         N = nkeep;
     }
 #define F(l, f) ((const float *)(intptr_t)layers[(l) * STACK_FIELDS + (f)])
+#define Q(l, f) ((const uint8_t *)(intptr_t)layers[(l) * STACK_FIELDS + (f)])
+#define QT(l, i) ((int)((layers[(l) * STACK_FIELDS + L_QUANT_TYPES] >> (8 * (i))) & 0xff))
     for (int64_t l = 0; l < nlayers; l++) {
         float *kc = (float *)(intptr_t)layers[l * STACK_FIELDS + L_K_CACHE];
         float *vc = (float *)(intptr_t)layers[l * STACK_FIELDS + L_V_CACHE];
@@ -1362,7 +1380,8 @@ void llama_stack_f32(const float *x, float *out, int64_t N, const int64_t *layer
         if (l == 0) rms_norm_f32(res, 0, F(l, L_IN_NORM), h, 0, N, d, d, eps, nthreads);
         else rms_norm_f32(y, res, F(l, L_IN_NORM), h, res, N, d, d, eps, nthreads);
         /* attention: qkv = h W_qkv^T (+ b);  q, k normed per head (Qwen3);  rope;  cache write */
-        project(h, d, F(l, L_QKV), F(l, L_QKV_DENSE), F(l, L_QKV_BIAS), qkv, W, N, d, W, nthreads);
+        project(h, d, F(l, L_QKV), F(l, L_QKV_DENSE), F(l, L_QKV_BIAS), qkv, W, N, d, W, Q(l, L_QKV_QUANT), QT(l, 0),
+                nthreads);
         if (F(l, L_Q_NORM)) {
             qk_head_norm(qkv, W, N, H, D, F(l, L_Q_NORM), eps, nthreads);
             qk_head_norm(qkv + QD, W, N, Hk, D, F(l, L_K_NORM), eps, nthreads);
@@ -1380,18 +1399,25 @@ void llama_stack_f32(const float *x, float *out, int64_t N, const int64_t *layer
             keep_rows(res, d, keep, nkeep);
             N = nkeep;
         }
-        project(att, QD, F(l, L_O), F(l, L_O_DENSE), F(l, L_O_BIAS), y, d, N, QD, d, nthreads);
+        project(att, QD, F(l, L_O), F(l, L_O_DENSE), F(l, L_O_BIAS), y, d, N, QD, d, Q(l, L_O_QUANT), QT(l, 1),
+                nthreads);
         /* MLP: h = norm(res + y), res += y;  y = down(silu(gate h) * up h) */
         rms_norm_f32(y, res, F(l, L_POST_NORM), h, res, N, d, d, eps, nthreads);
-        if (N == 1 && F(l, L_GATE_UP_DENSE)) {
+        if (Q(l, L_GATE_UP_QUANT)) {  /* as the modules: the projection, then silu_and_mul_f32 */
+            project(h, d, 0, 0, 0, gate_up, 2 * I, N, d, 2 * I, Q(l, L_GATE_UP_QUANT), QT(l, 2), nthreads);
+            silu_and_mul_f32(gate_up, mid, N, I, nthreads);
+        } else if (N == 1 && F(l, L_GATE_UP_DENSE)) {
             gemv_f32(h, F(l, L_GATE_UP_DENSE), 0, gate_up, d, 2 * I, 2 * I, nthreads);
             silu_and_mul_f32(gate_up, mid, 1, I, nthreads);
         } else {
             packed_gemm(h, d, F(l, L_GATE_UP), 0, mid, I, N, d, I, 1, nthreads);
         }
-        project(mid, I, F(l, L_DOWN), F(l, L_DOWN_DENSE), F(l, L_DOWN_BIAS), y, d, N, I, d, nthreads);
+        project(mid, I, F(l, L_DOWN), F(l, L_DOWN_DENSE), F(l, L_DOWN_BIAS), y, d, N, I, d, Q(l, L_DOWN_QUANT),
+                QT(l, 3), nthreads);
     }
 #undef F
+#undef Q
+#undef QT
     if (nlayers > 0) rms_norm_f32(y, res, final_norm, out, res, N, d, d, eps, nthreads);
     else rms_norm_f32(res, 0, final_norm, out, 0, N, d, d, eps, nthreads);
     free(res);

@@ -5,7 +5,8 @@ whose dispatch cost rivals the weight reads; at large batches decode attention d
 not a matmul, because the torch path must gather K/V through the block tables before SDPA.  These
 kernels do each of those in one call and read K/V straight from the paged cache.
 
-The C file is compiled on first use with the system C compiler (`cc`, or $CC) into
+The C files (cpu_kernels.c, and quant_kernels.c for GGUF block-quantized weights: gguf_quant.py)
+are compiled together, into one library, on first use with the system C compiler (`cc`, or $CC) into
 $XDG_CACHE_HOME/roofline (default ~/.cache/roofline), keyed by the source's hash and the CPU's
 flags; that takes well under a second and happens once per machine.  Without a compiler (or with
 ROOFLINE_CPU_KERNELS=0) `available()` is False and every caller keeps its torch code, which stays
@@ -47,6 +48,7 @@ logger = logging.getLogger(__name__)
 
 ENV_VAR = "ROOFLINE_CPU_KERNELS"
 SOURCE = Path(__file__).with_name("cpu_kernels.c")
+SOURCES = (SOURCE, Path(__file__).with_name("quant_kernels.c"))  # one library: the quantized GEMM uses the packed one
 
 SWITCH = Switch(ENV_VAR)
 PANEL = 16  # output columns per packed panel (GEMM_NR in cpu_kernels.c); head sizes prefill takes
@@ -92,7 +94,7 @@ def _cpu_flags() -> str:
     return platform.processor()
 
 
-def _compile(src: Path, out: Path) -> None:
+def _compile(sources: tuple[Path, ...], out: Path) -> None:
     cc = env_flag("CC") or shutil.which("cc") or shutil.which("gcc") or shutil.which("clang")
     if cc is None:
         raise RuntimeError("no C compiler found (cc, gcc or clang; or set CC)")
@@ -103,12 +105,12 @@ def _compile(src: Path, out: Path) -> None:
     errors = []
     try:
         for arch in (["-march=native"], []):  # -march=native for AVX2/AVX-512 code; plain as a fallback
-            r = subprocess.run(base + arch + [str(src), "-o", tmp, "-lm"], capture_output=True, text=True)
+            r = subprocess.run(base + arch + [str(s) for s in sources] + ["-o", tmp, "-lm"], capture_output=True, text=True)
             if r.returncode == 0:
                 os.replace(tmp, out)  # atomic: concurrent processes never load a half-written file
                 return
             errors.append(r.stderr.strip()[-500:])
-        raise RuntimeError("compiling cpu_kernels.c failed: " + " | ".join(errors))
+        raise RuntimeError("compiling the native CPU kernels failed: " + " | ".join(errors))
     finally:
         if os.path.exists(tmp):
             os.unlink(tmp)
@@ -121,11 +123,11 @@ def _load() -> Optional[ctypes.CDLL]:
             return _lib
         _tried = True
         try:
-            source = SOURCE.read_bytes()
+            source = b"".join(src.read_bytes() for src in SOURCES)
             key = hashlib.sha256(source + _cpu_flags().encode() + platform.machine().encode()).hexdigest()[:16]
             path = cache_dir() / f"cpu_kernels-{key}.so"
             if not path.exists():
-                _compile(SOURCE, path)
+                _compile(SOURCES, path)
             torch.get_num_threads()  # torch (and its libgomp) is loaded first: one OpenMP runtime
             lib = ctypes.CDLL(str(path))
             for name, argtypes in _SIGNATURES.items():
@@ -136,6 +138,23 @@ def _load() -> Optional[ctypes.CDLL]:
             logger.warning("native CPU kernels unavailable, using torch ops (%s)", e)
             _lib = None
         return _lib
+
+
+def declare(name: str, argtypes: list, restype=None) -> None:
+    """Register the ctypes signature of a kernel another module wraps (gguf_quant.py): applied when the
+    library loads, or at once when it is loaded already."""
+    _SIGNATURES[name] = argtypes
+    if restype is not None:
+        _RESTYPES[name] = restype
+    with _lock:
+        if _lib is not None:
+            fn = getattr(_lib, name)
+            fn.argtypes, fn.restype = argtypes, restype
+
+
+def library() -> ctypes.CDLL:
+    """The loaded kernels (for modules that wrap their own, after declare()); raises when unavailable."""
+    return _need()
 
 
 def available() -> bool:
