@@ -37,6 +37,10 @@ class Executor(ABC):
     def collect(self) -> ModelRunnerOutput:
         raise NotImplementedError(f"{type(self).__name__} runs one step at a time (execute)")
 
+    def weight_bytes(self) -> dict[str, int]:
+        """Bytes of the model's weights as rank 0's layers compute on them, by format."""
+        return {}
+
     def check_health(self) -> None:
         """Raise if a worker is gone."""
 

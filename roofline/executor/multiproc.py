@@ -199,6 +199,9 @@ class MultiprocExecutor(Executor):
         """Bytes of one block on one rank (each rank holds only its KV heads)."""
         return int(self._call("block_bytes"))
 
+    def weight_bytes(self) -> dict[str, int]:
+        return dict(self._call("weight_bytes"))
+
     def init_kv_cache(self, num_blocks: int, num_swap_blocks: int) -> None:
         self._call("init_kv_cache", num_blocks, num_swap_blocks, timeout=startup_timeout_s())
 

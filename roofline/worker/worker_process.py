@@ -250,6 +250,9 @@ class WorkerProc:
     def rpc_block_bytes(self) -> int:
         return int(self.worker.block_bytes())
 
+    def rpc_weight_bytes(self) -> dict[str, int]:
+        return dict(self.worker.weight_bytes)
+
     def rpc_init_kv_cache(self, num_blocks: int, num_swap_blocks: int) -> None:
         self.worker.init_kv_cache(num_blocks, num_swap_blocks)
 

@@ -84,15 +84,15 @@ def check_pool_invariants(sched: Scheduler) -> None:
 
 
 def run(requests_spec, block_size, num_blocks, budget, max_seqs, caching, mode, policy="fcfs", abort_at=None,
-        depth=1):
+        depth=1, device_cls=SimDevice, **scheduler_kwargs):
     """depth: steps in flight at once (each executes on submission, as a pipeline's first stage does,
     and its output comes back `depth` steps later)."""
     sc = SchedulerConfig(max_num_batched_tokens=budget, max_num_seqs=max_seqs, max_model_len=10_000,
                          policy=policy, preemption_mode=mode)
     cc = CacheConfig(block_size=block_size, enable_prefix_caching=caching)
     num_swap = num_blocks * 2 if mode == "swap" else 0
-    sched = Scheduler(sc, cc, num_blocks, num_swap)
-    dev = SimDevice(num_blocks, num_swap, block_size)
+    sched = Scheduler(sc, cc, num_blocks, num_swap, **scheduler_kwargs)
+    dev = device_cls(num_blocks, num_swap, block_size)
     reqs = []
     pending = list(enumerate(requests_spec))
     in_flight: deque = deque()
@@ -116,7 +116,7 @@ def run(requests_spec, block_size, num_blocks, budget, max_seqs, caching, mode, 
         busy = {item.req_id for o, _ in in_flight for item in o.scheduled}
         assert not busy & {item.req_id for item in out.scheduled}, "a request scheduled while in flight"
         check_pool_invariants(sched)
-        if out.scheduled or out.blocks_to_swap_out or out.blocks_to_swap_in or out.blocks_to_copy:
+        if depth == 1 or out.scheduled or out.blocks_to_swap_out or out.blocks_to_swap_in or out.blocks_to_copy:
             in_flight.append((out, dev.execute(sched, out)))
         while in_flight and (len(in_flight) >= depth or not out.scheduled):
             sched.update_from_output(*in_flight.popleft())

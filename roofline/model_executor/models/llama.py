@@ -30,7 +30,9 @@ from roofline.attention.backend import AttentionBackend, AttentionMetadata
 from roofline.distributed import pipeline
 from roofline.model_executor.layers import cpu_gemm
 from roofline.model_executor.layers.activation import SiluAndMul
+from roofline.model_executor.layers.gguf_quant import QuantizedTensor
 from roofline.model_executor.layers.linear import (
+    LinearBase,
     MergedColumnParallelLinear,
     QKVParallelLinear,
     RowParallelLinear,
@@ -183,7 +185,13 @@ class LlamaModel(nn.Module):
         return x if output_rows is None or keep is not None else x[output_rows]
 
 
+def _dense(tensor) -> torch.Tensor:
+    """A checkpoint tensor as a dense tensor (GGUF blocks dequantized)."""
+    return tensor.dequantize() if isinstance(tensor, QuantizedTensor) else tensor
+
+
 class LlamaForCausalLM(nn.Module):
+    keeps_quantized_weights = True  # load_weights takes gguf_quant.QuantizedTensor (linear layers keep blocks)
     qk_norm = False
     qkv_bias_default = False
     o_bias_follows_qkv = True  # Llama/Qwen3: o_proj has a bias iff attention_bias; Qwen2: never
@@ -270,19 +278,29 @@ class LlamaForCausalLM(nn.Module):
         return loaded
 
     def _load_tensor(self, name: str, tensor: torch.Tensor, params: dict[str, nn.Parameter]) -> Optional[str]:
-        """Copy one checkpoint tensor into its parameter (this rank's slice); returns the parameter's name."""
+        """Copy one checkpoint tensor into its parameter (this rank's slice); returns the parameter's name.
+        A GGUF tensor kept in blocks (gguf_quant.QuantizedTensor: keeps_quantized_weights) goes to its
+        linear layer's load_weight; anywhere else it is dequantized."""
         for frag, ours, shard in self.stacked_params:
             if frag in name:
                 target = name.replace(frag, ours)
                 if target not in params:
                     return None
-                p = params[target]
-                self._owner(target).weight_loader(p, tensor.to(p.dtype), shard)
+                owner = self._owner(target)
+                if isinstance(owner, LinearBase) and target.endswith(".weight"):
+                    owner.load_weight(tensor, shard)
+                else:
+                    p = params[target]
+                    owner.weight_loader(p, _dense(tensor).to(p.dtype), shard)
                 return target
         if name not in params:
             raise ValueError(f"checkpoint tensor {name!r} has no matching parameter in {type(self).__name__}")
-        p = params[name]
         owner = self._owner(name)
+        if isinstance(owner, LinearBase) and name.endswith(".weight"):
+            owner.load_weight(tensor)
+            return name
+        tensor = _dense(tensor)
+        p = params[name]
         if hasattr(owner, "weight_loader"):
             owner.weight_loader(p, tensor.to(p.dtype))
         else:
