@@ -9,13 +9,12 @@ from __future__ import annotations
 
 import asyncio
 import os
-import signal
 import time
 
 import pytest
 
 from roofline import LLM, SamplingParams
-from tests.executor.tp_helpers import assert_same_greedy
+from tests.executor.tp_helpers import assert_same_greedy, kill_rank_mid_generation
 from tests.reference.hf_models import build_tiny_model, random_prompts
 
 GREEDY = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, logprobs=2)
@@ -114,7 +113,7 @@ def test_replicated_kv_heads_then_idle_worker_death(tmp_path):
 
 def test_worker_death_fails_fast(tiny_models):
     """SIGKILL a rank mid-generation: in-flight requests get an error, health turns bad, no hang."""
-    from roofline.engine.async_llm import AsyncLLM, EngineDeadError
+    from roofline.engine.async_llm import AsyncLLM
     from roofline.engine.engine_core import EngineCore
     from roofline.config import EngineArgs
 
@@ -124,25 +123,8 @@ def test_worker_death_fails_fast(tiny_models):
     ex = core.executor
     ranks = ex.ranks
     engine = AsyncLLM(core)
-
-    async def scenario():
-        params = SamplingParams(temperature=0, max_tokens=400, ignore_eos=True)
-        streams = [await engine.add_request(f"r{i}", [5 + i, 6, 7], params) for i in range(2)]
-        first = await asyncio.wait_for(streams[0].__anext__(), 60)
-        assert first.outputs[0].token_ids
-        os.kill(ranks.by_rank(1).proc.pid, signal.SIGKILL)
-        t0 = time.monotonic()
-        errors = []
-        for s in streams:
-            with pytest.raises(EngineDeadError) as e:
-                while True:
-                    out = await asyncio.wait_for(s.__anext__(), 30)
-                    assert not out.finished, "finished 400 tokens before the kill took effect?"
-            errors.append(str(e.value))
-        return time.monotonic() - t0, errors
-
     try:
-        elapsed, errors = asyncio.run(scenario())
+        elapsed, errors = asyncio.run(kill_rank_mid_generation(engine, ranks, 1))
         assert elapsed < 15, elapsed
         assert all("rank 1" in e for e in errors), errors
         assert not engine.is_healthy

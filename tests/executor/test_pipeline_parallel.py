@@ -8,15 +8,13 @@ the in-flight requests with an error naming it, without a hang."""
 from __future__ import annotations
 
 import asyncio
-import os
-import signal
 import time
 
 import pytest
 
 from roofline import LLM, SamplingParams
 from roofline.config import EngineArgs
-from tests.executor.tp_helpers import assert_same_greedy
+from tests.executor.tp_helpers import assert_same_greedy, chat_prompts, kill_rank_mid_generation
 from tests.reference.hf_models import build_tiny_model, hf_greedy, random_prompts
 
 COMMON = dict(dtype="float32", device="cpu", num_kv_blocks=64, show_progress=False)
@@ -83,20 +81,15 @@ def test_batches_in_flight_fill_the_pipeline(llama4):
         llm.llm_engine.shutdown()
 
 
-def test_tied_embeddings_reach_the_last_stage(tmp_path):
-    """The last stage holds the LM head without the embedding it is tied to: it loads the embedding's tensor."""
-    path = str(tmp_path / "tied")
-    hf = build_tiny_model("qwen3", path, seed=5, tie_word_embeddings=True)
-    llm = LLM(path, pipeline_parallel_size=2, **COMMON)
-    try:
-        _greedy_matches_hf(llm, hf, 384, n=3)
-    finally:
-        llm.llm_engine.shutdown()
-
-
-def test_moe_model_pp2_greedy_matches_hf(tmp_path):
-    path = str(tmp_path / "qwen2-moe")
-    hf = build_tiny_model("qwen2_moe", path, seed=3)  # 6 layers, sparse ones at 1 and 5 (one per stage)
+@pytest.mark.parametrize("arch, seed, overrides", [
+    # the last stage holds the LM head without the embedding it is tied to: it loads the embedding's tensor
+    ("qwen3", 5, {"tie_word_embeddings": True}),
+    # a mixture of experts: 6 layers, the sparse ones at 1 and 5 (one per stage)
+    ("qwen2_moe", 3, {}),
+])
+def test_pp2_greedy_matches_hf(tmp_path, arch, seed, overrides):
+    path = str(tmp_path / arch)
+    hf = build_tiny_model(arch, path, seed=seed, **overrides)
     llm = LLM(path, pipeline_parallel_size=2, **COMMON)
     try:
         _greedy_matches_hf(llm, hf, 384, n=3)
@@ -115,7 +108,7 @@ def test_bad_partitions_are_refused_naming_the_flag(llama4):
 
 
 def test_a_stage_that_dies_fails_requests_without_hanging(llama4):
-    from roofline.engine.async_llm import AsyncLLM, EngineDeadError
+    from roofline.engine.async_llm import AsyncLLM
     from roofline.engine.engine_core import EngineCore
 
     path, _ = llama4
@@ -123,25 +116,8 @@ def test_a_stage_that_dies_fails_requests_without_hanging(llama4):
                                  num_kv_blocks=64, max_model_len=512).create_engine_config(), show_progress=False)
     ranks = core.executor.ranks
     engine = AsyncLLM(core)
-
-    async def scenario():
-        params = SamplingParams(temperature=0, max_tokens=400, ignore_eos=True)
-        streams = [await engine.add_request(f"r{i}", [5 + i, 6, 7], params) for i in range(2)]
-        first = await asyncio.wait_for(streams[0].__anext__(), 60)
-        assert first.outputs[0].token_ids
-        os.kill(ranks.by_rank(1).proc.pid, signal.SIGKILL)  # the last stage
-        t0 = time.monotonic()
-        errors = []
-        for s in streams:
-            with pytest.raises(EngineDeadError) as e:
-                while True:
-                    out = await asyncio.wait_for(s.__anext__(), 30)
-                    assert not out.finished, "finished 400 tokens before the kill took effect?"
-            errors.append(str(e.value))
-        return time.monotonic() - t0, errors
-
     try:
-        elapsed, errors = asyncio.run(scenario())
+        elapsed, errors = asyncio.run(kill_rank_mid_generation(engine, ranks, 1))  # the last stage
         assert elapsed < 15, elapsed
         assert all("rank 1" in e for e in errors), errors
         assert not engine.is_healthy
@@ -154,19 +130,12 @@ def test_a_stage_that_dies_fails_requests_without_hanging(llama4):
         core.shutdown()
 
 
-CHATS = ["What is the capital of France?", "List three prime numbers.",
-         "Write a short poem about autumn leaves falling in a quiet park."]
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize("tp, pp", [(3, 2), (1, 3)])
 def test_smollm2_stages_match_one_process(default_llm, tp, pp):
     """The default model's 30 layers in stages (15+15 over 3 TP ranks each; 10+10+10): greedy tokens
     identical to one process (a flip only at a proven tie)."""
-    tok = default_llm.get_tokenizer()
-    texts = [tok.apply_chat_template([{"role": "user", "content": c}], tokenize=False, add_generation_prompt=True)
-             for c in CHATS]
-    prompts = [{"prompt_token_ids": tok.encode(t, add_special_tokens=False)} for t in texts]
+    prompts = chat_prompts(default_llm.get_tokenizer())
     sp = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=2)
     ref = default_llm.generate(prompts, sp, use_tqdm=False)
     llm = LLM(tensor_parallel_size=tp, pipeline_parallel_size=pp, dtype="float32", device="cpu", num_kv_blocks=64,

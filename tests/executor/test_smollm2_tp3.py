@@ -9,18 +9,13 @@ import pytest
 
 from roofline import LLM, SamplingParams
 from roofline.sampling_params import StructuredOutputsParams
-from tests.executor.tp_helpers import assert_same_greedy
+from tests.executor.tp_helpers import assert_same_greedy, chat_prompts
 
-CHATS = ["What is the capital of France?", "List three prime numbers.",
-         "Write a short poem about autumn leaves falling in a quiet park."]
 
 
 @pytest.mark.slow
 def test_smollm2_tp3_greedy_matches_tp1(default_llm):
-    tok = default_llm.get_tokenizer()
-    texts = [tok.apply_chat_template([{"role": "user", "content": c}], tokenize=False, add_generation_prompt=True)
-             for c in CHATS]
-    prompts = [{"prompt_token_ids": tok.encode(t, add_special_tokens=False)} for t in texts]
+    prompts = chat_prompts(default_llm.get_tokenizer())
     sp = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=2)
     ref = default_llm.generate(prompts, sp, use_tqdm=False)
     llm = LLM(tensor_parallel_size=3, dtype="float32", device="cpu", num_kv_blocks=64, show_progress=False)

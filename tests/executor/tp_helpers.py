@@ -39,6 +39,46 @@ def assert_same_greedy(ref_outputs, outputs, lp_tol: float = 1e-3) -> int:
     return flips
 
 
+CHATS = ["What is the capital of France?", "List three prime numbers.",
+         "Write a short poem about autumn leaves falling in a quiet park."]
+
+
+def chat_prompts(tok) -> list[dict]:
+    """CHATS through the model's chat template, as token-id prompts."""
+    texts = [tok.apply_chat_template([{"role": "user", "content": c}], tokenize=False, add_generation_prompt=True)
+             for c in CHATS]
+    return [{"prompt_token_ids": tok.encode(t, add_special_tokens=False)} for t in texts]
+
+
+async def kill_rank_mid_generation(engine, ranks, rank: int) -> tuple[float, list[str]]:
+    """Start two long requests on `engine` (an AsyncLLM), SIGKILL `rank` once the first has a token;
+    every stream must then end in EngineDeadError.  Returns (seconds until all ended, their errors)."""
+    import asyncio
+    import os
+    import signal
+    import time
+
+    import pytest
+
+    from roofline import SamplingParams
+    from roofline.engine.async_llm import EngineDeadError
+
+    params = SamplingParams(temperature=0, max_tokens=400, ignore_eos=True)
+    streams = [await engine.add_request(f"r{i}", [5 + i, 6, 7], params) for i in range(2)]
+    first = await asyncio.wait_for(streams[0].__anext__(), 60)
+    assert first.outputs[0].token_ids
+    os.kill(ranks.by_rank(rank).proc.pid, signal.SIGKILL)
+    t0 = time.monotonic()
+    errors = []
+    for s in streams:
+        with pytest.raises(EngineDeadError) as e:
+            while True:
+                out = await asyncio.wait_for(s.__anext__(), 30)
+                assert not out.finished, "finished 400 tokens before the kill took effect?"
+        errors.append(str(e.value))
+    return time.monotonic() - t0, errors
+
+
 class HangOnRank1Worker(Worker):
     """Rank 1 hangs holding the GIL in its third step (a deadlocked C call): its heartbeat stops."""
 
