@@ -21,6 +21,8 @@ Batches in flight (pipeline parallelism): a step may be scheduled before the pre
 returned.  `in_flight` counts, per request, the steps that carry it and have not come back through
 update_from_output; such a request is neither scheduled again (its next token is not known yet) nor
 preempted (a stage may still write its blocks), so no token is ever scheduled twice.
+`schedule(max_requests=...)` caps a step's requests, so that the engine can spread the running
+requests over as many batches as the pipeline holds.
 """
 
 from __future__ import annotations
@@ -246,7 +248,10 @@ class Scheduler:
                 other_tokens += left
         return self.draft_length_policy.choose(num_decodes, min(other_tokens, max(budget - num_decodes, 0)))
 
-    def schedule(self) -> SchedulerOutput:
+    def schedule(self, max_requests: Optional[int] = None) -> SchedulerOutput:
+        """max_requests: at most this many requests in the step (batches in flight); None: no cap
+        beyond max_num_seqs and the token budget."""
+        cap = max_requests if max_requests is not None else self.config.max_num_seqs
         budget = self.config.max_num_batched_tokens
         scheduled: dict[str, int] = {}
         order: list[Request] = []
@@ -259,7 +264,7 @@ class Scheduler:
 
         # 1. running requests, admission order
         i = 0
-        while i < len(self.running) and budget > 0:
+        while i < len(self.running) and budget > 0 and len(scheduled) < cap:
             req = self.running[i]
             n = 0 if req.request_id in self.in_flight else self._num_new_tokens(req, budget)
             if n <= 0:
@@ -290,7 +295,8 @@ class Scheduler:
         order = [r for r in order if r.request_id in scheduled]
 
         # 2. swapped requests come back first in line
-        while self.swapped and not preempted_any and budget > 0 and len(self.running) < self.config.max_num_seqs:
+        while (self.swapped and not preempted_any and budget > 0 and len(self.running) < self.config.max_num_seqs
+               and len(scheduled) < cap):
             req = self.swapped[0]
             n = self._num_new_tokens(req, budget)
             if self.kv.blocks_needed(req, self._slots(req, n)) > self.kv.pool.num_free_blocks:  # swapped incl.
@@ -315,6 +321,7 @@ class Scheduler:
             and not self.swapped
             and budget > 0
             and len(self.running) < self.config.max_num_seqs
+            and len(scheduled) < cap
         ):
             req = self.waiting[0]
             if req.grammar is not None and req.grammar.pending:

@@ -266,8 +266,8 @@ class EngineCore:
         sched_out = self._schedule()
         return self._finish_step(sched_out, self._execute_isolating(sched_out), t_start)
 
-    def _schedule(self) -> SchedulerOutput:
-        sched_out = self.scheduler.schedule()
+    def _schedule(self, max_requests: Optional[int] = None) -> SchedulerOutput:
+        sched_out = self.scheduler.schedule(max_requests)
         self.structured_output.attach_bitmask(sched_out, self.scheduler.requests)
         now = time.monotonic()
         for item in sched_out.scheduled:
@@ -275,10 +275,14 @@ class EngineCore:
         return sched_out
 
     def _step_pipelined(self) -> list[RequestOutput]:
-        """Fill the pipeline up to max_batches_in_flight steps, then finish the oldest one."""
-        while len(self._in_flight) < self.executor.max_batches_in_flight and self.scheduler.has_unfinished_requests():
+        """Fill the pipeline up to max_batches_in_flight steps, then finish the oldest one.  Each step
+        takes at most 1/max_batches_in_flight of the requests, so that every stage has a batch to run."""
+        depth = self.executor.max_batches_in_flight
+        while len(self._in_flight) < depth and self.scheduler.has_unfinished_requests():
             t_start = time.perf_counter()
-            out = self._schedule()
+            s = self.scheduler
+            share = -(-(len(s.running) + len(s.waiting) + len(s.swapped)) // depth)
+            out = self._schedule(max(share, 1))
             if not (out.scheduled or out.finished_req_ids or out.blocks_to_copy or out.blocks_to_swap_out
                     or out.blocks_to_swap_in):
                 break  # every runnable request is in flight

@@ -110,7 +110,9 @@ def run(requests_spec, block_size, num_blocks, budget, max_seqs, caching, mode, 
             reqs.extend(group)
             for r in group:
                 sched.add_request(r)
-        out = sched.schedule()
+        # with steps in flight each takes its share of the requests, as EngineCore asks
+        share = -(-(len(sched.running) + len(sched.waiting) + len(sched.swapped)) // depth)
+        out = sched.schedule(None if depth == 1 else max(share, 1))
         assert out.total_num_scheduled_tokens <= budget
         assert len(sched.running) <= max_seqs
         busy = {item.req_id for o, _ in in_flight for item in o.scheduled}
