@@ -11,7 +11,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from roofline.distributed.parallel_state import get_control_group
+from roofline.distributed.parallel_state import get_control_group, send_without_waiting
 
 
 def broadcast_bytes(data: Optional[bytes], src: int = 0) -> bytes:
@@ -33,11 +33,11 @@ def broadcast_bytes(data: Optional[bytes], src: int = 0) -> bytes:
 
 def send_bytes(data: bytes, dst: int, group=None) -> None:
     """Point-to-point (on the control group unless given another): these bytes to global rank dst
-    (recv_bytes there).  Returns without waiting for the receiver (gloo sends are buffered)."""
+    (recv_bytes there).  Returns without waiting for the receiver (see send_without_waiting)."""
     group = group or get_control_group()
-    dist.send(torch.tensor([len(data)], dtype=torch.int64), dst=dst, group=group)
+    send_without_waiting(torch.tensor([len(data)], dtype=torch.int64), dst, group)
     if data:
-        dist.send(torch.frombuffer(bytearray(data), dtype=torch.uint8), dst=dst, group=group)
+        send_without_waiting(torch.frombuffer(bytearray(data), dtype=torch.uint8), dst, group)
 
 
 def recv_bytes(src: int, group=None) -> bytes:

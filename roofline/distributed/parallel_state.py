@@ -146,7 +146,7 @@ class GroupCoordinator:
         """Point-to-point (e.g. to the next pipeline stage: dst_in_group = (rank_in_group + 1) % size)."""
         self._need_group("send")
         self._count("send", _nbytes(x))
-        dist.send(x.contiguous(), dst=self.ranks[dst_in_group], group=self.group)
+        send_without_waiting(x, self.ranks[dst_in_group], self.group)
 
     def recv(self, x: torch.Tensor, src_in_group: int) -> torch.Tensor:
         """Receive into x (its shape and dtype must match what the sender sent)."""
@@ -316,6 +316,7 @@ def destroy_distributed() -> None:
     global _CONTROL_GROUP, _STORE_SOCKET, _LAYOUT, _GROUPS
     _LAYOUT, _GROUPS = ParallelLayout(), {k: _alone(k) for k in GROUP_KINDS}
     _CONTROL_GROUP = None
+    _pending_sends.clear()  # a broken world's sends never complete; do not wait for them
     if dist.is_available() and dist.is_initialized():
         try:
             dist.destroy_process_group()
@@ -324,3 +325,32 @@ def destroy_distributed() -> None:
     if _STORE_SOCKET is not None:
         _STORE_SOCKET.close()
         _STORE_SOCKET = None
+
+
+# Sends in flight: (work, tensor) -- the tensor must live until its send completes.
+_pending_sends: list = []
+
+
+def send_without_waiting(x: torch.Tensor, dst: int, group) -> None:
+    """Point-to-point send of x to global rank dst that returns before the receiver takes it.
+
+    dist.send on gloo blocks until the receiver has posted its recv (a rendezvous, measured: a send to a
+    rank that posts its recv 1 s later takes 1 s), which serialized the pipeline stages: rank 0 could not
+    hand step n+1 to a stage still running step n.  isend keeps order per (pair, group); the tensor is held
+    here until the send completes.  A failed earlier send raises here (or at flush_sends)."""
+    _reap_sends()
+    x = x.contiguous()
+    _pending_sends.append((dist.isend(x, dst=dst, group=group), x))
+
+
+def _reap_sends() -> None:
+    while _pending_sends and _pending_sends[0][0].is_completed():
+        work, _ = _pending_sends.pop(0)
+        work.wait()  # completed: raises if it failed
+
+
+def flush_sends() -> None:
+    """Wait for every send in flight (before tearing the process groups down)."""
+    while _pending_sends:
+        work, _ = _pending_sends.pop(0)
+        work.wait()

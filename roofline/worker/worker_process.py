@@ -12,8 +12,9 @@ to its parent.  The life of a rank:
    rank runs it (the model's collectives keep them in lock step); rank 0 sends the reply back.
 
 Pipeline parallelism (several steps in flight): rank 0 hands each engine message to every other rank
-with point-to-point sends instead of a broadcast (gloo sends return at once; a broadcast waits for
-every receiver, so rank 0 could not take step n+1 while a later stage still runs step n); the last
+with point-to-point sends that do not wait for the receiver (parallel_state.send_without_waiting: a
+broadcast or a plain gloo send waits for every receiver, so rank 0 could not take step n+1 while a later
+stage still runs step n); the last
 stage's first TP rank sends each step's Output to rank 0 on a group of their own, and a thread of
 rank 0 forwards it to the engine as it comes.
 
