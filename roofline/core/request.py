@@ -64,6 +64,9 @@ class Request:
         # Prompt logprobs need logits at every prompt position, so such requests skip cache hits.
         self.skip_prefix_cache = sampling_params.prompt_logprobs is not None
         self.grammar = None  # structured outputs: its RequestGrammar (waits unscheduled while pending)
+        # speculative decoding: tokens proposed to follow all_token_ids, verified at the next step; never
+        # part of all_token_ids (so never hashed into the prefix cache) until accepted
+        self.spec_token_ids: list[int] = []
         # KV transfer (kv_transfer/): the request's KVTransferParams, the tokens a load is bringing in,
         # and whether a load failed (it then computes its whole prompt here)
         self.kv_transfer = None
