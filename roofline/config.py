@@ -13,6 +13,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal, Optional
 
+from roofline.kv_transfer.config import KVTransferConfig
+
 GiB = 1 << 30
 GGUF_WEIGHTS = ("native", "dequantize")  # how a GGUF file's quantized layers are computed
 
@@ -202,7 +204,7 @@ class EngineConfig:
     device_config: DeviceConfig
     observability_config: ObservabilityConfig = field(default_factory=ObservabilityConfig)
     speculative_config: Optional[SpeculativeConfig] = None
-    kv_transfer_config: Optional[Any] = None  # kv_transfer.config.KVTransferConfig: a KV connector, if any
+    kv_transfer_config: Optional[KVTransferConfig] = None  # a KV connector (kv_transfer/), if any
     # the server runs EngineCore in a process of its own (engine/core_process.py), apart from HTTP and
     # tokenization; offline LLM(...) always runs it in-process.  On by default: W2 at saturation on
     # the default model (CPU) gave 1.8x the output tokens/s of the engine thread sharing the server's GIL
@@ -348,8 +350,6 @@ class EngineArgs:
                                   "(the draft runs beside one tensor-parallel group)")
         kv_transfer = None
         if self.kv_transfer_config is not None:
-            from roofline.kv_transfer.config import KVTransferConfig
-
             try:
                 kv_transfer = (KVTransferConfig(**self.kv_transfer_config) if isinstance(self.kv_transfer_config, dict)
                                else KVTransferConfig.from_json(self.kv_transfer_config))
