@@ -68,6 +68,14 @@ class PositionLogprobs(msgspec.Struct, array_like=True):
     ranks: list[int]
 
 
+class StepParallelStats(msgspec.Struct, array_like=True):
+    """What a distributed step cost in communication, and how evenly the experts were loaded (rank 0's view)."""
+
+    collectives: dict[str, list[int]] = {}  # "<group>.<op>" -> [calls, bytes] issued this step
+    expert_balancedness: list[float] = []  # per MoE layer after the last EPLB rebalance (empty: none yet)
+    eplb_rebalances: int = 0  # rebalances so far
+
+
 class ModelRunnerOutput(msgspec.Struct, array_like=True):
     req_ids: list[str]  # requests that sampled this step
     sampled_token_ids: list[list[int]]
@@ -76,6 +84,7 @@ class ModelRunnerOutput(msgspec.Struct, array_like=True):
     # Requests that failed on the worker (e.g. their sampling state could not be set up): req_id -> error.
     # The engine fails them alone; they sampled nothing this step.
     failed: dict[str, str] = {}
+    parallel: Optional[StepParallelStats] = None  # distributed runs only
 
 
 def merge_runner_outputs(parts: list[ModelRunnerOutput]) -> ModelRunnerOutput:
@@ -87,6 +96,15 @@ def merge_runner_outputs(parts: list[ModelRunnerOutput]) -> ModelRunnerOutput:
         out.logprobs += p.logprobs
         out.prompt_logprobs.update(p.prompt_logprobs)
         out.failed.update(p.failed)
+        if p.parallel is not None:
+            if out.parallel is None:
+                out.parallel = StepParallelStats()
+            for name, (calls, nbytes) in p.parallel.collectives.items():
+                c = out.parallel.collectives.setdefault(name, [0, 0])
+                c[0] += calls
+                c[1] += nbytes
+            out.parallel.expert_balancedness = p.parallel.expert_balancedness
+            out.parallel.eplb_rebalances = p.parallel.eplb_rebalances
     return out
 
 

@@ -23,7 +23,12 @@ from typing import Iterable, Optional
 from roofline.config import EngineArgs, EngineConfig, GiB, finalize_lengths
 from roofline.core.request import Request, RequestStatus
 from roofline.core.scheduler import Scheduler
-from roofline.core.scheduler_output import ModelRunnerOutput, SchedulerOutput, merge_runner_outputs
+from roofline.core.scheduler_output import (
+    ModelRunnerOutput,
+    SchedulerOutput,
+    StepParallelStats,
+    merge_runner_outputs,
+)
 from roofline.engine.output_processor import OutputProcessor
 from roofline.executor.base import ExecutorDeadError, create_executor
 from roofline.metrics.step_roofline import StepRoofline, model_for_engine
@@ -54,6 +59,12 @@ class EngineStats:
     generation_tokens: int
     # live roofline: the steps since the previous snapshot (oldest first; empty when switched off)
     step_roofline: list[StepRoofline] = field(default_factory=list)
+    # distributed runs: "<group>.<op>" -> [calls, bytes] since start (rank 0's), steps they cover,
+    # per-layer expert balancedness after the last EPLB rebalance, rebalances so far
+    collectives: dict[str, list[int]] = field(default_factory=dict)
+    parallel_steps: int = 0
+    expert_balancedness: list[float] = field(default_factory=list)
+    eplb_rebalances: int = 0
 
 
 # steps kept for the next get_stats() (a caller that never asks keeps only the latest ones)
@@ -98,6 +109,9 @@ class EngineCore:
                                                   config.parallel_config.tensor_parallel_size,
                                                   config.observability_config.roofline_hardware)
         self._step_records: deque[StepRoofline] = deque(maxlen=STEP_RECORDS_KEPT)
+        self.collectives: dict[str, list[int]] = {}
+        self.parallel_steps = 0
+        self.last_parallel: Optional[StepParallelStats] = None
         logger.info("engine ready in %.1f s: %s, max_model_len=%d, %d KV blocks",
                     time.monotonic() - t0, mc.served_model_name, mc.max_model_len, num_blocks)
 
@@ -232,6 +246,8 @@ class EngineCore:
         for item in sched_out.scheduled:
             self.output_processor.mark_scheduled(item.req_id, now)
         result = self._execute_isolating(sched_out)
+        if result.parallel is not None:
+            self._record_parallel(result.parallel)
         if result.failed:
             self._fail_requests(result.failed)
         touched = self.scheduler.update_from_output(sched_out, result)
@@ -279,6 +295,14 @@ class EngineCore:
                 sched_out.scheduled, time.perf_counter() - t_start, now, self.scheduler.kv.pool.usage()))
         return outputs
 
+    def _record_parallel(self, p: StepParallelStats) -> None:
+        self.parallel_steps += 1
+        self.last_parallel = p
+        for name, (calls, nbytes) in p.collectives.items():
+            c = self.collectives.setdefault(name, [0, 0])
+            c[0] += calls
+            c[1] += nbytes
+
     def _execute_isolating(self, out: SchedulerOutput) -> ModelRunnerOutput:
         """executor.execute(out); if it raises (other than ExecutorDeadError), the step's requests run
         again in halves until every failing request has run alone: those fail, the rest get their tokens."""
@@ -317,6 +341,9 @@ class EngineCore:
             prefix_cache_queries=s.prefix_cache_queries, prefix_cache_hits=s.prefix_cache_hits,
             num_preemptions=s.num_preemptions, prompt_tokens=self.prompt_tokens,
             generation_tokens=self.generation_tokens, step_roofline=self._drain_step_records(),
+            collectives={k: list(v) for k, v in self.collectives.items()}, parallel_steps=self.parallel_steps,
+            expert_balancedness=list(self.last_parallel.expert_balancedness) if self.last_parallel else [],
+            eplb_rebalances=self.last_parallel.eplb_rebalances if self.last_parallel else 0,
         )
 
     def _drain_step_records(self) -> list[StepRoofline]:

@@ -231,6 +231,10 @@ class MultiprocExecutor(Executor):
     def reset_collective_counts(self) -> None:
         self._call("reset_collective_counts")
 
+    def expert_placements(self) -> list[list[list[int]]]:
+        """Per rank, per expert-parallel MoE layer: the logical expert each local slot holds."""
+        return self._call("expert_placements")
+
     def rank_info(self) -> list[list[Any]]:
         """[[rank, host, pid] per rank], all nodes."""
         return self._call("rank_info")
