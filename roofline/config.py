@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any, Literal, Optional
 
 GiB = 1 << 30
+GGUF_WEIGHTS = ("native", "dequantize")  # how a GGUF file's quantized layers are computed
 
 
 @dataclass
@@ -23,6 +24,7 @@ class ModelConfig:
     dtype: str = "auto"  # auto | float32 | bfloat16 | float16
     seed: int = 0
     load_format: str = "auto"  # auto | safetensors | gguf | dummy
+    gguf_weights: str = "native"  # native (layers computed on GGUF blocks, CPU) | dequantize (fp32)
     max_model_len: Optional[int] = None
     served_model_name: Optional[str] = None
     trust_remote_code: bool = False
@@ -96,6 +98,7 @@ class EPLBConfig:
 class ParallelConfig:
     tensor_parallel_size: int = 1
     pipeline_parallel_size: int = 1
+    pp_layer_partition: Optional[str] = None  # "a,b,...": layers per pipeline stage; None: even split
     data_parallel_size: int = 1
     enable_expert_parallel: bool = False  # MoE layers: whole experts spread over DP x TP ranks
     all2all_backend: str = "all_to_all"  # expert-parallel dispatch/combine: see ALL2ALL_BACKENDS
@@ -125,6 +128,71 @@ class ObservabilityConfig:
     roofline_hardware: Optional[str] = None  # planner preset for the bound; None: GPU preset or measured
 
 
+SPECULATIVE_METHODS = ("ngram", "draft_model", "mtp")
+MAX_SPECULATIVE_TOKENS = 16
+SPECULATIVE_KEYS = ("method", "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max", "model",
+                    "draft_tensor_parallel_size", "adaptive")
+
+
+@dataclass
+class SpeculativeConfig:
+    """Speculative decoding (vLLM's `speculative_config` dict): who proposes and how many tokens."""
+
+    method: str  # ngram | draft_model | mtp
+    num_speculative_tokens: int  # k: the most tokens proposed per request per step
+    prompt_lookup_min: int = 2  # ngram: shortest suffix n-gram matched
+    prompt_lookup_max: int = 5  # ngram: longest suffix n-gram matched (tried first)
+    model: Optional[str] = None  # draft_model: the draft checkpoint
+    draft_tensor_parallel_size: int = 1
+    adaptive: bool = True  # pick k per step from the cost model and the running acceptance rate
+
+    @classmethod
+    def from_dict(cls, d: Any) -> "SpeculativeConfig":
+        """Validate the user's dict; a ValueError names the offending field."""
+        if not isinstance(d, dict):
+            raise ValueError(f"speculative_config must be a dict, got {type(d).__name__}")
+        unknown = sorted(set(d) - set(SPECULATIVE_KEYS))
+        if unknown:
+            raise ValueError(f"speculative_config: unknown field(s) {unknown}; known: {list(SPECULATIVE_KEYS)}")
+        method = d.get("method")
+        if method is None and d.get("model") is not None:
+            method = "draft_model"
+        if method not in SPECULATIVE_METHODS:
+            raise ValueError(f"speculative_config.method must be one of {list(SPECULATIVE_METHODS)}, got {method!r}")
+        k = d.get("num_speculative_tokens")
+        if not _is_int(k) or not 1 <= k <= MAX_SPECULATIVE_TOKENS:
+            raise ValueError(f"speculative_config.num_speculative_tokens must be an integer in "
+                             f"[1, {MAX_SPECULATIVE_TOKENS}], got {k!r}")
+        lo, hi = d.get("prompt_lookup_min"), d.get("prompt_lookup_max")
+        if lo is None and hi is None:
+            lo, hi = cls.prompt_lookup_min, cls.prompt_lookup_max
+        elif lo is None:
+            lo = min(cls.prompt_lookup_min, hi) if _is_int(hi) else hi
+        elif hi is None:
+            hi = max(cls.prompt_lookup_max, lo) if _is_int(lo) else lo
+        if not _is_int(lo) or lo < 1:
+            raise ValueError(f"speculative_config.prompt_lookup_min must be an integer >= 1, got {lo!r}")
+        if not _is_int(hi) or hi < lo:
+            raise ValueError(f"speculative_config.prompt_lookup_max must be an integer >= prompt_lookup_min "
+                             f"({lo}), got {hi!r}")
+        model = d.get("model")
+        if method == "draft_model" and not model:
+            raise ValueError("speculative_config.model is required for method 'draft_model'")
+        if method != "draft_model" and model is not None:
+            raise ValueError(f"speculative_config.model applies to method 'draft_model' only, not {method!r}")
+        dtp = d.get("draft_tensor_parallel_size", 1)
+        if not _is_int(dtp) or dtp < 1:
+            raise ValueError(f"speculative_config.draft_tensor_parallel_size must be an integer >= 1, got {dtp!r}")
+        adaptive = d.get("adaptive", True)
+        if not isinstance(adaptive, bool):
+            raise ValueError(f"speculative_config.adaptive must be true or false, got {adaptive!r}")
+        return cls(method, k, lo, hi, model, dtp, adaptive)
+
+
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
 @dataclass
 class EngineConfig:
     model_config: ModelConfig
@@ -133,6 +201,11 @@ class EngineConfig:
     parallel_config: ParallelConfig
     device_config: DeviceConfig
     observability_config: ObservabilityConfig = field(default_factory=ObservabilityConfig)
+    speculative_config: Optional[SpeculativeConfig] = None
+    kv_transfer_config: Optional[Any] = None  # kv_transfer.config.KVTransferConfig: a KV connector, if any
+    # the server runs EngineCore in a process of its own (engine/core_process.py), apart from HTTP,
+    # tokenization and detokenization of requests; offline LLM(...) always runs it in-process
+    engine_core_process: bool = False
 
 
 def _default_device() -> str:
@@ -154,6 +227,7 @@ class EngineArgs:
     seed: int = 0
     device: Optional[str] = None
     load_format: str = "auto"
+    gguf_weights: str = "native"
     max_model_len: Optional[int] = None
     served_model_name: Optional[str] = None
     trust_remote_code: bool = False
@@ -175,6 +249,7 @@ class EngineArgs:
     # parallel
     tensor_parallel_size: int = 1
     pipeline_parallel_size: int = 1
+    pp_layer_partition: Optional[str] = None
     data_parallel_size: int = 1
     enable_expert_parallel: bool = False
     all2all_backend: str = "all_to_all"
@@ -191,6 +266,12 @@ class EngineArgs:
     # observability
     step_roofline: bool = True
     roofline_hardware: Optional[str] = None
+    # speculative decoding: vLLM's dict (method, num_speculative_tokens, prompt_lookup_min/max, model, ...)
+    speculative_config: Optional[dict] = None
+    # KV transfer (prefill/decode disaggregation): vLLM's --kv-transfer-config JSON (or a dict)
+    kv_transfer_config: Optional[str] = None
+    # server
+    engine_core_process: bool = False
 
     @classmethod
     def field_names(cls) -> set[str]:
@@ -230,9 +311,15 @@ class EngineArgs:
             eplb = EPLBConfig.from_json(self.eplb_config)
         except (TypeError, ValueError) as e:
             errors.append(str(e))
-        if self.pipeline_parallel_size != 1:
-            errors.append(f"pipeline_parallel_size must be 1 (pipeline parallelism is not served yet), "
-                          f"got {self.pipeline_parallel_size}")
+        if self.pp_layer_partition is not None and self.pipeline_parallel_size >= 1:
+            from roofline.distributed.pipeline import parse_partition
+
+            try:
+                parse_partition(self.pp_layer_partition, self.pipeline_parallel_size)
+            except ValueError as e:
+                errors.append(str(e))
+        if self.gguf_weights not in GGUF_WEIGHTS:
+            errors.append(f"gguf_weights must be one of {', '.join(GGUF_WEIGHTS)}, got {self.gguf_weights!r}")
         if self.swap_space < 0:
             errors.append(f"swap_space must be >= 0, got {self.swap_space}")
         if self.max_num_batched_tokens is not None and self.max_num_batched_tokens <= 0:
@@ -244,6 +331,33 @@ class EngineArgs:
                 get_hardware(self.roofline_hardware)
             except ValueError as e:
                 errors.append(f"roofline_hardware must be 'measure' or a planner preset: {e}")
+        speculative = None
+        if self.speculative_config is not None:
+            try:
+                speculative = SpeculativeConfig.from_dict(self.speculative_config)
+            except ValueError as e:
+                errors.append(str(e))
+            else:
+                tp = self.tensor_parallel_size
+                if speculative.draft_tensor_parallel_size not in (1, tp):
+                    errors.append(f"speculative_config.draft_tensor_parallel_size must be 1 or "
+                                  f"tensor_parallel_size ({tp}), got {speculative.draft_tensor_parallel_size}")
+                if self.pipeline_parallel_size > 1 or self.data_parallel_size > 1:
+                    errors.append("speculative_config needs pipeline_parallel_size 1 and data_parallel_size 1 "
+                                  "(the draft runs beside one tensor-parallel group)")
+        kv_transfer = None
+        if self.kv_transfer_config is not None:
+            from roofline.kv_transfer.config import KVTransferConfig
+
+            try:
+                kv_transfer = (KVTransferConfig(**self.kv_transfer_config) if isinstance(self.kv_transfer_config, dict)
+                               else KVTransferConfig.from_json(self.kv_transfer_config))
+            except (TypeError, ValueError) as e:
+                errors.append(str(e))
+            if (self.tensor_parallel_size > 1 or self.pipeline_parallel_size > 1 or self.data_parallel_size > 1
+                    or self.nnodes > 1):
+                errors.append("kv_transfer_config needs tensor_parallel_size, pipeline_parallel_size and "
+                              "data_parallel_size 1 (a KV connector serves one pool)")
         if errors:
             raise ValueError("invalid engine arguments: " + "; ".join(errors))
         device = self.device or _default_device()
@@ -253,6 +367,7 @@ class EngineArgs:
             dtype=self.dtype,
             seed=self.seed,
             load_format=self.load_format,
+            gguf_weights=self.gguf_weights,
             max_model_len=self.max_model_len,
             served_model_name=self.served_model_name,
             trust_remote_code=self.trust_remote_code,
@@ -278,6 +393,7 @@ class EngineArgs:
         parallel_config = ParallelConfig(
             tensor_parallel_size=self.tensor_parallel_size,
             pipeline_parallel_size=self.pipeline_parallel_size,
+            pp_layer_partition=self.pp_layer_partition,
             data_parallel_size=self.data_parallel_size,
             enable_expert_parallel=self.enable_expert_parallel,
             all2all_backend=self.all2all_backend,
@@ -293,7 +409,9 @@ class EngineArgs:
             device=device, attention_backend=self.attention_backend, enforce_eager=self.enforce_eager
         )
         observability = ObservabilityConfig(step_roofline=self.step_roofline, roofline_hardware=self.roofline_hardware)
-        return EngineConfig(model_config, cache_config, scheduler_config, parallel_config, device_config, observability)
+        return EngineConfig(model_config, cache_config, scheduler_config, parallel_config, device_config, observability,
+                            speculative, kv_transfer,
+                            engine_core_process=self.engine_core_process)
 
 
 def finalize_lengths(config: EngineConfig, model_max_len: int) -> None:

@@ -27,6 +27,10 @@ class Executor(ABC):
     @abstractmethod
     def execute(self, out: SchedulerOutput) -> ModelRunnerOutput: ...
 
+    def weight_bytes(self) -> dict[str, int]:
+        """Bytes of the model's weights as rank 0's layers compute on them, by format."""
+        return {}
+
     def check_health(self) -> None:
         """Raise if a worker is gone."""
 

@@ -70,6 +70,10 @@ def check_tensor_parallel_split(config: EngineConfig) -> None:
     hf_config = config.model_config.hf_config
     tp = config.parallel_config.tensor_parallel_size
     layout = ParallelLayout.from_config(config.parallel_config)
+    from roofline.distributed import pipeline
+
+    pc = config.parallel_config
+    pipeline.set_partition(pipeline.parse_partition(pc.pp_layer_partition, pc.pipeline_parallel_size))
     if hf_config is None:
         return
     arch, cls = resolve_architecture(hf_config)
@@ -186,6 +190,9 @@ class MultiprocExecutor(Executor):
     def block_bytes(self) -> int:
         """Bytes of one block on one rank (each rank holds only its KV heads)."""
         return int(self._call("block_bytes"))
+
+    def weight_bytes(self) -> dict[str, int]:
+        return dict(self._call("weight_bytes"))
 
     def init_kv_cache(self, num_blocks: int, num_swap_blocks: int) -> None:
         self._call("init_kv_cache", num_blocks, num_swap_blocks, timeout=startup_timeout_s())

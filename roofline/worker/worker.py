@@ -18,7 +18,7 @@ from roofline.attention.backend import get_attention_backend
 from roofline.config import GiB, EngineConfig, Switch
 from roofline.core.scheduler_output import ModelRunnerOutput, SchedulerOutput, StepParallelStats
 from roofline.distributed.parallel_state import collective_stats, get_layout
-from roofline.model_executor.layers import cpu_gemm
+from roofline.model_executor.layers import cpu_gemm, cpu_ops, gguf_quant
 from roofline.model_executor.loader.source import ModelSource
 from roofline.model_executor.loader.weights import gguf_weights, init_dummy_weights, safetensors_weights
 from roofline.model_executor.models import llama_cpu_stack
@@ -118,6 +118,7 @@ class Worker:
 
             self.eplb = EplbState(self.model, pc.eplb, get_ep_group(), num_nodes=pc.nnodes)
         self._collectives_seen: dict[str, list[int]] = {}
+        self.kv_connector = None  # the worker half of a KV connector (kv_transfer/), set with the pool
 
     def _load_model(self, source: ModelSource, show_progress: bool) -> torch.nn.Module:
         arch, cls = resolve_architecture(self.hf_config)
@@ -134,7 +135,8 @@ class Worker:
             init_dummy_weights(model, self.config.model_config.seed)
         else:
             if source.fmt == "gguf":
-                weights = gguf_weights(os.path.join(source.path, source.gguf_file), self.hf_config, show_progress)
+                weights = gguf_weights(os.path.join(source.path, source.gguf_file), self.hf_config, show_progress,
+                                       keep_quantized=self._keeps_gguf_blocks(cls))
             else:
                 weights = safetensors_weights(source.path, show_progress)
             loaded = model.load_weights(weights)
@@ -146,8 +148,29 @@ class Worker:
         if self.device.type == "cpu":
             cpu_gemm.prepare_model(model)
             llama_cpu_stack.attach(model)
-        logger.info("loaded %s (%s, %s) on %s", arch, source.fmt, self.dtype, self.device)
+        self.weight_bytes = gguf_quant.weight_bytes_by_format(model)
+        logger.info("loaded %s (%s, %s) on %s; weights %.1f MB (%s)", arch, source.fmt, self.dtype, self.device,
+                    sum(self.weight_bytes.values()) / 1e6,
+                    ", ".join(f"{k} {v / 1e6:.1f} MB" for k, v in sorted(self.weight_bytes.items())))
         return model
+
+    def _keeps_gguf_blocks(self, model_cls) -> bool:
+        """Whether a GGUF file's quantized layers stay in their blocks (--gguf-weights native): on the
+        CPU in fp32 with the native kernels, one rank, a model class that takes them; else fp32 copies."""
+        if self.config.model_config.gguf_weights != "native":
+            return False
+        why = None
+        if self.device.type != "cpu" or self.dtype != torch.float32:
+            why = f"{self.device.type} / {self.dtype} (native blocks are computed on the CPU in fp32)"
+        elif self.config.parallel_config.tensor_parallel_size > 1:
+            why = "tensor parallel"
+        elif not getattr(model_cls, "keeps_quantized_weights", False):
+            why = f"{model_cls.__name__} loads dense tensors only"
+        elif not cpu_ops.available():
+            why = "native CPU kernels unavailable"
+        if why is not None:
+            logger.info("GGUF weights dequantized to %s: %s", self.dtype, why)
+        return why is None
 
     # ---- KV pool ------------------------------------------------------------------------------
     def block_bytes(self) -> int:
@@ -218,15 +241,29 @@ class Worker:
 
         # CUDA, not enforce_eager, triton attention, tp=1: decode steps replay captured graphs
         self.runner.graph_runner = create_graph_runner(self.model, caches, self.config, self.device)
+        if self.config.speculative_config is not None:
+            from roofline.spec_decode.proposer import create_proposer
+
+            self.runner.proposer = create_proposer(self.config.speculative_config)
+        from roofline.kv_transfer import create_worker_connector
+
+        self.kv_connector = create_worker_connector(self.config, caches)
         total = num_blocks * self.block_bytes()
         logger.info("KV cache: %d blocks x %d tokens = %d tokens, %.3f GiB", num_blocks, bs, num_blocks * bs, total / GiB)
 
     def execute(self, out: SchedulerOutput) -> ModelRunnerOutput:
         assert self.runner is not None, "init_kv_cache first"
+        connector, plan = self.kv_connector, out.kv_connector_metadata
+        if connector is not None and plan is not None:
+            connector.start_load_kv(plan)
         result = self.runner.execute(out)
+        if connector is not None:
+            if plan is not None:
+                connector.save_kv(plan)
+            result.kv_connector_output = connector.get_finished()
         if self.eplb is not None:
             self.eplb.step()
-        if get_layout().world_size > 1:
+        if get_layout().world_size > 1 and result is not None:
             result.parallel = self._parallel_stats()
         return result
 
@@ -244,3 +281,7 @@ class Worker:
         eplb = self.eplb
         return StepParallelStats(collectives=step, expert_balancedness=list(eplb.balancedness) if eplb else [],
                                  eplb_rebalances=eplb.rebalances if eplb else 0)
+
+    def shutdown(self) -> None:
+        if self.kv_connector is not None:
+            self.kv_connector.shutdown()

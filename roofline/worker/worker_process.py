@@ -31,7 +31,7 @@ from typing import Any, Optional
 import msgspec
 import torch
 
-from roofline.distributed import comm
+from roofline.distributed import comm, pipeline
 from roofline.distributed.layout import ParallelLayout
 from roofline.distributed.parallel_state import (
     collective_counts,
@@ -57,6 +57,7 @@ from roofline.distributed.protocol import (
     decode_hf_config,
     encoder,
     request_decoder,
+    runner_output_decoder,
     spec_decoder,
     status_decoder,
 )
@@ -101,6 +102,7 @@ class WorkerProc:
         self.worker: Any = None
         self.config = None
         self.send_lock = threading.Lock()  # the heartbeat thread shares the connection
+        self.output_rank = 0
 
     # ---- start-up ------------------------------------------------------------------------------
     def startup(self) -> None:
@@ -113,6 +115,7 @@ class WorkerProc:
         # the layout first: every rank must agree on it before the model groups are created collectively
         layout = self._exchange_status(self._layout, boot)
         init_model_parallel(layout)
+        self.output_rank = pipeline.last_stage_driver()  # who holds a step's sampled tokens
         self._exchange_status(self._build, boot)
         self._send(Ready(self.rank, f"rank {self.rank} on {socket.gethostname()} pid {os.getpid()}"))
 
@@ -135,6 +138,7 @@ class WorkerProc:
     def _layout(self, boot: Bootstrap) -> ParallelLayout:
         pc = boot.config.parallel_config
         layout = ParallelLayout.from_config(pc)
+        pipeline.set_partition(pipeline.parse_partition(pc.pp_layer_partition, pc.pipeline_parallel_size))
         if (layout.world_size, pc.nnodes) != (self.spec.world_size, self.spec.nnodes):
             raise ValueError(
                 f"node {self.spec.node_rank} was started with a world of {self.spec.world_size} ranks, "
@@ -192,6 +196,11 @@ class WorkerProc:
                 return
             if isinstance(msg, Execute):
                 out = self.worker.execute(msg.out)
+                if self.output_rank != 0:  # pipeline: the last stage sampled; rank 0 answers the engine
+                    if self.rank == self.output_rank:
+                        comm.send_bytes(encoder.encode(out), 0)
+                    elif self.rank == 0:
+                        out = runner_output_decoder.decode(comm.recv_bytes(self.output_rank))
                 if self.rank == 0:
                     self._send(Output(out))
             elif isinstance(msg, Call):
@@ -209,6 +218,9 @@ class WorkerProc:
 
     def rpc_block_bytes(self) -> int:
         return int(self.worker.block_bytes())
+
+    def rpc_weight_bytes(self) -> dict[str, int]:
+        return dict(self.worker.weight_bytes)
 
     def rpc_init_kv_cache(self, num_blocks: int, num_swap_blocks: int) -> None:
         self.worker.init_kv_cache(num_blocks, num_swap_blocks)
