@@ -23,6 +23,10 @@ def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
                         "local HF model directory; default: roofline's default model (SmolLM2-135M)")
     p.add_argument("--gpu", default=None, help="h100-sxm, h200, a100-80gb, l4, or cpu (bandwidth/FLOPs measured)")
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel degree")
+    p.add_argument("--dp", type=int, default=1, help="data-parallel degree (expert parallelism spans dp x tp)")
+    p.add_argument("--enable-expert-parallel", action="store_true",
+                   help="MoE: whole experts over the dp x tp ranks (weights per GPU, all-to-all bytes per step)")
+    p.add_argument("--num-redundant-experts", type=int, default=0, help="EPLB replicas per MoE layer")
     p.add_argument("--weight-dtype", choices=DTYPES, default=None, help="default: the checkpoint's dtype")
     p.add_argument("--kv-dtype", choices=DTYPES, default=None, help="default: the weight dtype (bf16 with fp8 weights)")
     mem = p.add_mutually_exclusive_group()
@@ -94,7 +98,8 @@ def run_plan(args) -> int:
         spec = load_model_spec(args.model)
         hw = _hardware(args)
         p = PlanInputs(
-            model=spec, hardware=hw, tp=args.tp, weight_dtype=args.weight_dtype, kv_dtype=args.kv_dtype,
+            model=spec, hardware=hw, tp=args.tp, dp=args.dp, expert_parallel=args.enable_expert_parallel,
+            num_redundant_experts=args.num_redundant_experts, weight_dtype=args.weight_dtype, kv_dtype=args.kv_dtype,
             gpu_memory_utilization=args.gpu_memory_utilization,
             kv_budget_bytes=None if args.kv_budget_gib is None else args.kv_budget_gib * GiB,
             block_size=args.block_size, context=args.context, avg_context=args.avg_context, batch=args.batch,
