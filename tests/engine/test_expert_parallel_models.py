@@ -85,3 +85,31 @@ def test_eplb_rebalances_mid_generation_and_greedy_is_unchanged(moe_models):
     for layer in range(2):
         assert set(placements[0][layer]) | set(placements[1][layer]) == set(range(8))
     assert stats.collectives["ep.all_reduce"][0] == stats.eplb_rebalances  # the window's counts, once each
+
+
+def test_a_killed_rank_mid_generation_gives_a_clear_error_not_a_hang(moe_models):
+    """SIGKILL rank 1 while its peer waits in the expert all-to-all: the request fails naming rank 1, fast."""
+    import threading
+    import time
+
+    from roofline import SamplingParams
+
+    path, prompts, _ = moe_models["mixtral"]
+    llm = LLM(path, dtype="float32", device="cpu", num_kv_blocks=256, show_progress=False,
+              enable_expert_parallel=True, tensor_parallel_size=2)
+    try:
+        llm.generate([{"prompt_token_ids": prompts[0]}], GREEDY, use_tqdm=False)  # warm: the world works
+        victim = llm.llm_engine.executor.ranks.by_rank(1).proc
+        killer = threading.Timer(0.5, victim.kill)
+        killer.start()
+        t0 = time.monotonic()
+        with pytest.raises(RuntimeError, match="rank 1"):
+            while time.monotonic() - t0 < 30:  # generating until the kill lands, mid-step or between steps
+                llm.generate([{"prompt_token_ids": p} for p in prompts],
+                             SamplingParams(temperature=0, max_tokens=64, ignore_eos=True), use_tqdm=False)
+        killer.join()
+        assert time.monotonic() - t0 < 20
+        with pytest.raises(RuntimeError, match=r"rank 1 \(pid \d+\) was killed by SIGKILL"):
+            llm.llm_engine.check_health()
+    finally:
+        llm.llm_engine.shutdown()
