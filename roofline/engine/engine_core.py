@@ -28,7 +28,12 @@ from typing import Iterable, Optional
 from roofline.config import EngineArgs, EngineConfig, GiB, finalize_lengths
 from roofline.core.request import Request, RequestStatus
 from roofline.core.scheduler import Scheduler
-from roofline.core.scheduler_output import ModelRunnerOutput, SchedulerOutput, merge_runner_outputs
+from roofline.core.scheduler_output import (
+    ModelRunnerOutput,
+    SchedulerOutput,
+    StepParallelStats,
+    merge_runner_outputs,
+)
 from roofline.engine.output_processor import OutputProcessor
 from roofline.executor.base import ExecutorDeadError, create_executor
 from roofline.kv_transfer import create_scheduler_connector, request_params
@@ -65,6 +70,12 @@ class EngineStats:
     weight_bytes: dict[str, int] = field(default_factory=dict)
     # live roofline: the steps since the previous snapshot (oldest first; empty when switched off)
     step_roofline: list[StepRoofline] = field(default_factory=list)
+    # distributed runs: "<group>.<op>" -> [calls, bytes] since start (rank 0's), steps they cover,
+    # per-layer expert balancedness after the last EPLB rebalance, rebalances so far
+    collectives: dict[str, list[int]] = field(default_factory=dict)
+    parallel_steps: int = 0
+    expert_balancedness: list[float] = field(default_factory=list)
+    eplb_rebalances: int = 0
     spec_decode: Optional[SpecDecodeStats] = None  # speculative decoding counters (cumulative), when on
     # KV transfer (kv_transfer/): bytes of KV loaded from / handed to other engines or the storage
     kv_transfer_bytes_received: int = 0
@@ -119,6 +130,9 @@ class EngineCore:
         self.generation_tokens = 0
         self._step_records: deque[StepRoofline] = deque(maxlen=STEP_RECORDS_KEPT)
         self._in_flight: deque[tuple[SchedulerOutput, float]] = deque()  # submitted, not collected (oldest first)
+        self.collectives: dict[str, list[int]] = {}
+        self.parallel_steps = 0
+        self.last_parallel: Optional[StepParallelStats] = None
         logger.info("engine ready in %.1f s: %s, max_model_len=%d, %d KV blocks",
                     time.monotonic() - t0, mc.served_model_name, mc.max_model_len, num_blocks)
 
@@ -304,6 +318,8 @@ class EngineCore:
 
     def _finish_step(self, sched_out: SchedulerOutput, result: ModelRunnerOutput, t_start: float) -> list[RequestOutput]:
         """The step's results into the scheduler, the output processor and RequestOutputs."""
+        if result.parallel is not None:
+            self._record_parallel(result.parallel)
         if result.failed:
             self._fail_requests(result.failed)
         touched = self.scheduler.update_from_output(sched_out, result)
@@ -361,6 +377,14 @@ class EngineCore:
                 sched_out.scheduled, time.perf_counter() - t_start, now, self.scheduler.kv.pool.usage()))
         return outputs
 
+    def _record_parallel(self, p: StepParallelStats) -> None:
+        self.parallel_steps += 1
+        self.last_parallel = p
+        for name, (calls, nbytes) in p.collectives.items():
+            c = self.collectives.setdefault(name, [0, 0])
+            c[0] += calls
+            c[1] += nbytes
+
     def _execute_isolating(self, out: SchedulerOutput) -> ModelRunnerOutput:
         """executor.execute(out); if it raises (other than ExecutorDeadError), the step's requests run
         again in halves until every failing request has run alone: those fail, the rest get their tokens."""
@@ -405,6 +429,9 @@ class EngineCore:
             spec_decode=s.spec_decode.copy() if s.spec_decode is not None else None,
             kv_transfer_bytes_received=self.scheduler.kv_transfer.bytes_received if self.scheduler.kv_transfer else 0,
             kv_transfer_bytes_sent=self.scheduler.kv_transfer.bytes_sent if self.scheduler.kv_transfer else 0,
+            collectives={k: list(v) for k, v in self.collectives.items()}, parallel_steps=self.parallel_steps,
+            expert_balancedness=list(self.last_parallel.expert_balancedness) if self.last_parallel else [],
+            eplb_rebalances=self.last_parallel.eplb_rebalances if self.last_parallel else 0,
         )
 
     def _drain_step_records(self) -> list[StepRoofline]:

@@ -27,6 +27,10 @@ def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     p.add_argument("--pp-layer-partition", default=None, help="layers per stage, e.g. 16,14 (default: even split)")
     p.add_argument("--microbatches", type=int, default=None,
                    help="batches in the pipeline at once, for the bubble (default: --pp)")
+    p.add_argument("--dp", type=int, default=1, help="data-parallel degree (expert parallelism spans dp x tp)")
+    p.add_argument("--enable-expert-parallel", action="store_true",
+                   help="MoE: whole experts over the dp x tp ranks (weights per GPU, all-to-all bytes per step)")
+    p.add_argument("--num-redundant-experts", type=int, default=0, help="EPLB replicas per MoE layer")
     p.add_argument("--weight-dtype", choices=DTYPES, default=None, help="default: the checkpoint's dtype")
     p.add_argument("--kv-dtype", choices=DTYPES, default=None, help="default: the weight dtype (bf16 with fp8 weights)")
     mem = p.add_mutually_exclusive_group()
@@ -110,7 +114,9 @@ def run_plan(args) -> int:
         hw = _hardware(args)
         p = PlanInputs(
             model=spec, hardware=hw, tp=args.tp, pp=args.pp, microbatches=args.microbatches,
-            pp_layer_partition=parse_partition(args.pp_layer_partition, args.pp), weight_dtype=args.weight_dtype, kv_dtype=args.kv_dtype,
+            pp_layer_partition=parse_partition(args.pp_layer_partition, args.pp), dp=args.dp,
+            expert_parallel=args.enable_expert_parallel, num_redundant_experts=args.num_redundant_experts,
+            weight_dtype=args.weight_dtype, kv_dtype=args.kv_dtype,
             gpu_memory_utilization=args.gpu_memory_utilization,
             kv_budget_bytes=None if args.kv_budget_gib is None else args.kv_budget_gib * GiB,
             block_size=args.block_size, context=args.context, avg_context=args.avg_context, batch=args.batch,

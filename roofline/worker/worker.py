@@ -16,7 +16,8 @@ import torch
 from roofline.attention import kv_spec
 from roofline.attention.backend import get_attention_backend
 from roofline.config import GiB, EngineConfig, Switch
-from roofline.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
+from roofline.core.scheduler_output import ModelRunnerOutput, SchedulerOutput, StepParallelStats
+from roofline.distributed.parallel_state import collective_stats, get_layout
 from roofline.model_executor.layers import cpu_gemm, cpu_ops, gguf_quant
 from roofline.model_executor.loader.source import ModelSource
 from roofline.model_executor.loader.weights import gguf_weights, init_dummy_weights, safetensors_weights
@@ -109,6 +110,14 @@ class Worker:
         self.load_time = time.monotonic() - t0
         self.num_blocks = 0
         self.runner: Optional[ModelRunner] = None
+        self.eplb = None
+        pc = config.parallel_config
+        if pc.enable_eplb:
+            from roofline.distributed.parallel_state import get_ep_group
+            from roofline.eplb.state import EplbState
+
+            self.eplb = EplbState(self.model, pc.eplb, get_ep_group(), num_nodes=pc.nnodes)
+        self._collectives_seen: dict[str, list[int]] = {}
         self.kv_connector = None  # the worker half of a KV connector (kv_transfer/), set with the pool
 
     def _load_model(self, source: ModelSource, show_progress: bool) -> torch.nn.Module:
@@ -245,15 +254,33 @@ class Worker:
     def execute(self, out: SchedulerOutput) -> ModelRunnerOutput:
         assert self.runner is not None, "init_kv_cache first"
         connector, plan = self.kv_connector, out.kv_connector_metadata
-        if connector is None:
-            return self.runner.execute(out)
-        if plan is not None:
+        if connector is not None and plan is not None:
             connector.start_load_kv(plan)
         result = self.runner.execute(out)
-        if plan is not None:
-            connector.save_kv(plan)
-        result.kv_connector_output = connector.get_finished()
+        if connector is not None:
+            if plan is not None:
+                connector.save_kv(plan)
+            result.kv_connector_output = connector.get_finished()
+        if self.eplb is not None:
+            self.eplb.step()
+        if get_layout().world_size > 1 and result is not None:
+            result.parallel = self._parallel_stats()
         return result
+
+    def _parallel_stats(self) -> StepParallelStats:
+        """This step's collectives (the counters' growth since the last step) and the EPLB state."""
+        now = collective_stats()
+        step = {}
+        for name, (calls, nbytes) in now.items():
+            seen = self._collectives_seen.get(name, [0, 0])
+            if calls >= seen[0] and (calls, nbytes) != tuple(seen):
+                step[name] = [calls - seen[0], nbytes - seen[1]]
+            elif calls < seen[0]:  # the counters were reset in between
+                step[name] = [calls, nbytes]
+        self._collectives_seen = now
+        eplb = self.eplb
+        return StepParallelStats(collectives=step, expert_balancedness=list(eplb.balancedness) if eplb else [],
+                                 eplb_rebalances=eplb.rebalances if eplb else 0)
 
     def shutdown(self) -> None:
         if self.kv_connector is not None:
