@@ -300,6 +300,8 @@ class Scheduler:
             req = self.swapped[0]
             n = self._num_new_tokens(req, budget)
             if self.kv.blocks_needed(req, self._slots(req, n)) > self.kv.pool.num_free_blocks:  # swapped incl.
+                if self._release_waiting_holder(req):  # a forked sibling that never ran holds blocks: it yields
+                    continue
                 break
             pairs = self.kv.swap_in(req)
             assert pairs is not None
