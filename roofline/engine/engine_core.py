@@ -100,6 +100,8 @@ class EngineCore:
             self.step_roofline = model_for_engine(mc.hf_config, dev, dtype, cc.kv_cache_dtype,
                                                   config.parallel_config.tensor_parallel_size,
                                                   config.observability_config.roofline_hardware)
+            if set(self.weight_bytes) - {dtype}:  # layers kept in GGUF blocks: the bytes they really hold
+                self.step_roofline.use_weight_bytes(sum(self.weight_bytes.values()))
         self._step_records: deque[StepRoofline] = deque(maxlen=STEP_RECORDS_KEPT)
         logger.info("engine ready in %.1f s: %s, max_model_len=%d, %d KV blocks",
                     time.monotonic() - t0, mc.served_model_name, mc.max_model_len, num_blocks)

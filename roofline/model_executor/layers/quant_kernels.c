@@ -207,14 +207,15 @@ static inline void dot_nibbles(const uint8_t *qs, __m256 d, __m256 m, const floa
 #endif
 
 #ifdef QUANT_AVX512
-/* AVX-512: 16 values a vector -- half the instructions of AVX2 for the same expansion */
-static inline __m512 u8x16_to_ps(__m128i v) { return _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(v)); }
-
+/* AVX-512: a 4-bit block's 16 possible values, w(q) = fma(d, q, m) for q = 0..15 (exact, see the top),
+ * sit in one register; vpermps looks each weight up by its nibble (it reads an index's low 4 bits only,
+ * so the high nibble needs a shift but no mask).  Per 16 weights: a zero-extension, a lookup, an FMA. */
 static inline void dot_nibbles512(const uint8_t *qs, __m512 d, __m512 m, const float *x, __m512 *acc) {
-    const __m128i q = _mm_loadu_si128((const __m128i *)qs), mask = _mm_set1_epi8(0x0f);
-    const __m128i lo = _mm_and_si128(q, mask), hi = _mm_and_si128(_mm_srli_epi16(q, 4), mask);
-    acc[0] = _mm512_fmadd_ps(_mm512_loadu_ps(x), _mm512_fmadd_ps(d, u8x16_to_ps(lo), m), acc[0]);
-    acc[1] = _mm512_fmadd_ps(_mm512_loadu_ps(x + 16), _mm512_fmadd_ps(d, u8x16_to_ps(hi), m), acc[1]);
+    const __m512 table = _mm512_fmadd_ps(d, _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15), m);
+    const __m128i q = _mm_loadu_si128((const __m128i *)qs);
+    const __m512i lo = _mm512_cvtepu8_epi32(q), hi = _mm512_cvtepu8_epi32(_mm_srli_epi16(q, 4));
+    acc[0] = _mm512_fmadd_ps(_mm512_loadu_ps(x), _mm512_permutexvar_ps(lo, table), acc[0]);
+    acc[1] = _mm512_fmadd_ps(_mm512_loadu_ps(x + 16), _mm512_permutexvar_ps(hi, table), acc[1]);
 }
 
 static float dot_row512(int qt, const uint8_t *row, const float *x, int64_t nb, int64_t bb) {
