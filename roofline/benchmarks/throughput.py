@@ -1,6 +1,6 @@
 """`roofline bench throughput`: the offline workloads of BENCHMARKS.md.
 
-W1  offline throughput (mixed lengths), optionally against HF transformers' static batches of 16, or
+W1  offline throughput (mixed lengths) and the prefill tokens/s of its prompts, optionally against HF transformers' static batches of 16, or
     with a fraction of the requests constrained by a JSON schema (--structured-fraction) against none,
     plus the schema's compile time, cold and cached
 W3  shared prefix: throughput, mean TTFT and hit rate with prefix caching on and off
@@ -168,7 +168,8 @@ def w1(args) -> dict:
     _warmup(llm)
     res = _run_offline(llm, reqs)
     res.pop("outputs")
-    out = {"workload": "W1", "roofline": res}
+    out = {"workload": "W1", "gguf_weights": llm.llm_engine.config.model_config.gguf_weights, "roofline": res,
+           "prefill": prefill_throughput(llm, reqs)}
     if args.structured_fraction > 0:
         from roofline.structured_output.params import StructuredOutputsParams
 
@@ -192,6 +193,20 @@ def w1(args) -> dict:
         out["hf_static_batch16"] = hf
         out["ratio_output_tok_s"] = res["output_tok_s"] / hf["output_tok_s"]
     return out
+
+
+def prefill_throughput(llm, reqs) -> dict:
+    """The same prompts prefilled alone (one output token each, the prefix cache emptied first): prompt
+    tokens/s of the engine's prefill steps."""
+    from roofline import SamplingParams
+
+    llm.llm_engine.scheduler.kv.pool.reset_prefix_cache()
+    t0 = time.monotonic()
+    llm.generate([{"prompt_token_ids": r.prompt} for r in reqs], SamplingParams(temperature=0, max_tokens=1),
+                 use_tqdm=False)
+    dt = time.monotonic() - t0
+    n_in = sum(len(r.prompt) for r in reqs)
+    return {"seconds": dt, "prompt_tokens": n_in, "prompt_tok_s": n_in / dt}
 
 
 # ---- W3 ---------------------------------------------------------------------------------------

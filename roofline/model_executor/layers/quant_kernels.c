@@ -27,12 +27,9 @@
 #include <stdlib.h>
 #include <string.h>
 
-#if defined(__AVX2__) && defined(__FMA__)
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 #include <immintrin.h>
 #define QUANT_AVX2 1
-#if defined(__AVX512F__) && defined(__AVX512BW__)
-#define QUANT_AVX512 1
-#endif
 #elif defined(__F16C__)
 #include <immintrin.h>
 #endif
@@ -192,61 +189,33 @@ static inline float hsum8(__m256 v) {
     return _mm_cvtss_f32(s);
 }
 
-static inline __m256 u8x8_to_ps(__m128i v) { return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(v)); }
-
-/* the 32 values of a 4-bit block: w = fma(d, q, m) (Q4_1; Q4_0 passes m = -8d: d*q - 8d = d*(q-8)
- * exactly, one rounding of an exact value) -- then four FMAs into the accumulators */
-static inline void dot_nibbles(const uint8_t *qs, __m256 d, __m256 m, const float *x, __m256 *acc) {
-    const __m128i q = _mm_loadu_si128((const __m128i *)qs), mask = _mm_set1_epi8(0x0f);
-    const __m128i lo = _mm_and_si128(q, mask), hi = _mm_and_si128(_mm_srli_epi16(q, 4), mask);
-    acc[0] = _mm256_fmadd_ps(_mm256_loadu_ps(x), _mm256_fmadd_ps(d, u8x8_to_ps(lo), m), acc[0]);
-    acc[1] = _mm256_fmadd_ps(_mm256_loadu_ps(x + 8), _mm256_fmadd_ps(d, u8x8_to_ps(_mm_srli_si128(lo, 8)), m), acc[1]);
-    acc[2] = _mm256_fmadd_ps(_mm256_loadu_ps(x + 16), _mm256_fmadd_ps(d, u8x8_to_ps(hi), m), acc[2]);
-    acc[3] = _mm256_fmadd_ps(_mm256_loadu_ps(x + 24), _mm256_fmadd_ps(d, u8x8_to_ps(_mm_srli_si128(hi, 8)), m), acc[3]);
-}
-#endif
-
-#ifdef QUANT_AVX512
-/* AVX-512: a 4-bit block's 16 possible values, w(q) = fma(d, q, m) for q = 0..15 (exact, see the top),
- * sit in one register; vpermps looks each weight up by its nibble (it reads an index's low 4 bits only,
- * so the high nibble needs a shift but no mask).  Per 16 weights: a zero-extension, a lookup, an FMA. */
-static inline void dot_nibbles512(const uint8_t *qs, __m512 d, __m512 m, const float *x, __m512 *acc) {
-    const __m512 table = _mm512_fmadd_ps(d, _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15), m);
-    const __m128i q = _mm_loadu_si128((const __m128i *)qs);
-    const __m512i lo = _mm512_cvtepu8_epi32(q), hi = _mm512_cvtepu8_epi32(_mm_srli_epi16(q, 4));
-    acc[0] = _mm512_fmadd_ps(_mm512_loadu_ps(x), _mm512_permutexvar_ps(lo, table), acc[0]);
-    acc[1] = _mm512_fmadd_ps(_mm512_loadu_ps(x + 16), _mm512_permutexvar_ps(hi, table), acc[1]);
-}
-
-static float dot_row512(int qt, const uint8_t *row, const float *x, int64_t nb, int64_t bb) {
-    __m512 acc[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps()};
-    for (int64_t b = 0; b < nb; b++) {
-        const uint8_t *blk = row + b * bb;
-        const float *xb = x + b * 32;
-        __m512 *a = acc + 2 * (b & 1);  /* two blocks in flight: four independent accumulator chains */
-        const __m512 d = _mm512_set1_ps(half_to_float(blk));
-        if (qt == QT_Q4_1) {
-            dot_nibbles512(blk + 4, d, _mm512_set1_ps(half_to_float(blk + 2)), xb, a);
-        } else if (qt == QT_Q4_0) {
-            dot_nibbles512(blk + 2, d, _mm512_mul_ps(d, _mm512_set1_ps(-8.0f)), xb, a);
-        } else {
-            for (int g = 0; g < 2; g++) {
-                const __m128i q = _mm_loadu_si128((const __m128i *)(blk + 2 + 16 * g));
-                const __m512 w = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(q)));
-                a[g] = _mm512_fmadd_ps(_mm512_loadu_ps(xb + 16 * g), w, a[g]);
-            }
-        }
+/* A 4-bit block's 16 bytes broadcast to both lanes as dwords D0..D3; lane l of group g takes
+ * (D[l % 4] >> shift) & 15, shift = 8 * (l / 4) + 16 * (g % 2) + 4 * (g / 2): no byte shuffles, only
+ * shifts and masks.  That nibble is value (g / 2) * 16 + 4 * (l % 4) + 2 * (g % 2) + l / 4 of the block,
+ * so x is read permuted the same way (permute_x, once per GEMV).  w = fma(d, q, m) (Q4_1; Q4_0 passes
+ * m = -8d: d*q - 8d = d*(q-8) exactly, one rounding of an exact value), then four FMAs. */
+static inline void dot_nibbles(const uint8_t *qs, __m256 d, __m256 m, const float *xp, __m256 *acc) {
+    const __m256i q = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)qs));
+    const __m256i mask = _mm256_set1_epi32(15);
+    for (int g = 0; g < 4; g++) {
+        const __m256i shift = _mm256_setr_epi32(0, 0, 0, 0, 8, 8, 8, 8);
+        const __m256i sg = _mm256_add_epi32(shift, _mm256_set1_epi32(16 * (g % 2) + 4 * (g / 2)));
+        const __m256 v = _mm256_cvtepi32_ps(_mm256_and_si256(_mm256_srlv_epi32(q, sg), mask));
+        acc[g] = _mm256_fmadd_ps(_mm256_loadu_ps(xp + 8 * g), _mm256_fmadd_ps(d, v, m), acc[g]);
     }
-    return _mm512_reduce_add_ps(_mm512_add_ps(_mm512_add_ps(acc[0], acc[1]), _mm512_add_ps(acc[2], acc[3])));
+}
+
+/* x [K] in the order dot_nibbles reads a 4-bit block's values */
+static void permute_x(const float *x, int64_t K, float *xp) {
+    for (int64_t b = 0; b < K; b += 32)
+        for (int g = 0; g < 4; g++)
+            for (int l = 0; l < 8; l++) xp[b + 8 * g + l] = x[b + (g / 2) * 16 + 4 * (l % 4) + 2 * (g % 2) + l / 4];
 }
 #endif
 
 /* x . (row n of W) for K values.  One fixed order per format and build (the thread count never changes it). */
 static float dot_row(int qt, const uint8_t *row, const float *x, int64_t K) {
     const int64_t qk = quant_block_elems(qt), bb = quant_block_bytes(qt), nb = K / qk;
-#ifdef QUANT_AVX512
-    if (qt == QT_Q4_0 || qt == QT_Q4_1 || qt == QT_Q8_0) return dot_row512(qt, row, x, nb, bb);
-#endif
 #ifdef QUANT_AVX2
     if (qt == QT_Q4_0 || qt == QT_Q4_1 || qt == QT_Q8_0) {
         __m256 acc[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
@@ -254,10 +223,15 @@ static float dot_row(int qt, const uint8_t *row, const float *x, int64_t K) {
             const uint8_t *blk = row + b * bb;
             const float *xb = x + b * 32;
             if (b + 4 < nb) _mm_prefetch((const char *)(blk + 4 * bb), _MM_HINT_T0);
+            if (qt == QT_Q4_1) {  /* x comes permuted (permute_x); d and m converted together */
+                int32_t dm;
+                memcpy(&dm, blk, sizeof dm);
+                const __m128 f = _mm_cvtph_ps(_mm_cvtsi32_si128(dm));
+                dot_nibbles(blk + 4, _mm256_broadcastss_ps(f), _mm256_broadcastss_ps(_mm_movehdup_ps(f)), xb, acc);
+                continue;
+            }
             const __m256 d = _mm256_set1_ps(half_to_float(blk));
-            if (qt == QT_Q4_1) {
-                dot_nibbles(blk + 4, d, _mm256_set1_ps(half_to_float(blk + 2)), xb, acc);
-            } else if (qt == QT_Q4_0) {
+            if (qt == QT_Q4_0) {
                 dot_nibbles(blk + 2, d, _mm256_mul_ps(d, _mm256_set1_ps(-8.0f)), xb, acc);
             } else {
                 for (int g = 0; g < 4; g++) {
@@ -285,11 +259,20 @@ static float dot_row(int qt, const uint8_t *row, const float *x, int64_t K) {
 
 static void quant_gemv(int qt, const float *x, const uint8_t *w, int64_t row_bytes, const float *bias, float *y,
                        int64_t K, int64_t N, int nthreads) {
+    float *xp = 0;
+#ifdef QUANT_AVX2
+    if (qt == QT_Q4_0 || qt == QT_Q4_1) {
+        xp = (float *)malloc((size_t)K * sizeof(float));
+        permute_x(x, K, xp);
+        x = xp;
+    }
+#endif
 #pragma omp parallel for num_threads(nthreads) schedule(static) if (N * K > 32768)
     for (int64_t n = 0; n < N; n++) {
         const float s = dot_row(qt, w + n * row_bytes, x, K);
         y[n] = bias ? s + bias[n] : s;
     }
+    free(xp);
 }
 
 /* ---- more rows: weight rows expanded into packed panels ------------------------------------- */
