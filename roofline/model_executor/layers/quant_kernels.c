@@ -19,7 +19,7 @@
  *                         streams each weight row once (threads split the output rows; each row's sum
  *                         has one fixed order, whatever the thread count); more rows by expanding 16
  *                         weight rows at a time into one panel of cpu_kernels.c's packed GEMM and running
- *                         its register tiles over it -- a row's values are those of gemm_packed_f32 over
+ *                         its register tiles over all rows -- a row's values are those of gemm_packed_f32 over
  *                         the dequantized weight, bit for bit, whatever M.
  */
 #include <omp.h>
@@ -42,7 +42,6 @@ void gemm_packed_f32(const float *a, int64_t lda, const float *panels, const flo
 enum { QT_Q4_0 = 2, QT_Q4_1 = 3, QT_Q8_0 = 8, QT_Q4_K = 12, QT_Q5_K = 13, QT_Q6_K = 14 };
 
 #define QPANEL 16  /* GEMM_NR of cpu_kernels.c: output columns per packed panel */
-#define QMB 96     /* GEMM_MB: more rows than this expand the whole weight once instead of per panel */
 
 static inline float half_to_float(const uint8_t *p) {
 #ifdef __F16C__
@@ -277,10 +276,64 @@ static void quant_gemv(int qt, const float *x, const uint8_t *w, int64_t row_byt
 
 /* ---- more rows: weight rows expanded into packed panels ------------------------------------- */
 
+#ifdef QUANT_AVX2
+/* one block of a 32-value format into o[0..32) in order: deq_block's values (the same roundings), 8 at a time */
+static inline void expand_block_avx2(int qt, const uint8_t *b, float *o) {
+    if (qt == QT_Q8_0) {
+        const __m256 d = _mm256_set1_ps(half_to_float(b));
+        for (int g = 0; g < 4; g++)
+            _mm256_storeu_ps(o + 8 * g, _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(
+                                                           _mm_loadl_epi64((const __m128i *)(b + 2 + 8 * g))))));
+        return;
+    }
+    const __m256 d = _mm256_set1_ps(half_to_float(b));
+    const __m256 m = qt == QT_Q4_1 ? _mm256_set1_ps(half_to_float(b + 2)) : _mm256_mul_ps(d, _mm256_set1_ps(-8.0f));
+    const __m128i q = _mm_loadu_si128((const __m128i *)(b + (qt == QT_Q4_1 ? 4 : 2))), mask = _mm_set1_epi8(0x0f);
+    const __m128i lo = _mm_and_si128(q, mask), hi = _mm_and_si128(_mm_srli_epi16(q, 4), mask);
+    const __m128i parts[4] = {lo, _mm_srli_si128(lo, 8), hi, _mm_srli_si128(hi, 8)};
+    for (int g = 0; g < 4; g++)
+        _mm256_storeu_ps(o + 8 * g, _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(parts[g])), m));
+}
+
+/* rows r[0..8) (8 floats each, r[i] at src + i * lds) transposed into dst (row k at dst + k * ldd) */
+static inline void transpose8(const float *src, int64_t lds, float *dst, int64_t ldd) {
+    __m256 r[8], t[8];
+    for (int i = 0; i < 8; i++) r[i] = _mm256_loadu_ps(src + i * lds);
+    for (int i = 0; i < 8; i += 2) {
+        t[i] = _mm256_unpacklo_ps(r[i], r[i + 1]);
+        t[i + 1] = _mm256_unpackhi_ps(r[i], r[i + 1]);
+    }
+    for (int i = 0; i < 8; i += 4) {
+        r[i] = _mm256_shuffle_ps(t[i], t[i + 2], 0x44);
+        r[i + 1] = _mm256_shuffle_ps(t[i], t[i + 2], 0xee);
+        r[i + 2] = _mm256_shuffle_ps(t[i + 1], t[i + 3], 0x44);
+        r[i + 3] = _mm256_shuffle_ps(t[i + 1], t[i + 3], 0xee);
+    }
+    for (int i = 0; i < 4; i++) {
+        _mm256_storeu_ps(dst + i * ldd, _mm256_permute2f128_ps(r[i], r[i + 4], 0x20));
+        _mm256_storeu_ps(dst + (i + 4) * ldd, _mm256_permute2f128_ps(r[i], r[i + 4], 0x31));
+    }
+}
+#endif
+
 /* rows n0 .. n0+nn of W expanded into one panel [K x 16] (zero past nn), the layout of pack_panels_f32;
  * rowbuf holds K floats */
 static void expand_panel(int qt, const uint8_t *w, int64_t row_bytes, int64_t n0, int64_t nn, int64_t K,
                          float *panel, float *rowbuf) {
+#ifdef QUANT_AVX2
+    if (qt == QT_Q4_0 || qt == QT_Q4_1 || qt == QT_Q8_0) {  /* a block of 16 rows at a time, 8x8 transposes */
+        const int64_t bb = quant_block_bytes(qt);
+        float tmp[QPANEL * 32];
+        memset(tmp, 0, sizeof tmp);  /* rows past nn stay 0 */
+        for (int64_t b = 0; b < K / 32; b++) {
+            for (int64_t j = 0; j < nn; j++) expand_block_avx2(qt, w + (n0 + j) * row_bytes + b * bb, tmp + j * 32);
+            for (int jb = 0; jb < QPANEL; jb += 8)
+                for (int kb = 0; kb < 32; kb += 8)
+                    transpose8(tmp + jb * 32 + kb, 32, panel + (b * 32 + kb) * QPANEL + jb, QPANEL);
+        }
+        return;
+    }
+#endif
     for (int64_t j = 0; j < QPANEL; j++) {
         if (j < nn) {
             deq_row(qt, w + (n0 + j) * row_bytes, K, rowbuf);
@@ -294,24 +347,8 @@ static void expand_panel(int qt, const uint8_t *w, int64_t row_bytes, int64_t n0
 static void quant_gemm(int qt, const float *a, int64_t lda, const uint8_t *w, int64_t row_bytes, const float *bias,
                        float *c, int64_t ldc, int64_t M, int64_t K, int64_t N, int nthreads) {
     const int64_t np = (N + QPANEL - 1) / QPANEL;
-    if (M > QMB) {  /* a prefill chunk: expand the whole weight once, then the packed GEMM over all of it */
-        float *panels = (float *)malloc((size_t)(np * K * QPANEL) * sizeof(float));
-#pragma omp parallel num_threads(nthreads)
-        {
-            float *rowbuf = (float *)malloc((size_t)K * sizeof(float));
-#pragma omp for schedule(static)
-            for (int64_t p = 0; p < np; p++) {
-                const int64_t n0 = p * QPANEL;
-                expand_panel(qt, w, row_bytes, n0, N - n0 < QPANEL ? N - n0 : QPANEL, K, panels + p * K * QPANEL,
-                             rowbuf);
-            }
-            free(rowbuf);
-        }
-        gemm_packed_f32(a, lda, panels, bias, c, ldc, M, K, N, nthreads);
-        free(panels);
-        return;
-    }
-    /* a decode batch: each thread expands a panel into its own buffer (L2) and runs every row over it */
+    /* each thread expands a panel into its own buffer (L2) and runs every row over it (a prefill chunk's
+     * rows too: re-reading them from L3 per panel costs less than expanding the weight into memory) */
 #pragma omp parallel num_threads(nthreads) if (np > 1)
     {
         float *panel = (float *)malloc((size_t)(K * QPANEL) * sizeof(float));
