@@ -5,8 +5,9 @@ a dependency of roofline), with the standard library and llama_cpp only:
 
     python llamacpp_peer.py MODEL.gguf THREADS N_OUT PROMPT_IDS_JSON
 
-prints one JSON object: the prompt's prefill time (to the first token) and tokens/s, and the decode
-TPOT and tokens/s over the N_OUT greedy tokens (between the first and the last).
+prints one JSON object: the prompt's prefill time (to the first token) and tokens/s, the decode TPOT and
+tokens/s over the N_OUT greedy tokens (between the first and the last) as llama-cpp-python's generate
+gives them, and llama.cpp's decode alone (N_OUT single-token evals, no sampling: its best case).
 """
 
 from __future__ import annotations
@@ -35,9 +36,17 @@ def main(argv: list[str]) -> int:
             break
     t_prefill, n = stamps[0] - t0, len(stamps)
     tpot = (stamps[-1] - stamps[0]) / (len(stamps) - 1)
+    # llama.cpp's decode alone (no sampling in Python): the prompt again, then n_out single-token evals
+    llm.reset()
+    llm.eval(prompt)
+    t1 = time.perf_counter()
+    for i in range(n_out):
+        llm.eval([prompt[i % len(prompt)]])
+    eval_tpot = (time.perf_counter() - t1) / n_out
     print(json.dumps({"peer": f"llama-cpp-python {llama_cpp.__version__}", "threads": threads,
                       "prompt_tokens": len(prompt), "prefill_s": t_prefill, "prefill_tok_s": len(prompt) / t_prefill,
-                      "output_tokens": n, "tpot_ms": 1000 * tpot, "decode_tok_s": 1 / tpot}))
+                      "output_tokens": n, "tpot_ms": 1000 * tpot, "decode_tok_s": 1 / tpot,
+                      "eval_only_tpot_ms": 1000 * eval_tpot, "eval_only_tok_s": 1 / eval_tpot}))
     return 0
 
 

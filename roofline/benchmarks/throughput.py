@@ -334,6 +334,7 @@ def w5(args) -> dict:
     if args.compare_llamacpp:
         res["llamacpp"] = llamacpp_peer(args, req.prompt, 256)
         res["ratio_decode_tok_s_vs_llamacpp"] = res["decode_tok_s"] / res["llamacpp"]["decode_tok_s"]
+        res["ratio_decode_tok_s_vs_llamacpp_eval_only"] = res["decode_tok_s"] / res["llamacpp"]["eval_only_tok_s"]
     return res
 
 
