@@ -56,14 +56,63 @@ class SchedulerConfig:
     max_waiting_requests: Optional[int] = None
 
 
+ALL2ALL_BACKENDS = ("all_to_all", "allgather_reducescatter")
+
+
+@dataclass
+class EPLBConfig:
+    """Expert-parallel load balancing (--eplb-config JSON, vLLM's names)."""
+
+    window_size: int = 1000  # steps of per-expert token counts the rebalance looks at
+    step_interval: int = 3000  # steps between rebalances
+    num_redundant_experts: int = 0  # extra physical expert slots per MoE layer, given to hot experts
+    log_balancedness: bool = False  # log mean/max tokens per rank per layer at every rebalance
+
+    @classmethod
+    def from_json(cls, text: Optional[str]) -> "EPLBConfig":
+        import json
+
+        if not text:
+            return cls()
+        try:
+            d = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"eplb_config is not valid JSON: {e}") from None
+        if not isinstance(d, dict):
+            raise ValueError("eplb_config must be a JSON object")
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(d) - known)
+        if unknown:
+            raise ValueError(f"eplb_config: unknown field(s) {unknown}; known: {sorted(known)}")
+        cfg = cls(**d)
+        for name in ("window_size", "step_interval"):
+            if not isinstance(getattr(cfg, name), int) or getattr(cfg, name) <= 0:
+                raise ValueError(f"eplb_config.{name} must be a positive integer, got {getattr(cfg, name)!r}")
+        if not isinstance(cfg.num_redundant_experts, int) or cfg.num_redundant_experts < 0:
+            raise ValueError(f"eplb_config.num_redundant_experts must be an integer >= 0, "
+                             f"got {cfg.num_redundant_experts!r}")
+        return cfg
+
+
 @dataclass
 class ParallelConfig:
     tensor_parallel_size: int = 1
+    pipeline_parallel_size: int = 1
+    pp_layer_partition: Optional[str] = None  # "a,b,...": layers per pipeline stage; None: even split
+    data_parallel_size: int = 1
+    enable_expert_parallel: bool = False  # MoE layers: whole experts spread over DP x TP ranks
+    all2all_backend: str = "all_to_all"  # expert-parallel dispatch/combine: see ALL2ALL_BACKENDS
+    enable_eplb: bool = False
+    eplb: EPLBConfig = field(default_factory=EPLBConfig)
     nnodes: int = 1
     node_rank: int = 0
     master_addr: str = "127.0.0.1"
     master_port: Optional[int] = None
     distributed_backend: Optional[str] = None  # gloo on CPU, nccl on CUDA when None
+
+    @property
+    def world_size(self) -> int:
+        return self.data_parallel_size * self.pipeline_parallel_size * self.tensor_parallel_size
 
 
 @dataclass
@@ -79,6 +128,71 @@ class ObservabilityConfig:
     roofline_hardware: Optional[str] = None  # planner preset for the bound; None: GPU preset or measured
 
 
+SPECULATIVE_METHODS = ("ngram", "draft_model", "mtp")
+MAX_SPECULATIVE_TOKENS = 16
+SPECULATIVE_KEYS = ("method", "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max", "model",
+                    "draft_tensor_parallel_size", "adaptive")
+
+
+@dataclass
+class SpeculativeConfig:
+    """Speculative decoding (vLLM's `speculative_config` dict): who proposes and how many tokens."""
+
+    method: str  # ngram | draft_model | mtp
+    num_speculative_tokens: int  # k: the most tokens proposed per request per step
+    prompt_lookup_min: int = 2  # ngram: shortest suffix n-gram matched
+    prompt_lookup_max: int = 5  # ngram: longest suffix n-gram matched (tried first)
+    model: Optional[str] = None  # draft_model: the draft checkpoint
+    draft_tensor_parallel_size: int = 1
+    adaptive: bool = True  # pick k per step from the cost model and the running acceptance rate
+
+    @classmethod
+    def from_dict(cls, d: Any) -> "SpeculativeConfig":
+        """Validate the user's dict; a ValueError names the offending field."""
+        if not isinstance(d, dict):
+            raise ValueError(f"speculative_config must be a dict, got {type(d).__name__}")
+        unknown = sorted(set(d) - set(SPECULATIVE_KEYS))
+        if unknown:
+            raise ValueError(f"speculative_config: unknown field(s) {unknown}; known: {list(SPECULATIVE_KEYS)}")
+        method = d.get("method")
+        if method is None and d.get("model") is not None:
+            method = "draft_model"
+        if method not in SPECULATIVE_METHODS:
+            raise ValueError(f"speculative_config.method must be one of {list(SPECULATIVE_METHODS)}, got {method!r}")
+        k = d.get("num_speculative_tokens")
+        if not _is_int(k) or not 1 <= k <= MAX_SPECULATIVE_TOKENS:
+            raise ValueError(f"speculative_config.num_speculative_tokens must be an integer in "
+                             f"[1, {MAX_SPECULATIVE_TOKENS}], got {k!r}")
+        lo, hi = d.get("prompt_lookup_min"), d.get("prompt_lookup_max")
+        if lo is None and hi is None:
+            lo, hi = cls.prompt_lookup_min, cls.prompt_lookup_max
+        elif lo is None:
+            lo = min(cls.prompt_lookup_min, hi) if _is_int(hi) else hi
+        elif hi is None:
+            hi = max(cls.prompt_lookup_max, lo) if _is_int(lo) else lo
+        if not _is_int(lo) or lo < 1:
+            raise ValueError(f"speculative_config.prompt_lookup_min must be an integer >= 1, got {lo!r}")
+        if not _is_int(hi) or hi < lo:
+            raise ValueError(f"speculative_config.prompt_lookup_max must be an integer >= prompt_lookup_min "
+                             f"({lo}), got {hi!r}")
+        model = d.get("model")
+        if method == "draft_model" and not model:
+            raise ValueError("speculative_config.model is required for method 'draft_model'")
+        if method != "draft_model" and model is not None:
+            raise ValueError(f"speculative_config.model applies to method 'draft_model' only, not {method!r}")
+        dtp = d.get("draft_tensor_parallel_size", 1)
+        if not _is_int(dtp) or dtp < 1:
+            raise ValueError(f"speculative_config.draft_tensor_parallel_size must be an integer >= 1, got {dtp!r}")
+        adaptive = d.get("adaptive", True)
+        if not isinstance(adaptive, bool):
+            raise ValueError(f"speculative_config.adaptive must be true or false, got {adaptive!r}")
+        return cls(method, k, lo, hi, model, dtp, adaptive)
+
+
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
 @dataclass
 class EngineConfig:
     model_config: ModelConfig
@@ -87,6 +201,11 @@ class EngineConfig:
     parallel_config: ParallelConfig
     device_config: DeviceConfig
     observability_config: ObservabilityConfig = field(default_factory=ObservabilityConfig)
+    speculative_config: Optional[SpeculativeConfig] = None
+    kv_transfer_config: Optional[Any] = None  # kv_transfer.config.KVTransferConfig: a KV connector, if any
+    # the server runs EngineCore in a process of its own (engine/core_process.py), apart from HTTP,
+    # tokenization and detokenization of requests; offline LLM(...) always runs it in-process
+    engine_core_process: bool = False
 
 
 def _default_device() -> str:
@@ -129,6 +248,13 @@ class EngineArgs:
     max_waiting_requests: Optional[int] = None
     # parallel
     tensor_parallel_size: int = 1
+    pipeline_parallel_size: int = 1
+    pp_layer_partition: Optional[str] = None
+    data_parallel_size: int = 1
+    enable_expert_parallel: bool = False
+    all2all_backend: str = "all_to_all"
+    enable_eplb: bool = False
+    eplb_config: Optional[str] = None
     nnodes: int = 1
     node_rank: int = 0
     master_addr: str = "127.0.0.1"
@@ -140,6 +266,12 @@ class EngineArgs:
     # observability
     step_roofline: bool = True
     roofline_hardware: Optional[str] = None
+    # speculative decoding: vLLM's dict (method, num_speculative_tokens, prompt_lookup_min/max, model, ...)
+    speculative_config: Optional[dict] = None
+    # KV transfer (prefill/decode disaggregation): vLLM's --kv-transfer-config JSON (or a dict)
+    kv_transfer_config: Optional[str] = None
+    # server
+    engine_core_process: bool = False
 
     @classmethod
     def field_names(cls) -> set[str]:
@@ -168,10 +300,26 @@ class EngineArgs:
             errors.append(f"scheduling_policy must be 'fcfs' or 'priority', got {self.scheduling_policy!r}")
         if self.preemption_mode not in ("recompute", "swap"):
             errors.append(f"preemption_mode must be 'recompute' or 'swap', got {self.preemption_mode!r}")
+        for name in ("tensor_parallel_size", "pipeline_parallel_size", "data_parallel_size"):
+            if getattr(self, name) <= 0:
+                errors.append(f"{name} must be positive, got {getattr(self, name)}")
+        if self.all2all_backend not in ALL2ALL_BACKENDS:
+            errors.append(f"all2all_backend must be one of {', '.join(ALL2ALL_BACKENDS)}, got {self.all2all_backend!r}")
+        if self.enable_eplb and not self.enable_expert_parallel:
+            errors.append("enable_eplb needs enable_expert_parallel")
+        try:
+            eplb = EPLBConfig.from_json(self.eplb_config)
+        except (TypeError, ValueError) as e:
+            errors.append(str(e))
+        if self.pp_layer_partition is not None and self.pipeline_parallel_size >= 1:
+            from roofline.distributed.pipeline import parse_partition
+
+            try:
+                parse_partition(self.pp_layer_partition, self.pipeline_parallel_size)
+            except ValueError as e:
+                errors.append(str(e))
         if self.gguf_weights not in GGUF_WEIGHTS:
             errors.append(f"gguf_weights must be one of {', '.join(GGUF_WEIGHTS)}, got {self.gguf_weights!r}")
-        if self.tensor_parallel_size <= 0:
-            errors.append(f"tensor_parallel_size must be positive, got {self.tensor_parallel_size}")
         if self.swap_space < 0:
             errors.append(f"swap_space must be >= 0, got {self.swap_space}")
         if self.max_num_batched_tokens is not None and self.max_num_batched_tokens <= 0:
@@ -183,6 +331,33 @@ class EngineArgs:
                 get_hardware(self.roofline_hardware)
             except ValueError as e:
                 errors.append(f"roofline_hardware must be 'measure' or a planner preset: {e}")
+        speculative = None
+        if self.speculative_config is not None:
+            try:
+                speculative = SpeculativeConfig.from_dict(self.speculative_config)
+            except ValueError as e:
+                errors.append(str(e))
+            else:
+                tp = self.tensor_parallel_size
+                if speculative.draft_tensor_parallel_size not in (1, tp):
+                    errors.append(f"speculative_config.draft_tensor_parallel_size must be 1 or "
+                                  f"tensor_parallel_size ({tp}), got {speculative.draft_tensor_parallel_size}")
+                if self.pipeline_parallel_size > 1 or self.data_parallel_size > 1:
+                    errors.append("speculative_config needs pipeline_parallel_size 1 and data_parallel_size 1 "
+                                  "(the draft runs beside one tensor-parallel group)")
+        kv_transfer = None
+        if self.kv_transfer_config is not None:
+            from roofline.kv_transfer.config import KVTransferConfig
+
+            try:
+                kv_transfer = (KVTransferConfig(**self.kv_transfer_config) if isinstance(self.kv_transfer_config, dict)
+                               else KVTransferConfig.from_json(self.kv_transfer_config))
+            except (TypeError, ValueError) as e:
+                errors.append(str(e))
+            if (self.tensor_parallel_size > 1 or self.pipeline_parallel_size > 1 or self.data_parallel_size > 1
+                    or self.nnodes > 1):
+                errors.append("kv_transfer_config needs tensor_parallel_size, pipeline_parallel_size and "
+                              "data_parallel_size 1 (a KV connector serves one pool)")
         if errors:
             raise ValueError("invalid engine arguments: " + "; ".join(errors))
         device = self.device or _default_device()
@@ -217,6 +392,13 @@ class EngineArgs:
         )
         parallel_config = ParallelConfig(
             tensor_parallel_size=self.tensor_parallel_size,
+            pipeline_parallel_size=self.pipeline_parallel_size,
+            pp_layer_partition=self.pp_layer_partition,
+            data_parallel_size=self.data_parallel_size,
+            enable_expert_parallel=self.enable_expert_parallel,
+            all2all_backend=self.all2all_backend,
+            enable_eplb=self.enable_eplb,
+            eplb=eplb,
             nnodes=self.nnodes,
             node_rank=self.node_rank,
             master_addr=self.master_addr,
@@ -227,7 +409,9 @@ class EngineArgs:
             device=device, attention_backend=self.attention_backend, enforce_eager=self.enforce_eager
         )
         observability = ObservabilityConfig(step_roofline=self.step_roofline, roofline_hardware=self.roofline_hardware)
-        return EngineConfig(model_config, cache_config, scheduler_config, parallel_config, device_config, observability)
+        return EngineConfig(model_config, cache_config, scheduler_config, parallel_config, device_config, observability,
+                            speculative, kv_transfer,
+                            engine_core_process=self.engine_core_process)
 
 
 def finalize_lengths(config: EngineConfig, model_max_len: int) -> None:

@@ -1,13 +1,15 @@
 """`roofline bench throughput`: the offline workloads of BENCHMARKS.md.
 
-W1  offline throughput (mixed lengths) and the prefill tokens/s of its prompts, optionally against HF transformers' static batches of 16, or
-    with a fraction of the requests constrained by a JSON schema (--structured-fraction) against none,
+W1  offline throughput (mixed lengths) and the prefill tokens/s of its prompts, optionally against HF
+    transformers' static batches of 16, or with a fraction of the requests constrained by a JSON schema (--structured-fraction) against none,
     plus the schema's compile time, cold and cached
 W3  shared prefix: throughput, mean TTFT and hit rate with prefix caching on and off
 W4  long-prompt interference: ITL of 16 decoding requests while a 2048-token prompt is prefilled,
     with max_num_batched_tokens=256 and with chunking effectively off
 W5  single-stream TPOT against the bandwidth bound (the weight bytes a greedy token streams / measured
     memory bandwidth), optionally against llama.cpp's batch-1 decode of the same GGUF file
+W7  input-grounded single stream: median TPOT with and without speculative decoding, interleaved in
+    one run, with the acceptance rate and mean acceptance length (--speculative-config, default ngram k=5)
 W6  MoE + MLA (DeepSeek-V3 shape, small): W1's requests against HF static batches of 16, single-stream
     TPOT against the bytes a token reads (always-on weights + its routed experts + KV), and the KV tokens
     2 GiB holds with MLA against the same model with ordinary MHA (engine and planner)
@@ -66,6 +68,20 @@ def _live_roofline(records: list) -> Any:
     return phase_medians(records) if records else "off (--no-step-roofline)"
 
 
+def _spec_counts(llm):
+    """The engine's speculative decoding counters (a copy), None when speculation is off."""
+    spec = llm.llm_engine.get_stats().spec_decode
+    return spec.copy() if spec is not None else None
+
+
+def _spec_summary(after, before) -> dict[str, Any]:
+    """Acceptance of a run: draft tokens accepted / proposed, and tokens per verifying step."""
+    d = after.minus(before) if before is not None else after
+    return {"acceptance_rate": d.acceptance_rate, "mean_acceptance_length": d.mean_acceptance_length,
+            "num_drafts": d.num_drafts, "num_draft_tokens": d.num_draft_tokens,
+            "num_accepted_tokens": d.num_accepted_tokens}
+
+
 def _run_offline(llm, reqs, constraints: Optional[dict] = None) -> dict[str, Any]:
     """constraints: request index -> StructuredOutputsParams for the constrained ones."""
     from roofline import SamplingParams
@@ -75,16 +91,21 @@ def _run_offline(llm, reqs, constraints: Optional[dict] = None) -> dict[str, Any
     params = [SamplingParams(temperature=0, max_tokens=r.output_len, ignore_eos=True,
                              structured_outputs=constraints.get(i)) for i, r in enumerate(reqs)]
     _step_records(llm)
+    spec_before = _spec_counts(llm)
     t0 = time.monotonic()
     outs = llm.generate(prompts, params, use_tqdm=False)
     dt = time.monotonic() - t0
     n_out = sum(len(o.outputs[0].token_ids) for o in outs)
     n_in = sum(len(r.prompt) for r in reqs)
     ttfts = [o.metrics.first_token_time - o.metrics.arrival_time for o in outs]
-    return {"seconds": dt, "output_tokens": n_out, "prompt_tokens": n_in,
-            "output_tok_s": n_out / dt, "total_tok_s": (n_out + n_in) / dt,
-            "live_roofline": _live_roofline(_step_records(llm)),
-            "mean_ttft_s": statistics.mean(ttfts), "outputs": outs}
+    res = {"seconds": dt, "output_tokens": n_out, "prompt_tokens": n_in,
+           "output_tok_s": n_out / dt, "total_tok_s": (n_out + n_in) / dt,
+           "live_roofline": _live_roofline(_step_records(llm)),
+           "mean_ttft_s": statistics.mean(ttfts), "outputs": outs}
+    spec_after = _spec_counts(llm)
+    if spec_after is not None:
+        res["speculative"] = _spec_summary(spec_after, spec_before)
+    return res
 
 
 # ---- W1 ---------------------------------------------------------------------------------------
@@ -164,12 +185,23 @@ def structured_compile_times(llm, repeats: int = 200) -> dict[str, float]:
 
 def w1(args) -> dict:
     llm = _make_llm(args)
-    reqs = random_requests(64, (64, 256), (32, 256), seed=0, vocab_size=_vocab(llm))
+    reqs = random_requests(args.num_requests, (64, 256), (32, 256), seed=0, vocab_size=_vocab(llm))
     _warmup(llm)
     res = _run_offline(llm, reqs)
-    res.pop("outputs")
-    out = {"workload": "W1", "gguf_weights": llm.llm_engine.config.model_config.gguf_weights, "roofline": res,
+    outs = res.pop("outputs")
+    out = {"workload": "W1", "num_requests": args.num_requests,
+           "gguf_weights": llm.llm_engine.config.model_config.gguf_weights, "roofline": res,
            "prefill": prefill_throughput(llm, reqs)}
+    if args.speculative_config is not None:  # the same requests with speculation off, same greedy tokens
+        base_llm = _make_llm(args, speculative_config=None)
+        _warmup(base_llm)
+        off = _run_offline(base_llm, reqs)
+        off_outs = off.pop("outputs")
+        off["same_tokens"] = all(a.outputs[0].token_ids == b.outputs[0].token_ids for a, b in zip(outs, off_outs))
+        out["speculation_off"] = off
+        out["ratio_spec_on_off_tok_s"] = res["output_tok_s"] / off["output_tok_s"]
+        del base_llm
+        gc.collect()
     if args.structured_fraction > 0:
         from roofline.structured_output.params import StructuredOutputsParams
 
@@ -468,7 +500,57 @@ def w6(args) -> dict:
     return result
 
 
-WORKLOADS = {"w1": w1, "w3": w3, "w4": w4, "w5": w5, "w6": w6}
+# ---- W7 ---------------------------------------------------------------------------------------
+W7_MODULES = ("json", "textwrap", "heapq", "bisect")
+W7_DEFAULT_SPEC = {"method": "ngram", "num_speculative_tokens": 5}
+W7_KV_BYTES = 64 << 20  # 4 prompts of ~700 tokens, one at a time: two engines side by side stay small
+
+
+def w7_prompts() -> list[str]:
+    """Each module's source, first 900 characters, twice (a blank line between), then its first 150."""
+    import importlib
+    import inspect
+
+    out = []
+    for name in W7_MODULES:
+        doc = inspect.getsource(importlib.import_module(name))[:900]
+        out.append(doc + "\n\n" + doc + "\n\n" + doc[:150])
+    return out
+
+
+def _tpot(output) -> float:
+    m = output.metrics
+    return (m.finished_time - m.first_token_time) / (len(output.outputs[0].token_ids) - 1)
+
+
+def w7(args) -> dict:
+    from roofline import SamplingParams
+
+    spec_config = args.speculative_config or W7_DEFAULT_SPEC
+    kv = args.kv_cache_memory or W7_KV_BYTES
+    on = _make_llm(args, speculative_config=spec_config, kv_cache_memory=kv)
+    off = _make_llm(args, speculative_config=None, kv_cache_memory=kv)
+    for llm in (on, off):
+        _warmup(llm)
+    sp = SamplingParams(temperature=0, max_tokens=160, ignore_eos=True)
+    tpots: dict[str, list[float]] = {"on": [], "off": []}
+    same = True
+    before = _spec_counts(on)
+    for prompt in w7_prompts():  # interleaved: each prompt off, then on
+        a = off.generate([prompt], sp, use_tqdm=False)[0]
+        b = on.generate([prompt], sp, use_tqdm=False)[0]
+        tpots["off"].append(_tpot(a))
+        tpots["on"].append(_tpot(b))
+        same = same and a.outputs[0].token_ids == b.outputs[0].token_ids
+    off_ms, on_ms = 1000 * statistics.median(tpots["off"]), 1000 * statistics.median(tpots["on"])
+    return {"workload": "W7", "speculative_config": json.dumps(spec_config),
+            "tpot_ms_off_median": off_ms, "tpot_ms_on_median": on_ms, "speedup": off_ms / on_ms,
+            "same_tokens": same, "speculative": _spec_summary(_spec_counts(on), before),
+            "tpot_ms_off": ", ".join(f"{1000 * t:.1f}" for t in tpots["off"]),
+            "tpot_ms_on": ", ".join(f"{1000 * t:.1f}" for t in tpots["on"])}
+
+
+WORKLOADS = {"w1": w1, "w3": w3, "w4": w4, "w5": w5, "w6": w6, "w7": w7}
 
 
 def _fmt(d: dict, indent: int = 0) -> str:
@@ -516,7 +598,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def register(bench_subparsers) -> None:
-    p = bench_subparsers.add_parser("throughput", help="offline workloads W1, W3, W4, W5, W6 (BENCHMARKS.md)")
+    p = bench_subparsers.add_parser("throughput", help="offline workloads W1, W3-W7 (BENCHMARKS.md)")
     p.add_argument("--workload", choices=[*WORKLOADS, "all"], default="w1")
     p.add_argument("--compare-hf", action="store_true", help="W1, W6: also run HF transformers static batches of 16")
     p.add_argument("--structured-fraction", type=float, default=0.0,
@@ -525,6 +607,8 @@ def register(bench_subparsers) -> None:
     p.add_argument("--compare-llamacpp", metavar="PYTHON", default=None,
                    help="W5: also run llama.cpp on the same GGUF file and threads through this interpreter, which "
                         "has llama-cpp-python installed (a benchmark peer, not a dependency)")
+    p.add_argument("--num-requests", type=int, default=64,
+                   help="W1: requests (64 in BENCHMARKS.md; fewer for a scaled-down run, same generator)")
     p.add_argument("--json", action="store_true")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
     add_engine_args(p)

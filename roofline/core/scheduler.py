@@ -8,6 +8,14 @@ Every step:
   2. swapped requests come back if nothing was preempted this step and the pool has room.
   3. waiting requests are admitted while budget, max_num_seqs and free blocks allow; their
      prompt starts after the longest cached prefix.
+
+Speculative decoding (the multi-token step): a decoding request that carries proposed tokens
+(`Request.spec_token_ids`, from the workers' previous step) is scheduled for 1 + k tokens, k at most
+the step's draft length (chosen per step by the DraftLengthPolicy), the budget, max_tokens and
+max_model_len allow.  The runner returns the accepted drafts plus one token of its own; the request
+advances by 1 + accepted, and the blocks past its known tokens (rejected drafts, lookahead slots for
+a draft model's own proposals) go back to the pool.  Drafts are never in all_token_ids before they are
+accepted, so they never enter the prefix cache.
 """
 
 from __future__ import annotations
@@ -20,6 +28,9 @@ from typing import Iterable, Optional
 from roofline.config import CacheConfig, SchedulerConfig
 from roofline.core.kv_cache_manager import KVCacheManager
 from roofline.core.request import Request, RequestStatus
+from roofline.spec_decode.stats import SpecDecodeStats
+from roofline.kv_transfer.base import KVConnectorScheduler
+from roofline.kv_transfer.tracker import KVTransferTracker
 from roofline.core.scheduler_output import (
     ModelRunnerOutput,
     NewRequestData,
@@ -44,6 +55,7 @@ class SchedulerStats:
     prefix_cache_queries: int
     prefix_cache_hits: int
     num_preemptions: int
+    spec_decode: Optional["SpecDecodeStats"] = None
 
 
 def sampling_spec(request: Request) -> SamplingSpec:
@@ -74,6 +86,9 @@ class Scheduler:
         num_blocks: int,
         num_swap_blocks: int = 0,
         seed: int = 0,
+        draft_length_policy=None,
+        num_lookahead_slots: int = 0,
+        kv_connector: Optional[KVConnectorScheduler] = None,
     ) -> None:
         self.config = scheduler_config
         self.block_size = cache_config.block_size
@@ -87,6 +102,14 @@ class Scheduler:
         self.num_preemptions = 0
         self.step_count = 0
         self.seed = seed
+        # speculative decoding: the per-step draft length (None: no speculation), and the slots past the
+        # step's tokens a request that samples also gets (a draft model writes its proposals' KV there)
+        self.draft_length_policy = draft_length_policy
+        self.num_lookahead_slots = num_lookahead_slots
+        self.spec_stats = SpecDecodeStats(draft_length_policy.max_k) if draft_length_policy is not None else None
+        self.step_draft_len = 0
+        # KV transfer between engines (kv_transfer/): loads in flight, held prefills
+        self.kv_transfer = KVTransferTracker(kv_connector, self.kv) if kv_connector is not None else None
 
     # ---- intake -------------------------------------------------------------------------------
     def add_request(self, request: Request) -> None:
@@ -130,14 +153,15 @@ class Scheduler:
         return done
 
     def _free(self, req: Request) -> None:
-        self.kv.free(req)
+        if self.kv_transfer is None or not self.kv_transfer.keep_blocks(req):
+            self.kv.free(req)
         self.requests.pop(req.request_id, None)
         if req.request_id in self.sent_to_worker:
             self.sent_to_worker.discard(req.request_id)
             self.finished_req_ids.append(req.request_id)
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self.requests)
+        return bool(self.requests) or (self.kv_transfer is not None and self.kv_transfer.busy)
 
     # ---- the step -----------------------------------------------------------------------------
     def _victim(self) -> Request:
@@ -160,6 +184,7 @@ class Scheduler:
             victim.num_computed_tokens = 0
             victim.status = RequestStatus.PREEMPTED
             self._enqueue(victim, front=True)
+        victim.spec_token_ids = []
         return returned
 
     def _release_waiting_holder(self, keep: Request) -> bool:
@@ -175,7 +200,41 @@ class Scheduler:
         return False
 
     def _num_new_tokens(self, req: Request, budget: int) -> int:
-        return min(req.num_tokens - req.num_computed_tokens, budget)
+        """Known tokens not yet computed (up to the budget), plus the drafts a decode verifies this step."""
+        n = min(req.num_tokens - req.num_computed_tokens, budget)
+        if n == 1 and req.spec_token_ids:
+            n += self._num_drafts(req, budget - 1)
+        return n
+
+    def _num_drafts(self, req: Request, budget: int) -> int:
+        """Drafts of a decoding request verified this step: within the step's draft length and budget,
+        and no more than could still become output (max_tokens, max_model_len)."""
+        p = req.sampling_params
+        room = self.config.max_model_len - req.num_tokens
+        if p.max_tokens is not None:
+            room = min(room, p.max_tokens - req.num_output_tokens - 1)
+        return max(0, min(len(req.spec_token_ids), self.step_draft_len, budget, room))
+
+    def _slots(self, req: Request, n: int, num_computed: Optional[int] = None) -> int:
+        """Slots to allocate for n new tokens: a request that samples this step also gets the lookahead."""
+        start = req.num_computed_tokens if num_computed is None else num_computed
+        if self.num_lookahead_slots and start + n >= req.num_tokens:
+            return n + self.num_lookahead_slots
+        return n
+
+    def _choose_draft_length(self) -> int:
+        """The step's draft length from the policy, given the batch the running requests make."""
+        if self.draft_length_policy is None:
+            return 0
+        budget = self.config.max_num_batched_tokens
+        num_decodes, other_tokens = 0, 0
+        for r in self.running:
+            left = r.num_tokens - r.num_computed_tokens
+            if left == 1:
+                num_decodes += 1
+            else:
+                other_tokens += left
+        return self.draft_length_policy.choose(num_decodes, min(other_tokens, max(budget - num_decodes, 0)))
 
     def schedule(self) -> SchedulerOutput:
         budget = self.config.max_num_batched_tokens
@@ -184,6 +243,9 @@ class Scheduler:
         swap_out: list[tuple[int, int]] = []
         swap_in: list[tuple[int, int]] = []
         preempted_any = False
+        self.step_draft_len = self._choose_draft_length()
+        if self.kv_transfer is not None:
+            self.kv_transfer.expire_holds()
 
         # 1. running requests, admission order
         i = 0
@@ -193,7 +255,7 @@ class Scheduler:
             if n <= 0:
                 i += 1
                 continue
-            while self.kv.allocate_slots(req, n) is None:
+            while self.kv.allocate_slots(req, self._slots(req, n)) is None:
                 if self._release_waiting_holder(req):
                     continue
                 victim = self._victim()
@@ -213,13 +275,13 @@ class Scheduler:
         while self.swapped and not preempted_any and budget > 0 and len(self.running) < self.config.max_num_seqs:
             req = self.swapped[0]
             n = self._num_new_tokens(req, budget)
-            if self.kv.blocks_needed(req, n) > self.kv.pool.num_free_blocks:  # swapped blocks included
+            if self.kv.blocks_needed(req, self._slots(req, n)) > self.kv.pool.num_free_blocks:  # swapped incl.
                 break
             pairs = self.kv.swap_in(req)
             assert pairs is not None
             swap_in.extend(pairs)
             self.swapped.popleft()
-            if self.kv.allocate_slots(req, n) is None:  # cannot happen: checked above
+            if self.kv.allocate_slots(req, self._slots(req, n)) is None:  # cannot happen: checked above
                 raise RuntimeError("swap-in accounting error")
             req.status = RequestStatus.RUNNING
             self.running.append(req)
@@ -241,13 +303,21 @@ class Scheduler:
                 compiling.append(self.waiting.pop(0))
                 continue
             hits, num_hit = self.kv.get_computed_blocks(req) if req.num_computed_tokens == 0 else ([], 0)
+            if self.kv_transfer is not None and req.num_computed_tokens == 0:
+                loading = self.kv_transfer.try_load(req, hits, num_hit)  # the rest of the prompt from elsewhere
+                if loading is False:
+                    break
+                if loading:
+                    self.waiting.pop(0)
+                    continue
             remaining = req.num_tokens - req.num_computed_tokens - num_hit
             if not self.config.enable_chunked_prefill and remaining > budget:
                 break
             n = min(remaining, budget)
-            allocated = self.kv.allocate_slots(req, n, hits)
+            slots = self._slots(req, n, req.num_computed_tokens + num_hit)
+            allocated = self.kv.allocate_slots(req, slots, hits)
             while allocated is None and self._release_waiting_holder(req):
-                allocated = self.kv.allocate_slots(req, n, hits)  # same lookup: count the query once
+                allocated = self.kv.allocate_slots(req, slots, hits)  # same lookup: count the query once
             if allocated is None:
                 break
             self.waiting.pop(0)
@@ -284,13 +354,18 @@ class Scheduler:
                     )
                 )
             start = req.num_computed_tokens
+            known = min(n, req.num_tokens - start)
+            drafts = req.spec_token_ids[: n - known]
+            if self.kv_transfer is not None:
+                self.kv_transfer.on_scheduled(req, start, n)
             items.append(
                 ScheduledRequest(
                     req_id=req.request_id,
                     num_computed_tokens=start,
-                    token_ids=req.all_token_ids[start : start + n],
+                    token_ids=req.all_token_ids[start : start + known] + drafts,
                     block_ids=self.kv.get_block_ids(req.request_id),
-                    sample=start + n == req.num_tokens,
+                    sample=start + known == req.num_tokens,
+                    num_draft_tokens=len(drafts),
                 )
             )
         finished, self.finished_req_ids = self.finished_req_ids, []
@@ -302,6 +377,8 @@ class Scheduler:
             blocks_to_copy=self.kv.take_pending_copies(),
             blocks_to_swap_out=swap_out,
             blocks_to_swap_in=swap_in,
+            num_tokens_to_propose=self.step_draft_len,
+            kv_connector_metadata=self.kv_transfer.build_meta() if self.kv_transfer is not None else None,
         )
 
     # ---- results ------------------------------------------------------------------------------
@@ -310,14 +387,29 @@ class Scheduler:
 
         Returns (request, number of tokens appended) for requests that got tokens this step.
         """
+        if self.kv_transfer is not None:
+            resumed, failed = self.kv_transfer.process_output(result.kv_connector_output)
+            for req in failed:
+                self._free(req)
+            for req in reversed(resumed):
+                self._enqueue(req, front=True)
         sampled = dict(zip(result.req_ids, result.sampled_token_ids))
+        drafts = dict(zip(result.req_ids, result.draft_token_ids))
+        if out.num_tokens_to_propose and self.draft_length_policy is not None:
+            self.draft_length_policy.observe_proposals(len(result.req_ids), sum(1 for d in result.draft_token_ids if d))
         touched: list[tuple[Request, int]] = []
         for item in out.scheduled:
             req = self.requests.get(item.req_id)
             if req is None or req.status != RequestStatus.RUNNING:
                 continue  # finished or preempted meanwhile
-            req.num_computed_tokens += len(item.token_ids)
             tokens = sampled.get(item.req_id)
+            # KV is valid for the known tokens fed and the accepted drafts (all sampled tokens but the last)
+            num_accepted = max(len(tokens) - 1, 0) if tokens and item.num_draft_tokens else 0
+            req.num_computed_tokens += len(item.token_ids) - item.num_draft_tokens + num_accepted
+            if item.num_draft_tokens and self.spec_stats is not None:
+                self.spec_stats.observe(item.num_draft_tokens, num_accepted)
+                self.draft_length_policy.observe(item.num_draft_tokens, num_accepted)
+            req.spec_token_ids = (drafts.get(item.req_id) or []) if req.grammar is None else []
             if not tokens:
                 continue
             appended = 0
@@ -332,6 +424,8 @@ class Scheduler:
             if req.is_finished:
                 self.running.remove(req)
                 self._free(req)
+            elif item.num_draft_tokens or self.num_lookahead_slots:
+                self.kv.truncate(req, req.num_tokens)  # blocks holding only rejected drafts / lookahead
         return touched
 
     def _check_stop(self, req: Request, tok: int) -> bool:
@@ -368,7 +462,7 @@ class Scheduler:
         pool = self.kv.pool
         return SchedulerStats(
             num_running=len(self.running),
-            num_waiting=len(self.waiting) + sum(
+            num_waiting=len(self.waiting) + (len(self.kv_transfer.loading) if self.kv_transfer else 0) + sum(
                 1 for r in self.requests.values() if r.status == RequestStatus.WAITING_FOR_FORK
             ),
             num_swapped=len(self.swapped),
@@ -379,4 +473,5 @@ class Scheduler:
             prefix_cache_queries=self.kv.prefix_cache_queries,
             prefix_cache_hits=self.kv.prefix_cache_hits,
             num_preemptions=self.num_preemptions,
+            spec_decode=self.spec_stats,
         )

@@ -8,6 +8,8 @@ from typing import Optional
 
 import msgspec
 
+from roofline.kv_transfer.metadata import KVConnectorMetadata, KVConnectorOutput, merge_connector_outputs
+
 
 class SamplingSpec(msgspec.Struct, array_like=True):
     """The part of SamplingParams a worker needs to sample."""
@@ -41,6 +43,9 @@ class ScheduledRequest(msgspec.Struct, array_like=True):
     token_ids: list[int]  # the new tokens fed this step (C of them)
     block_ids: list[int]  # the whole block table
     sample: bool  # the last new token is the request's last known token: sample the next one
+    # speculative decoding: the last num_draft_tokens of token_ids are proposals to verify (the runner
+    # samples at each of the 1 + num_draft_tokens last rows and keeps the accepted prefix)
+    num_draft_tokens: int = 0
 
 
 class SchedulerOutput(msgspec.Struct, array_like=True):
@@ -54,6 +59,10 @@ class SchedulerOutput(msgspec.Struct, array_like=True):
     # structured outputs: the constrained sampling rows' token bitmask (structured_output/bitmask.py)
     grammar_req_ids: list[str] = msgspec.field(default_factory=list)
     grammar_bitmask: Optional[bytes] = None  # int32 [len(grammar_req_ids) x ceil(V/32)], little-endian
+    # speculative decoding: how many tokens the workers propose, after sampling, for each sampled request
+    # (the scheduler's per-step choice; 0: none)
+    num_tokens_to_propose: int = 0
+    kv_connector_metadata: Optional[KVConnectorMetadata] = None  # the step's KV transfer plan (kv_transfer/)
 
     @property
     def total_num_scheduled_tokens(self) -> int:
@@ -70,12 +79,16 @@ class PositionLogprobs(msgspec.Struct, array_like=True):
 
 class ModelRunnerOutput(msgspec.Struct, array_like=True):
     req_ids: list[str]  # requests that sampled this step
+    # per sampled request: one token, or with speculation the accepted drafts and then the target's token
     sampled_token_ids: list[list[int]]
-    logprobs: list[Optional[PositionLogprobs]]  # per sampled request, when asked
+    logprobs: list[Optional[list[PositionLogprobs]]]  # per sampled request, one per sampled token, when asked
     prompt_logprobs: dict[str, list[Optional[PositionLogprobs]]]  # per request, this chunk's positions
     # Requests that failed on the worker (e.g. their sampling state could not be set up): req_id -> error.
     # The engine fails them alone; they sampled nothing this step.
     failed: dict[str, str] = {}
+    # speculative decoding: per sampled request (req_ids order), the tokens proposed for its next step
+    draft_token_ids: list[list[int]] = []
+    kv_connector_output: Optional[KVConnectorOutput] = None  # finished / failed KV transfers (kv_transfer/)
 
 
 def merge_runner_outputs(parts: list[ModelRunnerOutput]) -> ModelRunnerOutput:
@@ -87,6 +100,8 @@ def merge_runner_outputs(parts: list[ModelRunnerOutput]) -> ModelRunnerOutput:
         out.logprobs += p.logprobs
         out.prompt_logprobs.update(p.prompt_logprobs)
         out.failed.update(p.failed)
+        out.draft_token_ids += p.draft_token_ids or [[] for _ in p.req_ids]
+    out.kv_connector_output = merge_connector_outputs([p.kv_connector_output for p in parts])
     return out
 
 

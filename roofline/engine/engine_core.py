@@ -26,10 +26,14 @@ from roofline.core.scheduler import Scheduler
 from roofline.core.scheduler_output import ModelRunnerOutput, SchedulerOutput, merge_runner_outputs
 from roofline.engine.output_processor import OutputProcessor
 from roofline.executor.base import ExecutorDeadError, create_executor
+from roofline.kv_transfer import create_scheduler_connector, request_params
 from roofline.metrics.step_roofline import StepRoofline, model_for_engine
 from roofline.model_executor.loader.source import load_hf_config, load_tokenizer, resolve_source
 from roofline.outputs import RequestOutput
 from roofline.sampling_params import SamplingParams
+from roofline.spec_decode.draft_length import DraftLengthPolicy, roofline_step_time
+from roofline.spec_decode.proposer import MODEL_BASED_METHODS
+from roofline.spec_decode.stats import SpecDecodeStats
 from roofline.structured_output.manager import StructuredOutputManager
 
 logger = logging.getLogger(__name__)
@@ -56,10 +60,16 @@ class EngineStats:
     weight_bytes: dict[str, int] = field(default_factory=dict)
     # live roofline: the steps since the previous snapshot (oldest first; empty when switched off)
     step_roofline: list[StepRoofline] = field(default_factory=list)
+    spec_decode: Optional[SpecDecodeStats] = None  # speculative decoding counters (cumulative), when on
+    # KV transfer (kv_transfer/): bytes of KV loaded from / handed to other engines or the storage
+    kv_transfer_bytes_received: int = 0
+    kv_transfer_bytes_sent: int = 0
 
 
 # steps kept for the next get_stats() (a caller that never asks keeps only the latest ones)
 STEP_RECORDS_KEPT = 16384
+# a step with nothing to compute while KV transfers are in flight waits this long before the next poll
+TRANSFER_POLL_S = 0.002
 
 
 class EngineCore:
@@ -83,16 +93,8 @@ class EngineCore:
         cc, sc = config.cache_config, config.scheduler_config
         num_swap = int(cc.swap_space * GiB) // self.executor.block_bytes() if sc.preemption_mode == "swap" else 0
         self.executor.init_kv_cache(num_blocks, num_swap)
-        self.scheduler = Scheduler(sc, cc, num_blocks, num_swap, seed=mc.seed)
-        self.kv_capacity_tokens = num_blocks * cc.block_size
-        self.output_processor = OutputProcessor(self.tokenizer)
-        self.structured_output = StructuredOutputManager(self.tokenizer, self.vocab_size)
-        self.pending_outputs: list[RequestOutput] = []
-        self.group_children: dict[str, list[str]] = {}
-        self.prompt_tokens = 0
-        self.generation_tokens = 0
         self.step_roofline = None
-        if config.observability_config.step_roofline:
+        if config.observability_config.step_roofline or config.speculative_config is not None:
             from roofline.worker.worker import resolve_dtype
 
             dev = config.device_config.device
@@ -102,9 +104,29 @@ class EngineCore:
                                                   config.observability_config.roofline_hardware)
             if set(self.weight_bytes) - {dtype}:  # layers kept in GGUF blocks: the bytes they really hold
                 self.step_roofline.use_weight_bytes(sum(self.weight_bytes.values()))
+        policy, lookahead = self._speculation()
+        self.scheduler = Scheduler(sc, cc, num_blocks, num_swap, seed=mc.seed, draft_length_policy=policy,
+                                   num_lookahead_slots=lookahead, kv_connector=create_scheduler_connector(config))
+        self.kv_capacity_tokens = num_blocks * cc.block_size
+        self.output_processor = OutputProcessor(self.tokenizer)
+        self.structured_output = StructuredOutputManager(self.tokenizer, self.vocab_size)
+        self.pending_outputs: list[RequestOutput] = []
+        self.group_children: dict[str, list[str]] = {}
+        self.prompt_tokens = 0
+        self.generation_tokens = 0
         self._step_records: deque[StepRoofline] = deque(maxlen=STEP_RECORDS_KEPT)
         logger.info("engine ready in %.1f s: %s, max_model_len=%d, %d KV blocks",
                     time.monotonic() - t0, mc.served_model_name, mc.max_model_len, num_blocks)
+
+    def _speculation(self):
+        """Speculative decoding: the scheduler's DraftLengthPolicy (adaptive: the roofline's step-time
+        estimate) and lookahead slots (a model-based proposer writes its drafts' KV there)."""
+        spec = self.config.speculative_config
+        if spec is None:
+            return None, 0
+        step_time = roofline_step_time(self.step_roofline) if spec.adaptive else None
+        lookahead = spec.num_speculative_tokens if spec.method in MODEL_BASED_METHODS else 0
+        return DraftLengthPolicy(spec.num_speculative_tokens, step_time), lookahead
 
     @classmethod
     def from_engine_args(cls, args: EngineArgs, show_progress: bool = True) -> "EngineCore":
@@ -145,6 +167,8 @@ class EngineCore:
             )
         if params.structured_outputs is not None and self.tokenizer is None:
             raise ValueError("structured_outputs need the model's tokenizer, and this model has none")
+        if params.kv_transfer_params is not None:
+            request_params(self.scheduler.kv_transfer, params, params.n)
         bad_stop = [t for t in params.stop_token_ids if t >= self.vocab_size]
         if bad_stop:
             raise ValueError(f"stop_token_ids {bad_stop} out of range for a vocabulary of {self.vocab_size}")
@@ -172,6 +196,8 @@ class EngineCore:
                                                            len(reqs))
             for r, g in zip(reqs, grammars):
                 r.grammar = g
+        if params.kv_transfer_params is not None:
+            reqs[0].kv_transfer = request_params(self.scheduler.kv_transfer, params, len(reqs))
         for child in reqs[1:]:
             child.status = RequestStatus.WAITING_FOR_FORK
         reqs[0].forks_pending = reqs[1:]
@@ -240,6 +266,9 @@ class EngineCore:
         if result.failed:
             self._fail_requests(result.failed)
         touched = self.scheduler.update_from_output(sched_out, result)
+        transfers = self.scheduler.kv_transfer
+        if transfers is not None and transfers.failed:
+            self._fail_requests(transfers.take_failed())
         self.structured_output.accept(touched)
         now = time.monotonic()
         op = self.output_processor
@@ -258,7 +287,7 @@ class EngineCore:
             self.generation_tokens += k
             lp = lp_by_req.get(req.request_id)
             try:
-                stop = op.process(req, new_tokens, [lp] * k if lp is not None else None, now)
+                stop = op.process(req, new_tokens, lp[:k] if lp is not None else None, now)
             except Exception as e:  # detokenizing this request failed: it alone fails
                 failed[req.request_id] = f"output processing failed: {type(e).__name__}: {e}"
                 continue
@@ -279,7 +308,14 @@ class EngineCore:
                 outputs.append(out)
                 if out.finished:
                     self.group_children.pop(gid, None)
-        if self.step_roofline is not None and sched_out.scheduled:
+                    if transfers is not None:
+                        out.kv_transfer_params = transfers.take_result(gid)
+        if not sched_out.scheduled and transfers is not None and transfers.busy:
+            time.sleep(TRANSFER_POLL_S)  # only transfers in flight: poll them without spinning a core
+        policy = self.scheduler.draft_length_policy
+        if policy is not None:
+            policy.observe_step(sched_out.total_num_scheduled_tokens, time.perf_counter() - t_start)
+        if self.step_roofline is not None and sched_out.scheduled and self.config.observability_config.step_roofline:
             self._step_records.append(self.step_roofline.account(
                 sched_out.scheduled, time.perf_counter() - t_start, now, self.scheduler.kv.pool.usage()))
         return outputs
@@ -309,6 +345,8 @@ class EngineCore:
                 blocks_to_copy=out.blocks_to_copy if first else [],
                 blocks_to_swap_out=out.blocks_to_swap_out if first else [],
                 blocks_to_swap_in=out.blocks_to_swap_in if first else [],
+                kv_connector_metadata=out.kv_connector_metadata if first else None,
+                num_tokens_to_propose=out.num_tokens_to_propose,
                 grammar_req_ids=out.grammar_req_ids, grammar_bitmask=out.grammar_bitmask)  # rows found by req id
             parts.append(self._execute_isolating(sub))
         return merge_runner_outputs(parts)
@@ -323,6 +361,9 @@ class EngineCore:
             num_preemptions=s.num_preemptions, prompt_tokens=self.prompt_tokens,
             generation_tokens=self.generation_tokens, weight_bytes=dict(self.weight_bytes),
             step_roofline=self._drain_step_records(),
+            spec_decode=s.spec_decode.copy() if s.spec_decode is not None else None,
+            kv_transfer_bytes_received=self.scheduler.kv_transfer.bytes_received if self.scheduler.kv_transfer else 0,
+            kv_transfer_bytes_sent=self.scheduler.kv_transfer.bytes_sent if self.scheduler.kv_transfer else 0,
         )
 
     def _drain_step_records(self) -> list[StepRoofline]:

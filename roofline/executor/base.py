@@ -39,7 +39,7 @@ class Executor(ABC):
 
 
 def create_executor(config: EngineConfig, source: ModelSource, show_progress: bool = True) -> Executor:
-    if config.parallel_config.tensor_parallel_size > 1 or config.parallel_config.nnodes > 1:
+    if config.parallel_config.world_size > 1 or config.parallel_config.nnodes > 1:
         from roofline.executor.multiproc import MultiprocExecutor
 
         return MultiprocExecutor(config, source, show_progress)

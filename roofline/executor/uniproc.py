@@ -27,3 +27,6 @@ class UniProcExecutor(Executor):
 
     def execute(self, out: SchedulerOutput) -> ModelRunnerOutput:
         return self.worker.execute(out)
+
+    def shutdown(self) -> None:
+        self.worker.shutdown()

@@ -78,6 +78,8 @@ class PrometheusStatLogger:
         self.preemptions = counter("num_preemptions", "Requests preempted to free KV blocks.")
         self.prompt_tokens = counter("prompt_tokens", "Prompt tokens processed (prefilled).")
         self.generation_tokens = counter("generation_tokens", "Tokens generated.")
+        self.kv_received = counter("kv_transfer_received_bytes", "KV bytes loaded by the KV connector.")
+        self.kv_sent = counter("kv_transfer_sent_bytes", "KV bytes the KV connector sent or stored.")
         success = Counter(PREFIX + "request_success", "Requests that left the engine, by finish reason.",
                           ["model_name", "finish_reason"], registry=reg)
         self.request_success = {r: success.labels(model_name, r) for r in FINISH_REASONS}
@@ -85,6 +87,35 @@ class PrometheusStatLogger:
         # Cumulative engine counters already exported, so each record() adds only the difference.
         self._last: dict[str, float] = {}
         self._init_step_roofline(reg)
+        self._init_spec_decode(reg)
+
+    def _init_spec_decode(self, reg: CollectorRegistry) -> None:
+        """Speculative decoding counters (vLLM's names): drafts verified, draft tokens, accepted tokens, and
+        accepted tokens per draft position (position 0 = the first draft of a step)."""
+        m = self.model_name
+        self.spec_num_drafts = Counter(PREFIX + "spec_decode_num_drafts", "Request-steps that verified drafts.",
+                                       ["model_name"], registry=reg).labels(m)
+        self.spec_num_draft_tokens = Counter(PREFIX + "spec_decode_num_draft_tokens", "Draft tokens verified.",
+                                             ["model_name"], registry=reg).labels(m)
+        self.spec_num_accepted = Counter(PREFIX + "spec_decode_num_accepted_tokens", "Draft tokens accepted.",
+                                         ["model_name"], registry=reg).labels(m)
+        self.spec_per_pos = Counter(PREFIX + "spec_decode_num_accepted_tokens_per_pos",
+                                    "Draft tokens accepted, by position in the step's drafts.",
+                                    ["model_name", "position"], registry=reg)
+        self._spec_last = None
+
+    def _record_spec_decode(self, spec: Any) -> None:
+        if spec is None:
+            return
+        last = self._spec_last
+        d = spec.minus(last) if last is not None else spec
+        self.spec_num_drafts.inc(d.num_drafts)
+        self.spec_num_draft_tokens.inc(d.num_draft_tokens)
+        self.spec_num_accepted.inc(d.num_accepted_tokens)
+        for pos, n in enumerate(d.accepted_per_pos):
+            if n > 0 or last is None:
+                self.spec_per_pos.labels(self.model_name, str(pos)).inc(n)
+        self._spec_last = spec.copy()
 
     def _init_step_roofline(self, reg: CollectorRegistry) -> None:
         """The live roofline (metrics/step_roofline.py): one observation per engine step."""
@@ -176,7 +207,10 @@ class PrometheusStatLogger:
         self._inc_from_cumulative(self.preemptions, e, "num_preemptions")
         self._inc_from_cumulative(self.prompt_tokens, e, "prompt_tokens")
         self._inc_from_cumulative(self.generation_tokens, e, "generation_tokens")
+        self._inc_from_cumulative(self.kv_received, e, "kv_transfer_bytes_received")
+        self._inc_from_cumulative(self.kv_sent, e, "kv_transfer_bytes_sent")
         self._record_steps(getattr(e, "step_roofline", None))
+        self._record_spec_decode(getattr(e, "spec_decode", None))
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -6,6 +6,10 @@ Flat batch for R requests with C_r new tokens each (N = sum C_r rows, no padding
 Decodes (C_r = 1) are placed first so attention backends can batch them.  Logits are computed only
 at the rows that sample (the last row of a request that reached its last known token) and at the
 prompt rows of requests that asked for prompt logprobs.
+
+Speculative decoding: a request verifying k drafts feeds 1 + k tokens and samples at all 1 + k rows;
+the RejectionSampler keeps the accepted drafts and adds the target's own token.  After sampling, the
+proposer (roofline/spec_decode) guesses the next step's drafts of every sampled request.
 """
 
 from __future__ import annotations
@@ -17,6 +21,8 @@ import numpy as np
 import torch
 
 from roofline.attention.backend import AttentionMetadata
+from roofline.distributed import pipeline
+from roofline.distributed.parallel_state import get_pp_group
 from roofline.core.scheduler_output import (
     ModelRunnerOutput,
     PositionLogprobs,
@@ -26,6 +32,8 @@ from roofline.core.scheduler_output import (
 from roofline.model_executor.layers import gpu_sampler
 from roofline.model_executor.layers.gpu_sampler import GpuSampler
 from roofline.model_executor.layers.sampler import Sampler, SamplingState, prompt_logprobs_rows
+from roofline.spec_decode.proposer import ProposalBatch, Proposer
+from roofline.spec_decode.rejection_sampler import RejectionSampler, greedy_accept
 from roofline.structured_output.bitmask import apply_token_bitmask, bitmask_tensor
 
 logger = logging.getLogger(__name__)
@@ -44,6 +52,16 @@ class ModelRunner:
         self.prompt_logprobs_rows = gpu_sampler.prompt_logprobs_rows if on_gpu else prompt_logprobs_rows
         self.graph_runner = None  # CudaGraphRunner for decode-only steps, set by the Worker (CUDA)
         self.states: dict[str, SamplingState] = {}
+        self.proposer: Optional[Proposer] = None  # speculative decoding, set by the Worker
+        self.rejection_sampler = RejectionSampler()
+        self.draft_probs: dict[str, torch.Tensor] = {}  # q of a request's pending drafts (sampled proposers)
+        pp = get_pp_group()
+        # pipeline stages: all but the first receive (hidden, residual), all but the last send them on
+        self.receives_hidden, self.samples = not pp.is_first_rank, pp.is_last_rank
+
+    @property
+    def model_dtype(self) -> torch.dtype:
+        return next(self.model.parameters()).dtype
 
     # ---- block movement ----------------------------------------------------------------------
     def _move_blocks(self, out: SchedulerOutput) -> None:
@@ -69,6 +87,7 @@ class ModelRunner:
         failed: dict[str, str] = {}
         for rid in out.finished_req_ids:
             self.states.pop(rid, None)
+            self.draft_probs.pop(rid, None)
         for new in out.new_requests:
             try:
                 gen = torch.Generator(device=self.device)
@@ -164,6 +183,44 @@ class ModelRunner:
                 tokens[i], lps[i] = tok, lp
         return tokens, lps
 
+    def _verify(self, hidden: torch.Tensor, rows: list[list[int]], states: list[SamplingState],
+                drafts: list[list[int]], req_ids: list[str]):
+        """Speculative requests: rows[i] are request i's 1 + k rows; returns per request the emitted tokens
+        and their logprobs (rejection_sampler.py).  Plain greedy requests skip the full logits."""
+        flat = [r for rr in rows for r in rr]
+        greedy_tokens = getattr(self.model, "greedy_tokens", None)
+        if greedy_tokens is not None and all(st.plain_greedy for st in states):
+            got = greedy_tokens(hidden, flat)
+            if got is not None:
+                argmax, emitted, off = got.tolist(), [], 0
+                for d in drafts:
+                    emitted.append(greedy_accept(d, argmax[off : off + len(d) + 1]))
+                    off += len(d) + 1
+                return emitted, [None] * len(states)
+        logits = self.model.compute_logits(hidden[torch.tensor(flat, device=hidden.device)])
+        probs = [self.draft_probs.get(rid) for rid in req_ids]
+        probs = [q[: len(d)] if q is not None else None for q, d in zip(probs, drafts)]
+        return self.rejection_sampler(logits, states, drafts, probs if any(q is not None for q in probs) else None)
+
+    def _propose(self, req_ids: list[str], k: int, target) -> list[list[int]]:
+        """The next step's drafts of each sampled request (none for grammar-constrained ones)."""
+        asked = [i for i, rid in enumerate(req_ids) if not self.states[rid].spec.structured]
+        drafts: list[list[int]] = [[] for _ in req_ids]
+        if not asked:
+            return drafts
+        states = [self.states[req_ids[i]] for i in asked]
+        got = self.proposer.propose(ProposalBatch([req_ids[i] for i in asked],
+                                                  [st.prompt_token_ids + st.output_token_ids for st in states],
+                                                  k, target))
+        for j, i in enumerate(asked):
+            drafts[i] = got.token_ids[j]
+            q = got.probs[j] if got.probs is not None else None
+            if q is not None:
+                self.draft_probs[req_ids[i]] = q
+            else:
+                self.draft_probs.pop(req_ids[i], None)
+        return drafts
+
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> ModelRunnerOutput:
         failed = self._update_states(out)
@@ -175,7 +232,7 @@ class ModelRunner:
         # decodes first (stable order otherwise)
         items.sort(key=lambda s: len(s.token_ids) != 1)
         qsl = np.cumsum([0] + [len(s.token_ids) for s in items]).tolist()
-        sample_rows, sample_reqs = [], []
+        sample_rows, sample_reqs, sample_drafts = [], [], []  # rows: per request its 1 + k sampling rows
         prompt_lp_jobs = []  # (req_id, first row, rows, next tokens, k)
         for r, s in enumerate(items):
             q0, q1 = qsl[r], qsl[r + 1]
@@ -190,40 +247,65 @@ class ModelRunner:
                 else:
                     result.prompt_logprobs[s.req_id] = []
             if s.sample:
-                sample_rows.append(q1 - 1)
+                k = s.num_draft_tokens
+                sample_rows.append(list(range(q1 - 1 - k, q1)))
                 sample_reqs.append(s.req_id)
+                sample_drafts.append(s.token_ids[len(s.token_ids) - k :] if k else [])
 
         graph_out = self.graph_runner.run(items) if self.graph_runner is not None else None
         if graph_out is not None:  # decode-only batch replayed in a CUDA graph, logits included
             hidden = graph_out.hidden
         else:
             # only the rows read below leave the model (a chunk's earlier rows skip its last layer's MLP)
-            wanted = sorted(set(sample_rows).union(*(range(j[1], j[1] + j[2]) for j in prompt_lp_jobs)))
+            wanted = sorted(set().union(*sample_rows, *(range(j[1], j[1] + j[2]) for j in prompt_lp_jobs)))
             input_ids, positions, meta = self._prepare(items)
+            intermediate = None
+            if self.receives_hidden:  # [N, d] hidden and residual from the previous pipeline stage
+                intermediate = pipeline.recv_from_prev_stage(qsl[-1], self.model.config.hidden_size,
+                                                             self.model_dtype, self.device)
             if len(wanted) < qsl[-1]:
                 at = {row: i for i, row in enumerate(wanted)}
-                sample_rows = [at[row] for row in sample_rows]
+                sample_rows = [[at[row] for row in rows] for rows in sample_rows]
                 prompt_lp_jobs = [(rid, at[row0], n, nxt, k) for rid, row0, n, nxt, k in prompt_lp_jobs]
                 hidden = self.model(input_ids, positions, self.kv_caches, meta,
-                                    torch.tensor(wanted, dtype=torch.int64, device=self.device))
+                                    torch.tensor(wanted, dtype=torch.int64, device=self.device), intermediate)
             else:
-                hidden = self.model(input_ids, positions, self.kv_caches, meta)  # [N, d]
+                hidden = self.model(input_ids, positions, self.kv_caches, meta, None, intermediate)  # [N, d]
+            if not self.samples:  # a pipeline stage before the last: hand on (hidden, residual), done
+                pipeline.send_to_next_stage(*hidden)
+                return result
         for rid, row0, count, next_tokens, k in prompt_lp_jobs:
             logits = self.model.compute_logits(hidden[row0 : row0 + count])
             result.prompt_logprobs[rid] = self.prompt_logprobs_rows(logits, next_tokens, k)
-        if sample_rows:
+        if sample_reqs:
             states = [self.states[rid] for rid in sample_reqs]
-            constrain = self._grammar_masks(out, sample_reqs)
-            if graph_out is not None:
-                logits = graph_out.logits[torch.tensor(sample_rows, device=hidden.device)]
-                if constrain is not None:
-                    constrain(logits, list(range(len(sample_rows))))
-                tokens, lps = self.sampler(logits, states)
-            else:
-                tokens, lps = self._sample(hidden, sample_rows, states, constrain)
-            for rid, st, tok in zip(sample_reqs, states, tokens):
-                st.output_token_ids.append(tok)
+            emitted: list[list[int]] = [[] for _ in sample_reqs]
+            emitted_lps: list = [None] * len(sample_reqs)
+            one = [i for i, d in enumerate(sample_drafts) if not d]  # one token each: the Sampler
+            if one:
+                rids = [sample_reqs[i] for i in one]
+                constrain = self._grammar_masks(out, rids)
+                if graph_out is not None:
+                    logits = graph_out.logits[torch.tensor([sample_rows[i][0] for i in one], device=hidden.device)]
+                    if constrain is not None:
+                        constrain(logits, list(range(len(one))))
+                    tokens, lps = self.sampler(logits, [states[i] for i in one])
+                else:
+                    tokens, lps = self._sample(hidden, [sample_rows[i][0] for i in one], [states[i] for i in one],
+                                               constrain)
+                for i, tok, lp in zip(one, tokens, lps):
+                    emitted[i], emitted_lps[i] = [tok], ([lp] if lp is not None else None)
+            spec = [i for i, d in enumerate(sample_drafts) if d]  # verifying drafts: the RejectionSampler
+            if spec:
+                tokens, lps = self._verify(hidden, [sample_rows[i] for i in spec], [states[i] for i in spec],
+                                           [sample_drafts[i] for i in spec], [sample_reqs[i] for i in spec])
+                for i, toks, lp in zip(spec, tokens, lps):
+                    emitted[i], emitted_lps[i] = toks, lp
+            for st, toks in zip(states, emitted):
+                st.output_token_ids.extend(toks)
             result.req_ids = sample_reqs
-            result.sampled_token_ids = [[t] for t in tokens]
-            result.logprobs = lps
+            result.sampled_token_ids = emitted
+            result.logprobs = emitted_lps
+            if self.proposer is not None and out.num_tokens_to_propose > 0:
+                result.draft_token_ids = self._propose(sample_reqs, out.num_tokens_to_propose, None)
         return result

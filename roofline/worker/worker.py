@@ -109,6 +109,7 @@ class Worker:
         self.load_time = time.monotonic() - t0
         self.num_blocks = 0
         self.runner: Optional[ModelRunner] = None
+        self.kv_connector = None  # the worker half of a KV connector (kv_transfer/), set with the pool
 
     def _load_model(self, source: ModelSource, show_progress: bool) -> torch.nn.Module:
         arch, cls = resolve_architecture(self.hf_config)
@@ -231,9 +232,29 @@ class Worker:
 
         # CUDA, not enforce_eager, triton attention, tp=1: decode steps replay captured graphs
         self.runner.graph_runner = create_graph_runner(self.model, caches, self.config, self.device)
+        if self.config.speculative_config is not None:
+            from roofline.spec_decode.proposer import create_proposer
+
+            self.runner.proposer = create_proposer(self.config.speculative_config)
+        from roofline.kv_transfer import create_worker_connector
+
+        self.kv_connector = create_worker_connector(self.config, caches)
         total = num_blocks * self.block_bytes()
         logger.info("KV cache: %d blocks x %d tokens = %d tokens, %.3f GiB", num_blocks, bs, num_blocks * bs, total / GiB)
 
     def execute(self, out: SchedulerOutput) -> ModelRunnerOutput:
         assert self.runner is not None, "init_kv_cache first"
-        return self.runner.execute(out)
+        connector, plan = self.kv_connector, out.kv_connector_metadata
+        if connector is None:
+            return self.runner.execute(out)
+        if plan is not None:
+            connector.start_load_kv(plan)
+        result = self.runner.execute(out)
+        if plan is not None:
+            connector.save_kv(plan)
+        result.kv_connector_output = connector.get_finished()
+        return result
+
+    def shutdown(self) -> None:
+        if self.kv_connector is not None:
+            self.kv_connector.shutdown()

@@ -80,13 +80,14 @@ def check_pool_invariants(sched: Scheduler) -> None:
         assert b.block_hash == h
 
 
-def run(requests_spec, block_size, num_blocks, budget, max_seqs, caching, mode, policy="fcfs", abort_at=None):
+def run(requests_spec, block_size, num_blocks, budget, max_seqs, caching, mode, policy="fcfs", abort_at=None,
+        device_cls=SimDevice, **scheduler_kwargs):
     sc = SchedulerConfig(max_num_batched_tokens=budget, max_num_seqs=max_seqs, max_model_len=10_000,
                          policy=policy, preemption_mode=mode)
     cc = CacheConfig(block_size=block_size, enable_prefix_caching=caching)
     num_swap = num_blocks * 2 if mode == "swap" else 0
-    sched = Scheduler(sc, cc, num_blocks, num_swap)
-    dev = SimDevice(num_blocks, num_swap, block_size)
+    sched = Scheduler(sc, cc, num_blocks, num_swap, **scheduler_kwargs)
+    dev = device_cls(num_blocks, num_swap, block_size)
     reqs = []
     pending = list(enumerate(requests_spec))
     step = 0

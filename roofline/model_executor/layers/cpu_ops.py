@@ -73,6 +73,7 @@ _SIGNATURES = {
     "pack_panels_f32": [_P, _I, _I, _I, _P],
     "gemm_packed_f32": [_P, _I, _P, _P, _P, _I, _I, _I, _I, ctypes.c_int],
     "gemm_packed_silu_mul_f32": [_P, _I, _P, _P, _I, _I, _I, _I, ctypes.c_int],
+    "moe_experts_f32": [_P, _I, _I, _I, _P, _P, _P, _P, _I, _P, _P, _I, _I, _P, _P, _P, _P, ctypes.c_int],
     "greedy_head_f32": [_P, _I, _I, _I, _I, _P, _P, _P, _P, _F, ctypes.c_int32, _P, _P, _I, _I, _P, _P, _P,
                         ctypes.c_int],
     "route_logits_f32": [_P, _I, _P, _I, _P, _P, _I, _I, _P],
@@ -380,6 +381,38 @@ def gemm_packed_silu_mul(x: torch.Tensor, panels: torch.Tensor, d: int) -> torch
     _need().gemm_packed_silu_mul_f32(x.data_ptr(), x.stride(0), panels.data_ptr(), y.data_ptr(), d, m, k, d,
                                      torch.get_num_threads())
     return y
+
+
+def moe_experts(x: torch.Tensor, row_token: torch.Tensor, slot_row: torch.Tensor, slot_weight: torch.Tensor,
+                offsets: torch.Tensor, w13_packed: torch.Tensor, w2_packed: torch.Tensor, inter: int) -> torch.Tensor:
+    """A MoE layer's routed experts in one native call (cpu_kernels.c moe_experts_f32): x [N, H]; the N*k
+    (token, slot) rows sorted by expert, sorted row r from token row_token[r] (int64 [N*k]); expert e's
+    rows offsets[e]..offsets[e+1] (int64 [E+1]); (token t, slot j) at sorted row slot_row[t*k+j] with
+    weight slot_weight[t*k+j] (fp32); w13_packed [E, 2*inter*H] and w2_packed [E, ceil(H/16)*16*inter],
+    each expert's pack_panels of its [2*inter, H] gate/up and [H, inter] down weights; inter a multiple
+    of 16.  Returns out [N, H] = sum over k of weight * expert(x)."""
+    n, h = x.shape
+    e = offsets.numel() - 1
+    r = row_token.numel()
+    if inter % PANEL or w13_packed.shape != (e, 2 * inter * h) or w2_packed.shape != (e, -(-h // PANEL) * PANEL * inter):
+        raise ValueError(f"expert panels {tuple(w13_packed.shape)} / {tuple(w2_packed.shape)} do not fit {e} experts "
+                         f"of [{2 * inter} x {h}] / [{h} x {inter}] with {inter} a multiple of {PANEL}")
+    if n and r % n or slot_row.numel() != r or slot_weight.numel() != r:
+        raise ValueError("row_token, slot_row and slot_weight must hold N*k entries each")
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    for t, dtype in ((row_token, torch.int64), (slot_row, torch.int64), (offsets, torch.int64),
+                     (slot_weight, torch.float32), (w13_packed, torch.float32), (w2_packed, torch.float32)):
+        if t.dtype != dtype or not t.is_contiguous():
+            raise ValueError(f"moe_experts: expected a contiguous {dtype} tensor, got {t.dtype}")
+    xs, ys = torch.empty((r, h), dtype=torch.float32), torch.empty((r, h), dtype=torch.float32)
+    hs = torch.empty((r, inter), dtype=torch.float32)
+    out = torch.empty((n, h), dtype=torch.float32)
+    _need().moe_experts_f32(x.data_ptr(), x.stride(0), n, r // n if n else 0, row_token.data_ptr(),
+                            slot_row.data_ptr(), slot_weight.data_ptr(), offsets.data_ptr(), e,
+                            w13_packed.data_ptr(), w2_packed.data_ptr(), h, inter, xs.data_ptr(), hs.data_ptr(),
+                            ys.data_ptr(), out.data_ptr(), torch.get_num_threads())
+    return out
 
 
 def greedy_head(hidden: torch.Tensor, screen, fp32_panels: Optional[torch.Tensor], dense: torch.Tensor,

@@ -116,6 +116,30 @@ def _top_logprobs(logprobs_row: torch.Tensor, token: int, k: int) -> PositionLog
     return PositionLogprobs(token_ids=ids, logprobs=lps, ranks=ranks)
 
 
+def adjusted_logits(logits: torch.Tensor, states: list[SamplingState]) -> torch.Tensor:
+    """logits (fp32) with each row's penalties and min_tokens stop-token suppression applied: the
+    greedy rows' argmax and, through sampling_probs, the random rows' distribution."""
+    logits = logits.float()
+    if any(st.has_penalties for st in states) or any(st.spec.min_tokens for st in states):
+        logits = logits.clone()
+        _apply_penalties(logits, states)
+        _suppress_stop_tokens(logits, states)
+    return logits
+
+
+def sampling_probs(adjusted: torch.Tensor, specs: list[SamplingSpec]) -> torch.Tensor:
+    """The distribution a random row samples from: temperature, top-k, top-p, min-p, softmax. [R x V]"""
+    return _filter(adjusted, specs).softmax(dim=-1)
+
+
+def exponential_noise(like: torch.Tensor, generators: list[torch.Generator]) -> torch.Tensor:
+    """E ~ Exp(1) i.i.d., row i drawn from generators[i]: argmax(p / E) is a draw from p."""
+    noise = torch.empty_like(like)
+    for j, gen in enumerate(generators):
+        noise[j].exponential_(generator=gen)
+    return noise
+
+
 class Sampler:
     def __call__(
         self, logits: torch.Tensor, states: list[SamplingState]
@@ -123,19 +147,13 @@ class Sampler:
         logits = logits.float()
         want_lp = [st.spec.logprobs is not None for st in states]
         raw_logprobs = logits.log_softmax(dim=-1) if any(want_lp) else None
-        if any(st.has_penalties for st in states) or any(st.spec.min_tokens for st in states):
-            logits = logits.clone()
-            _apply_penalties(logits, states)
-            _suppress_stop_tokens(logits, states)
+        logits = adjusted_logits(logits, states)
         tokens = _argmax(logits)
         random_rows = [i for i, st in enumerate(states) if not st.greedy]
         if random_rows:
             rows = torch.tensor(random_rows, device=logits.device)
-            filtered = _filter(logits[rows], [states[i].spec for i in random_rows])
-            probs = filtered.softmax(dim=-1)
-            noise = torch.empty_like(probs)
-            for j, i in enumerate(random_rows):
-                noise[j].exponential_(generator=states[i].generator)
+            probs = sampling_probs(logits[rows], [states[i].spec for i in random_rows])
+            noise = exponential_noise(probs, [states[i].generator for i in random_rows])
             tokens[rows] = (probs / noise).argmax(dim=-1)
         token_list = tokens.tolist()
         lps: list[Optional[PositionLogprobs]] = [None] * len(states)

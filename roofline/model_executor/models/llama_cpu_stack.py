@@ -118,6 +118,8 @@ class CpuLayerStack:
         from roofline.attention.cpu_backend import CpuAttentionBackend
 
         inner = getattr(model, "model", None)
+        if not (getattr(inner, "is_first_stage", True) and getattr(inner, "is_last_stage", True)):
+            return "pipeline parallel (a stage holds part of the layers)"
         layers = list(getattr(inner, "layers", []))
         if not layers:
             return "no decoder layers"

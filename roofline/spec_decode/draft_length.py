@@ -1,0 +1,125 @@
+"""DraftLengthPolicy: how many tokens to propose per request this step, 0 to num_speculative_tokens.
+
+Verifying k drafts costs a step of (decodes * (1 + k) + other tokens) tokens and yields, per request,
+on average E(k) = 1 + a + a^2 + ... + a^k tokens, a being the per-token acceptance probability.
+While a step is bound by reading the weights (one stream, small batches) the extra tokens are almost
+free and k is the largest allowed; once the step is compute bound (a large batch) each draft costs its
+share of the step and pays only if it is accepted often enough.  Per step we take
+
+    k* = argmax_k  num_decodes * (1 + f * (E(k) - 1)) / T(other + num_decodes * (1 + f * k))
+
+with T(n) the planner's step-time estimate for n tokens (cost_model: max(bytes / BW, FLOPs / F) over
+the step's tokens) scaled by the measured ratio of real step time to that bound for steps of about n
+tokens (StepTimeModel: the bound alone leaves out the per-step framework cost and rests on start-up
+probes of bandwidth and FLOP/s that a shared machine makes noisy), a the running acceptance rate and f the
+running share of decodes that had a proposal at all (prompt lookup often finds none).
+a is estimated as accepted / (accepted + rejections), the maximum-likelihood estimate for run lengths
+of independent acceptances, with exponential forgetting so that it follows the workload.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Optional
+
+DECAY = 0.98  # per observation: about the last 50 verifying request-steps weigh
+TIE = 1e-3  # rates this close count as equal
+PRIOR_ACCEPTED, PRIOR_REJECTED = 2.0, 1.0  # a ~ 0.67 until measured: speculate at first
+
+
+class DraftLengthPolicy:
+    def __init__(self, max_k: int, step_time: Optional[Callable[[int], float]] = None) -> None:
+        """step_time(num_tokens) -> seconds, the bound; None: always max_k (adaptivity off)."""
+        self.max_k = max_k
+        self.step_time = StepTimeModel(step_time) if step_time is not None else None
+        self.accepted = PRIOR_ACCEPTED
+        self.rejected = PRIOR_REJECTED
+        self.asked = 1.0  # decodes asked for a proposal (decayed)
+        self.proposed = 1.0  # of those, with at least one draft
+
+    @property
+    def acceptance(self) -> float:
+        return self.accepted / (self.accepted + self.rejected)
+
+    @property
+    def proposal_share(self) -> float:
+        return self.proposed / self.asked
+
+    def observe(self, num_drafts: int, num_accepted: int) -> None:
+        self.accepted = self.accepted * DECAY + num_accepted
+        self.rejected = self.rejected * DECAY + (1 if num_accepted < num_drafts else 0)
+
+    def observe_step(self, num_tokens: int, seconds: float) -> None:
+        """A finished step's size and measured wall time (calibrates T)."""
+        if self.step_time is not None:
+            self.step_time.observe(num_tokens, seconds)
+
+    def observe_proposals(self, num_asked: int, num_with_drafts: int) -> None:
+        if num_asked:
+            self.asked = self.asked * DECAY + num_asked
+            self.proposed = self.proposed * DECAY + num_with_drafts
+
+    def expected_tokens(self, k: int) -> float:
+        a = self.acceptance
+        return float(k + 1) if a >= 1.0 else (1.0 - a ** (k + 1)) / (1.0 - a)
+
+    def choose(self, num_decodes: int, other_tokens: int) -> int:
+        if self.step_time is None:
+            return self.max_k
+        b = max(num_decodes, 1)
+        f = self.proposal_share
+        best_k, best = 0, -1.0
+        for k in range(self.max_k + 1):
+            gain = b * (1.0 + f * (self.expected_tokens(k) - 1.0))
+            rate = gain / self.step_time(other_tokens + int(round(b * (1.0 + f * k))))
+            if rate > best * (1.0 + TIE):  # a longer draft must pay for itself
+                best_k, best = k, rate
+        return best_k
+
+
+class StepTimeModel:
+    """T(n) = ratio(n) * bound(n): the cost model's bound for n tokens times the measured ratio of real
+    step time to bound, kept per power-of-two bucket of n (an EMA); a bucket not yet seen borrows the
+    ratio of the nearest seen bucket below (above when none is below), 1 before any step."""
+
+    def __init__(self, bound: Callable[[int], float], decay: float = 0.9) -> None:
+        self.bound = bound
+        self.decay = decay
+        self.ratios: dict[int, float] = {}
+
+    @staticmethod
+    def bucket(n: int) -> int:
+        return max(n, 1).bit_length()
+
+    def observe(self, num_tokens: int, seconds: float) -> None:
+        if num_tokens <= 0 or seconds <= 0:
+            return
+        b = self.bucket(num_tokens)
+        r = seconds / self.bound(num_tokens)
+        old = self.ratios.get(b)
+        self.ratios[b] = r if old is None else old * self.decay + r * (1.0 - self.decay)
+
+    def ratio(self, n: int) -> float:
+        b = self.bucket(n)
+        if b in self.ratios:
+            return self.ratios[b]
+        below = [k for k in self.ratios if k < b]
+        if below:
+            return self.ratios[max(below)]
+        return self.ratios[min(self.ratios)] if self.ratios else 1.0
+
+    def __call__(self, n: int) -> float:
+        return self.ratio(n) * self.bound(n)
+
+
+TYPICAL_CONTEXT = 512  # positions each decode attends to, for the estimate (the KV term is minor at small b)
+
+
+def roofline_step_time(model, context: int = TYPICAL_CONTEXT) -> Callable[[int], float]:
+    """T(n) for a step of n decode tokens from the live roofline's model (metrics/step_roofline.py, the
+    planner's cost model: max(bytes / BW, FLOPs / F_peak))."""
+
+    def step_time(n: int) -> float:
+        n = max(n, 1)
+        return model.record(n, n * context, n * context, 0.0, 0, n, n, 0.0).bound_s
+
+    return step_time

@@ -1,0 +1,54 @@
+"""Proposer: after the target model has sampled, guess the next k tokens of each sampled request.
+
+The runner calls `propose(batch)` once per step with the requests that sampled (their whole token
+history: prompt + output, the tokens just sampled included) and gets back up to k draft tokens per
+request, and for proposers that sample their drafts from a distribution q, q's rows (the rejection
+sampler needs q(x) to accept with min(1, p/q)).  A proposer that runs a model of its own (draft
+model, MTP, an EAGLE-style head) also receives the step's flat batch and the target's hidden states
+through `ProposalBatch.target`; it keeps its own KV cache and writes its proposals' KV into the
+lookahead slots the scheduler allocates (`num_lookahead_slots`).
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import Any, Optional
+
+import torch
+
+
+@dataclass
+class ProposalBatch:
+    req_ids: list[str]
+    token_ids: list[list[int]]  # per request: prompt + output so far
+    k: int  # the most drafts per request this step
+    target: Any = None  # the step's forward (inputs, metadata, hidden states), for model-based proposers
+
+
+@dataclass
+class Proposals:
+    token_ids: list[list[int]]  # per request, 0..k drafts
+    # per request, q [len(drafts) x V] the drafts were drawn from; None: the drafts are deterministic
+    # (q one-hot, e.g. prompt lookup or a greedy draft model)
+    probs: Optional[list[Optional[torch.Tensor]]] = None
+
+
+class Proposer(ABC):
+    #: slots past a sampling request's step its proposals' KV needs (a model-based proposer: k)
+    num_lookahead_slots: int = 0
+
+    @abstractmethod
+    def propose(self, batch: ProposalBatch) -> Proposals: ...
+
+
+MODEL_BASED_METHODS = ("draft_model", "mtp")  # proposers with a KV cache of their own (lookahead slots)
+
+
+def create_proposer(spec_config) -> Proposer:
+    """The proposer for a SpeculativeConfig (roofline/config.py)."""
+    if spec_config.method == "ngram":
+        from roofline.spec_decode.ngram import NgramProposer
+
+        return NgramProposer(spec_config.prompt_lookup_min, spec_config.prompt_lookup_max)
+    raise ValueError(f"speculative_config.method {spec_config.method!r} is not available in this build")

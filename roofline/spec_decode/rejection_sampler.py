@@ -1,0 +1,130 @@
+"""RejectionSampler: keep the drafts the target model would have produced, exactly in distribution.
+
+For one request with drafts d_0 .. d_{k-1}, the target's logits rows L_0 .. L_k (row j computed with
+d_0 .. d_{j-1} in the context) and q_j the distribution d_j was drawn from (one-hot for deterministic
+drafts such as prompt lookup or a greedy draft model):
+
+    p_j   = the target's sampling distribution at row j: the request's penalties (over prompt, output
+            and d_0 .. d_{j-1}), min_tokens suppression, temperature, top-k, top-p, min-p
+    greedy:  accept d_j while d_j == argmax p_j; at the first mismatch emit argmax p_j instead; when
+             all are accepted emit the bonus argmax p_k
+    random:  accept d_j with probability min(1, p_j(d_j) / q_j(d_j)); at the first rejection emit a
+             draw from max(p_j - q_j, 0) normalized (the recovered token); when all are accepted emit
+             a draw from p_k (the bonus token)
+
+Each emitted token is then distributed exactly as p of its row (Leviathan et al. 2023, Chen et al.
+2023), so the output is the target's, sampling parameters included.  Per request and step the
+uniforms come first (k of them) and then one Exp(1) vector (the draw is argmax(r / E), as in the
+Sampler), all from the request's own generator: a seeded request is reproducible.  Logprobs are the
+target model's raw log-softmax at each emitted token's row.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import Optional
+
+import torch
+
+from roofline.core.scheduler_output import PositionLogprobs
+from roofline.model_executor.layers.sampler import (
+    SamplingState,
+    _argmax,
+    _top_logprobs,
+    adjusted_logits,
+    exponential_noise,
+    sampling_probs,
+)
+
+
+def position_states(state: SamplingState, drafts: list[int]) -> list[SamplingState]:
+    """The request's sampling state at each of its 1 + k rows: row j has drafts[:j] in its output."""
+    return [state] + [replace(state, output_token_ids=state.output_token_ids + drafts[:j])
+                      for j in range(1, len(drafts) + 1)]
+
+
+def accepted_prefix(drafts: list[int], accept: list[bool]) -> int:
+    a = 0
+    while a < len(drafts) and accept[a]:
+        a += 1
+    return a
+
+
+def greedy_accept(drafts: list[int], target_tokens: list[int]) -> list[int]:
+    """Greedy verification: drafts while they equal the target's argmax, then the target's token at
+    the first mismatch (or the bonus token after the last draft).  target_tokens: k + 1 argmaxes."""
+    a = accepted_prefix(drafts, [x == y for x, y in zip(drafts, target_tokens)])
+    return drafts[:a] + [target_tokens[a]]
+
+
+class RejectionSampler:
+    def __call__(
+        self,
+        logits: torch.Tensor,
+        states: list[SamplingState],
+        drafts: list[list[int]],
+        draft_probs: Optional[list[Optional[torch.Tensor]]] = None,
+    ) -> tuple[list[list[int]], list[Optional[list[PositionLogprobs]]]]:
+        """logits [sum_r (k_r + 1) x V]: request r's rows in order.  Returns per request the emitted
+        tokens (accepted drafts, then the target's token) and, when asked, their logprobs."""
+        row_states: list[SamplingState] = []
+        for st, d in zip(states, drafts):
+            row_states += position_states(st, d)
+        logits = logits.float()
+        adjusted = adjusted_logits(logits, row_states)
+        target_argmax = _argmax(adjusted).tolist()
+        random_reqs = [i for i, st in enumerate(states) if not st.greedy]
+        starts = [0]
+        for d in drafts:
+            starts.append(starts[-1] + len(d) + 1)
+        emitted: list[list[int]] = []
+        random_tokens = self._random_rows(adjusted, states, drafts, draft_probs, starts, random_reqs, row_states)
+        for i, d in enumerate(drafts):
+            if i in random_tokens:
+                emitted.append(random_tokens[i])
+                continue
+            emitted.append(greedy_accept(d, target_argmax[starts[i] : starts[i + 1]]))
+        lps: list[Optional[list[PositionLogprobs]]] = [None] * len(states)
+        want = [i for i, st in enumerate(states) if st.spec.logprobs is not None]
+        if want:
+            raw = logits.log_softmax(dim=-1)
+            for i in want:
+                lps[i] = [_top_logprobs(raw[starts[i] + j], tok, states[i].spec.logprobs)
+                          for j, tok in enumerate(emitted[i])]
+        return emitted, lps
+
+    def _random_rows(self, adjusted, states, drafts, draft_probs, starts, random_reqs, row_states):
+        """Emitted tokens of the randomly sampling requests: request index -> tokens."""
+        if not random_reqs:
+            return {}
+        rows = [r for i in random_reqs for r in range(starts[i], starts[i + 1])]
+        dev = adjusted.device
+        p = sampling_probs(adjusted[torch.tensor(rows, device=dev)], [row_states[r].spec for r in rows])
+        out = {}
+        off = 0
+        for i in random_reqs:
+            d, k, gen = drafts[i], len(drafts[i]), states[i].generator
+            pi = p[off : off + k + 1]  # [k+1 x V]
+            off += k + 1
+            q = draft_probs[i] if draft_probs is not None else None
+            u = torch.rand(k, generator=gen, device=dev, dtype=pi.dtype) if k else None
+            noise = exponential_noise(pi[:1], [gen])[0]
+            a = k
+            if k:
+                idx = torch.tensor(d, device=dev)
+                p_d = pi[:k].gather(1, idx[:, None])[:, 0]
+                q_d = q.to(pi.dtype).gather(1, idx[:, None])[:, 0] if q is not None else torch.ones_like(p_d)
+                a = accepted_prefix(d, (u * q_d < p_d).tolist())
+            if a < k:  # rejected at a: the recovered token from max(p_a - q_a, 0)
+                if q is not None:
+                    residual = (pi[a] - q[a].to(pi.dtype)).clamp_min(0.0)
+                else:
+                    residual = pi[a].clone()
+                    residual[d[a]] = 0.0
+                if not residual.sum() > 0:  # rounding only: p_a and q_a differ by less than float eps
+                    residual = pi[a]
+                last = int((residual / noise).argmax())
+            else:  # all accepted: the bonus token from p_k
+                last = int((pi[k] / noise).argmax())
+            out[i] = d[:a] + [last]
+        return out

@@ -1,0 +1,116 @@
+"""Speculative decoding end to end: greedy output identical to HF and to speculation off under prompt
+lookup (ngram), in the default, chunked (budget 16) and tiny-pool (preemption, both modes) settings,
+with n > 1 and priority scheduling, every KV block back in the pool after each run; the target's
+logprobs; seeded random sampling reproducible; bad speculative_config values named at start-up."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from roofline import LLM, SamplingParams
+from tests.reference.hf_models import hf_greedy
+
+GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+# adaptive off: the tiny model is overhead-bound, the roofline would pick few drafts; here every step verifies
+NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, "prompt_lookup_max": 3,
+         "adaptive": False}
+
+
+def repetitive_prompts(vocab: int, n: int = 6, seed: int = 0) -> list[list[int]]:
+    """Prompts that repeat spans (so prompt lookup finds matches), of different lengths."""
+    rng = random.Random(seed)
+    prompts = []
+    for i in range(n):
+        span = [rng.randrange(3, vocab) for _ in range(rng.randint(3, 12))]
+        prompts.append([rng.randrange(3, vocab) for _ in range(i)] + span * rng.randint(2, 4))
+    return prompts
+
+
+def run(path, prompts, params=GREEDY, **engine_args):
+    llm = LLM(path, dtype="float32", device="cpu", show_progress=False, **engine_args)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    stats = llm.llm_engine.get_stats()
+    assert stats.num_free_blocks == stats.num_total_blocks  # every block back in the pool
+    return outs, stats, llm
+
+
+@pytest.fixture(scope="module")
+def tiny(tiny_models):
+    path, hf_model = tiny_models["llama"]
+    prompts = repetitive_prompts(hf_model.config.vocab_size)
+    reference = [hf_greedy(hf_model, p, GREEDY.max_tokens) for p in prompts]
+    return path, prompts, reference
+
+
+VARIANTS = {
+    "default": dict(num_kv_blocks=256),
+    "budget_16": dict(num_kv_blocks=256, max_num_batched_tokens=16),
+    "preempt_recompute": dict(num_kv_blocks=14, block_size=8, preemption_mode="recompute"),
+    "preempt_swap": dict(num_kv_blocks=14, block_size=8, preemption_mode="swap", swap_space=0.01),
+    "priority_no_caching": dict(num_kv_blocks=256, scheduling_policy="priority", enable_prefix_caching=False),
+}
+
+
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_ngram_greedy_matches_hf_and_speculation_off(tiny, variant):
+    path, prompts, reference = tiny
+    args = VARIANTS[variant]
+    outs, stats, _ = run(path, prompts, speculative_config=NGRAM, **args)
+    assert [o.outputs[0].token_ids for o in outs] == reference
+    off, _, _ = run(path, prompts, **args)
+    assert [o.outputs[0].token_ids for o in off] == reference
+    spec = stats.spec_decode
+    assert spec.num_draft_tokens > 0 and spec.num_accepted_tokens > 0
+    if variant.startswith("preempt"):
+        assert stats.num_preemptions > 0
+
+
+def test_ngram_with_n_siblings_and_random_sampling_reproducible(tiny):
+    path, prompts, _ = tiny
+    sp = SamplingParams(n=3, temperature=0.8, top_k=20, seed=42, max_tokens=20, ignore_eos=True)
+    a, stats, _ = run(path, prompts[:3], sp, num_kv_blocks=256, speculative_config=NGRAM)
+    b, _, _ = run(path, prompts[:3], sp, num_kv_blocks=256, speculative_config=NGRAM)
+    assert [[c.token_ids for c in o.outputs] for o in a] == [[c.token_ids for c in o.outputs] for o in b]
+    assert all(len(c.token_ids) == 20 for o in a for c in o.outputs)
+    assert stats.spec_decode.num_draft_tokens > 0
+
+
+def test_smollm2_input_grounded_greedy_and_logprobs(default_llm, hf_default_model):
+    """W7's kind of prompt on the real model: long accepted runs, tokens equal to HF and to speculation
+    off, logprobs the target model's (equal to speculation off's within 1e-4)."""
+    import inspect
+    import json
+
+    tok = default_llm.get_tokenizer()
+    doc = inspect.getsource(json)[:600]
+    ids = tok.encode(doc + "\n\n" + doc + "\n\n" + doc[:120], add_special_tokens=False)
+    sp = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True, logprobs=3)
+    off = default_llm.generate([{"prompt_token_ids": ids}], sp, use_tqdm=False)[0].outputs[0]
+    llm = LLM(dtype="float32", device="cpu", num_kv_blocks=256, show_progress=False,
+              speculative_config={"method": "ngram", "num_speculative_tokens": 5})
+    on = llm.generate([{"prompt_token_ids": ids}], sp, use_tqdm=False)[0].outputs[0]
+    assert on.token_ids == off.token_ids == hf_greedy(hf_default_model, ids, 40)
+    for a, b in zip(on.logprobs, off.logprobs):
+        assert a.keys() == b.keys()
+        for t in a:
+            assert abs(a[t].logprob - b[t].logprob) < 1e-4
+    stats = llm.llm_engine.get_stats()
+    assert stats.num_free_blocks == stats.num_total_blocks
+    assert stats.spec_decode.acceptance_rate > 0.5 and stats.spec_decode.mean_acceptance_length > 2
+
+
+@pytest.mark.parametrize("config, field", [
+    ({"method": "medusa", "num_speculative_tokens": 3}, "speculative_config.method"),
+    ({"method": "ngram", "num_speculative_tokens": 0}, "speculative_config.num_speculative_tokens"),
+    ({"method": "ngram", "num_speculative_tokens": 99}, "speculative_config.num_speculative_tokens"),
+    ({"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 4, "prompt_lookup_max": 2},
+     "speculative_config.prompt_lookup_max"),
+    ({"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 0}, "speculative_config.prompt_lookup_min"),
+    ({"method": "ngram", "num_speculative_tokens": 3, "bogus": 1}, "bogus"),
+    ({"method": "draft_model", "num_speculative_tokens": 3}, "speculative_config.model"),
+])
+def test_bad_speculative_config_names_the_field(config, field):
+    with pytest.raises(ValueError, match=field.replace(".", r"\.")):
+        LLM(dtype="float32", device="cpu", num_kv_blocks=16, show_progress=False, speculative_config=config)
