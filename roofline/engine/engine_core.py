@@ -118,6 +118,8 @@ class EngineCore:
             self.step_roofline = model_for_engine(mc.hf_config, dev, dtype, cc.kv_cache_dtype,
                                                   config.parallel_config.tensor_parallel_size,
                                                   config.observability_config.roofline_hardware)
+            if set(self.weight_bytes) - {dtype}:  # layers kept in GGUF blocks: the bytes they really hold
+                self.step_roofline.use_weight_bytes(sum(self.weight_bytes.values()))
         policy, lookahead = self._speculation()
         self.scheduler = Scheduler(sc, cc, num_blocks, num_swap, seed=mc.seed, draft_length_policy=policy,
                                    num_lookahead_slots=lookahead, kv_connector=create_scheduler_connector(config))

@@ -101,6 +101,12 @@ class StepRooflineModel:
         self.attn_flops_per_position = {ph: spec.attention_flops_per_token(1.0, ph) for ph in ("decode", "prefill")}
         self._dense_weight_bytes = None if spec.is_moe else decode_weight_bytes_read(self.plan, 1)
 
+    def use_weight_bytes(self, nbytes: float) -> None:
+        """The weights as loaded read `nbytes` a step instead of params x dtype size (a dense model whose
+        layers stay in GGUF blocks: --gguf-weights native); MoE models keep the planner's count."""
+        if self._dense_weight_bytes is not None:
+            self._dense_weight_bytes = float(nbytes)
+
     def weight_bytes_read(self, num_tokens: int) -> float:
         if self._dense_weight_bytes is not None:
             return self._dense_weight_bytes
