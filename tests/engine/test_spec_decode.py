@@ -114,3 +114,29 @@ def test_smollm2_input_grounded_greedy_and_logprobs(default_llm, hf_default_mode
 def test_bad_speculative_config_names_the_field(config, field):
     with pytest.raises(ValueError, match=field.replace(".", r"\.")):
         LLM(dtype="float32", device="cpu", num_kv_blocks=16, show_progress=False, speculative_config=config)
+
+
+@pytest.mark.slow
+def test_ngram_tp3_greedy_matches_tp1(default_llm):
+    """SmolLM2 split over 3 ranks (gloo): every rank verifies and proposes the same drafts; tokens equal to
+    tp=1 without speculation (a flip only at a proven tie), blocks all back."""
+    import inspect
+    import textwrap
+
+    from tests.executor.tp_helpers import assert_same_greedy
+
+    tok = default_llm.get_tokenizer()
+    doc = inspect.getsource(textwrap)[:500]
+    prompts = [{"prompt_token_ids": tok.encode(doc + "\n\n" + doc[:100], add_special_tokens=False)},
+               {"prompt_token_ids": tok.encode("List three prime numbers.", add_special_tokens=False)}]
+    sp = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, logprobs=2)
+    ref = default_llm.generate(prompts, sp, use_tqdm=False)
+    llm = LLM(tensor_parallel_size=3, dtype="float32", device="cpu", num_kv_blocks=64, show_progress=False,
+              speculative_config={"method": "ngram", "num_speculative_tokens": 4, "adaptive": False})
+    try:
+        assert_same_greedy(ref, llm.generate(prompts, sp, use_tqdm=False))
+        stats = llm.llm_engine.get_stats()
+        assert stats.num_free_blocks == stats.num_total_blocks
+        assert stats.spec_decode.num_accepted_tokens > 0
+    finally:
+        llm.llm_engine.shutdown()
