@@ -92,7 +92,7 @@ class SpeculativeConfig:
     prompt_lookup_min: int = 2  # ngram: shortest suffix n-gram matched
     prompt_lookup_max: int = 5  # ngram: longest suffix n-gram matched (tried first)
     model: Optional[str] = None  # draft_model: the draft checkpoint
-    draft_tensor_parallel_size: int = 1
+    draft_tensor_parallel_size: Optional[int] = None  # the draft runs on the target's ranks, split the same way
     adaptive: bool = True  # pick k per step from the cost model and the running acceptance rate
 
     @classmethod
@@ -129,8 +129,8 @@ class SpeculativeConfig:
             raise ValueError("speculative_config.model is required for method 'draft_model'")
         if method != "draft_model" and model is not None:
             raise ValueError(f"speculative_config.model applies to method 'draft_model' only, not {method!r}")
-        dtp = d.get("draft_tensor_parallel_size", 1)
-        if not _is_int(dtp) or dtp < 1:
+        dtp = d.get("draft_tensor_parallel_size")
+        if dtp is not None and (not _is_int(dtp) or dtp < 1):
             raise ValueError(f"speculative_config.draft_tensor_parallel_size must be an integer >= 1, got {dtp!r}")
         adaptive = d.get("adaptive", True)
         if not isinstance(adaptive, bool):
@@ -254,9 +254,12 @@ class EngineArgs:
                 errors.append(str(e))
             else:
                 tp = self.tensor_parallel_size
-                if speculative.draft_tensor_parallel_size not in (1, tp):
-                    errors.append(f"speculative_config.draft_tensor_parallel_size must be 1 or "
-                                  f"tensor_parallel_size ({tp}), got {speculative.draft_tensor_parallel_size}")
+                if speculative.draft_tensor_parallel_size is None:
+                    speculative.draft_tensor_parallel_size = tp
+                elif speculative.draft_tensor_parallel_size != tp:
+                    errors.append(f"speculative_config.draft_tensor_parallel_size must equal tensor_parallel_size "
+                                  f"({tp}): the draft runs on the target's ranks; got "
+                                  f"{speculative.draft_tensor_parallel_size}")
         if errors:
             raise ValueError("invalid engine arguments: " + "; ".join(errors))
         device = self.device or _default_device()

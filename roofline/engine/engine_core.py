@@ -79,6 +79,7 @@ class EngineCore:
         self.model_config = mc
         self.vocab_size = int(mc.hf_config.vocab_size)
         self.eos_token_id = self._eos_token_id()
+        self._check_draft_model()
         self.executor = create_executor(config, self.source, show_progress)
         num_blocks = self.executor.determine_num_blocks()
         cc, sc = config.cache_config, config.scheduler_config
@@ -106,6 +107,20 @@ class EngineCore:
         self._step_records: deque[StepRoofline] = deque(maxlen=STEP_RECORDS_KEPT)
         logger.info("engine ready in %.1f s: %s, max_model_len=%d, %d KV blocks",
                     time.monotonic() - t0, mc.served_model_name, mc.max_model_len, num_blocks)
+
+    def _check_draft_model(self) -> None:
+        """A draft model must share the target's vocabulary (its token ids are the target's)."""
+        spec = self.config.speculative_config
+        if spec is None or spec.method != "draft_model":
+            return
+        try:
+            draft_config = load_hf_config(resolve_source(spec.model, "auto"))
+        except Exception as e:
+            raise ValueError(f"speculative_config.model {spec.model!r} cannot be loaded: {e}") from None
+        draft_vocab = int(draft_config.vocab_size)
+        if draft_vocab != self.vocab_size:
+            raise ValueError(f"speculative_config.model: the draft's vocabulary ({draft_vocab} tokens) differs "
+                             f"from the target's ({self.vocab_size})")
 
     def _speculation(self):
         """Speculative decoding: the scheduler's DraftLengthPolicy (adaptive: the roofline's step-time

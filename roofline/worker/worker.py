@@ -106,26 +106,38 @@ class Worker:
             reuse_freed_cpu_memory()
         t0 = time.monotonic()
         self.model = self._load_model(source, show_progress and rank == 0)
+        self.draft_model = self._load_draft_model(show_progress and rank == 0)
         self.load_time = time.monotonic() - t0
         self.num_blocks = 0
         self.runner: Optional[ModelRunner] = None
 
-    def _load_model(self, source: ModelSource, show_progress: bool) -> torch.nn.Module:
-        arch, cls = resolve_architecture(self.hf_config)
+    def _load_draft_model(self, show_progress: bool) -> Optional[torch.nn.Module]:
+        """Speculative decoding with a draft model: load it like the target (any format we load)."""
+        spec = self.config.speculative_config
+        if spec is None or spec.method != "draft_model":
+            return None
+        from roofline.model_executor.loader.source import load_hf_config, resolve_source
+
+        source = resolve_source(spec.model, "auto")
+        return self._load_model(source, show_progress, load_hf_config(source))
+
+    def _load_model(self, source: ModelSource, show_progress: bool, hf_config=None) -> torch.nn.Module:
+        hf_config = self.hf_config if hf_config is None else hf_config
+        arch, cls = resolve_architecture(hf_config)
         backend = get_attention_backend(self.config.device_config.attention_backend, self.config.device_config.device)
         torch.manual_seed(self.config.model_config.seed)
         prev = torch.get_default_dtype()
         torch.set_default_dtype(self.dtype)  # parameters in the target dtype; rope tables stay fp32
         try:
             with torch.device(self.device):
-                model = cls(self.hf_config, backend)
+                model = cls(hf_config, backend)
         finally:
             torch.set_default_dtype(prev)
         if source.fmt == "dummy":
             init_dummy_weights(model, self.config.model_config.seed)
         else:
             if source.fmt == "gguf":
-                weights = gguf_weights(os.path.join(source.path, source.gguf_file), self.hf_config, show_progress)
+                weights = gguf_weights(os.path.join(source.path, source.gguf_file), hf_config, show_progress)
             else:
                 weights = safetensors_weights(source.path, show_progress)
             loaded = model.load_weights(weights)
@@ -141,8 +153,12 @@ class Worker:
         return model
 
     # ---- KV pool ------------------------------------------------------------------------------
+    def _kv_models(self) -> list[torch.nn.Module]:
+        """The models with a KV pool indexed by the scheduler's block ids: the target, and a draft model."""
+        return [self.model] + ([self.draft_model] if self.draft_model is not None else [])
+
     def block_bytes(self) -> int:
-        return kv_bytes_per_block(self.model, self.config.cache_config.block_size, self.dtype)
+        return sum(kv_bytes_per_block(m, self.config.cache_config.block_size, self.dtype) for m in self._kv_models())
 
     def determine_num_blocks(self) -> int:
         cc = self.config.cache_config
@@ -198,11 +214,16 @@ class Worker:
         else:
             caches = kv_spec.allocate(specs, num_blocks, bs,
                                       lambda shape: torch.zeros(shape, dtype=self.dtype, device=self.device))
+        draft_caches = []
+        if self.draft_model is not None:  # the draft's own pool, same block geometry
+            draft_caches = kv_spec.allocate(self.draft_model.kv_cache_specs(), num_blocks, bs,
+                                            lambda shape: torch.zeros(shape, dtype=self.dtype, device=self.device))
         swap = None
         if num_swap_blocks:
             pin = self.device.type == "cuda"
-            swap = kv_spec.allocate(specs, num_swap_blocks, bs,
-                                    lambda shape: torch.zeros(shape, dtype=self.dtype, device="cpu", pin_memory=pin))
+            swap = [c for m in self._kv_models() for c in kv_spec.allocate(
+                m.kv_cache_specs(), num_swap_blocks, bs,
+                lambda shape: torch.zeros(shape, dtype=self.dtype, device="cpu", pin_memory=pin))]
         self.num_blocks = num_blocks
         self.runner = ModelRunner(self.model, caches, bs, self.device, swap)
         from roofline.worker.cuda_graph import create_graph_runner
@@ -212,7 +233,7 @@ class Worker:
         if self.config.speculative_config is not None:
             from roofline.spec_decode.proposer import create_proposer
 
-            self.runner.proposer = create_proposer(self.config.speculative_config)
+            self.runner.proposer = create_proposer(self.config.speculative_config, self.draft_model, draft_caches)
         total = num_blocks * self.block_bytes()
         logger.info("KV cache: %d blocks x %d tokens = %d tokens, %.3f GiB", num_blocks, bs, num_blocks * bs, total / GiB)
 

@@ -1,7 +1,9 @@
 """Speculative decoding end to end: greedy output identical to HF and to speculation off under prompt
-lookup (ngram), in the default, chunked (budget 16) and tiny-pool (preemption, both modes) settings,
-with n > 1 and priority scheduling, every KV block back in the pool after each run; the target's
-logprobs; seeded random sampling reproducible; bad speculative_config values named at start-up."""
+lookup (ngram) and under a draft model (equal to the target: everything accepted; a tiny random one with
+the same vocabulary: almost nothing accepted), in the default, chunked (budget 16) and tiny-pool
+(preemption, both modes) settings, with n > 1 and priority scheduling, every KV block back in the pool
+after each run; the target's logprobs; seeded random sampling reproducible; bad speculative_config
+values named at start-up."""
 
 from __future__ import annotations
 
@@ -65,6 +67,58 @@ def test_ngram_greedy_matches_hf_and_speculation_off(tiny, variant):
     assert spec.num_draft_tokens > 0 and spec.num_accepted_tokens > 0
     if variant.startswith("preempt"):
         assert stats.num_preemptions > 0
+
+
+@pytest.fixture(scope="module")
+def tiny_draft(tmp_path_factory):
+    """A tiny random Llama with the target's vocabulary (384), 1 layer, other weights."""
+    from tests.reference.hf_models import build_tiny_model
+
+    path = str(tmp_path_factory.mktemp("tiny-draft"))
+    build_tiny_model("llama", path, seed=7, num_hidden_layers=1, hidden_size=32, intermediate_size=64)
+    return path
+
+
+DRAFT_VARIANTS = {k: VARIANTS[k] for k in ("default", "budget_16", "preempt_recompute", "preempt_swap")}
+
+
+@pytest.mark.parametrize("variant", list(DRAFT_VARIANTS))
+@pytest.mark.parametrize("draft", ["same_as_target", "tiny_random"])
+def test_draft_model_greedy_matches_hf(tiny, tiny_draft, variant, draft):
+    path, prompts, reference = tiny
+    draft_path = path if draft == "same_as_target" else tiny_draft
+    config = {"method": "draft_model", "model": draft_path, "num_speculative_tokens": 3, "adaptive": False}
+    outs, stats, _ = run(path, prompts, speculative_config=config, **DRAFT_VARIANTS[variant])
+    assert [o.outputs[0].token_ids for o in outs] == reference
+    spec = stats.spec_decode
+    assert spec.num_draft_tokens > 0
+    if draft == "same_as_target":
+        assert spec.num_accepted_tokens == spec.num_draft_tokens  # the target's own guesses
+    else:
+        assert spec.acceptance_rate < 0.3
+    if variant.startswith("preempt"):
+        assert stats.num_preemptions > 0
+
+
+def test_draft_model_random_sampling_same_target_accepts_most(tiny):
+    """A draft equal to the target proposes from q = p: min(1, p/q) = 1, every draft is accepted."""
+    path, prompts, _ = tiny
+    sp = SamplingParams(temperature=0.9, top_p=0.95, seed=3, max_tokens=16, ignore_eos=True)
+    config = {"method": "draft_model", "model": path, "num_speculative_tokens": 3, "adaptive": False}
+    a, stats, _ = run(path, prompts[:3], sp, num_kv_blocks=256, speculative_config=config)
+    b, _, _ = run(path, prompts[:3], sp, num_kv_blocks=256, speculative_config=config)
+    assert [o.outputs[0].token_ids for o in a] == [o.outputs[0].token_ids for o in b]
+    assert stats.spec_decode.acceptance_rate > 0.95
+
+
+def test_draft_with_another_vocabulary_is_refused(tiny, tmp_path):
+    from tests.reference.hf_models import build_tiny_model
+
+    path, _, _ = tiny
+    build_tiny_model("llama", str(tmp_path), seed=2, vocab_size=500)
+    with pytest.raises(ValueError, match=r"speculative_config\.model: the draft's vocabulary \(500"):
+        LLM(path, dtype="float32", device="cpu", num_kv_blocks=16, show_progress=False,
+            speculative_config={"method": "draft_model", "model": str(tmp_path), "num_speculative_tokens": 2})
 
 
 def test_ngram_with_n_siblings_and_random_sampling_reproducible(tiny):
