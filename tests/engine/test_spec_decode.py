@@ -171,8 +171,10 @@ def test_bad_speculative_config_names_the_field(config, field):
 
 
 @pytest.mark.slow
-def test_ngram_tp3_greedy_matches_tp1(default_llm):
-    """SmolLM2 split over 3 ranks (gloo): every rank verifies and proposes the same drafts; tokens equal to
+@pytest.mark.parametrize("method", ["ngram", "draft_model"])
+def test_tp3_greedy_matches_tp1(default_llm, method, tmp_path):
+    """SmolLM2 split over 3 ranks (gloo): every rank verifies and proposes the same drafts (prompt lookup,
+    or a tiny random draft model with SmolLM2's vocabulary split over the same ranks); tokens equal to
     tp=1 without speculation (a flip only at a proven tie), blocks all back."""
     import inspect
     import textwrap
@@ -185,12 +187,22 @@ def test_ngram_tp3_greedy_matches_tp1(default_llm):
                {"prompt_token_ids": tok.encode("List three prime numbers.", add_special_tokens=False)}]
     sp = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, logprobs=2)
     ref = default_llm.generate(prompts, sp, use_tqdm=False)
+    config = {"method": method, "num_speculative_tokens": 4, "adaptive": False}
+    if method == "draft_model":
+        from tests.reference.hf_models import build_tiny_model
+
+        build_tiny_model("llama", str(tmp_path), seed=5, vocab_size=49152, hidden_size=48, num_attention_heads=3,
+                         num_key_value_heads=3, num_hidden_layers=1, intermediate_size=96, head_dim=16,
+                         max_position_embeddings=8192)
+        config["model"] = str(tmp_path)
     llm = LLM(tensor_parallel_size=3, dtype="float32", device="cpu", num_kv_blocks=64, show_progress=False,
-              speculative_config={"method": "ngram", "num_speculative_tokens": 4, "adaptive": False})
+              speculative_config=config)
     try:
         assert_same_greedy(ref, llm.generate(prompts, sp, use_tqdm=False))
         stats = llm.llm_engine.get_stats()
         assert stats.num_free_blocks == stats.num_total_blocks
-        assert stats.spec_decode.num_accepted_tokens > 0
+        assert stats.spec_decode.num_draft_tokens > 0
+        if method == "ngram":
+            assert stats.spec_decode.num_accepted_tokens > 0
     finally:
         llm.llm_engine.shutdown()
