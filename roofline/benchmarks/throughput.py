@@ -190,7 +190,9 @@ def w1(args) -> dict:
     outs = res.pop("outputs")
     out = {"workload": "W1", "num_requests": args.num_requests, "roofline": res}
     if args.speculative_config is not None:  # the same requests with speculation off, same greedy tokens
-        base_llm = _make_llm(args, speculative_config=None)
+        del llm  # one engine at a time
+        gc.collect()
+        llm = base_llm = _make_llm(args, speculative_config=None)
         _warmup(base_llm)
         off = _run_offline(base_llm, reqs)
         off_outs = off.pop("outputs")
@@ -198,7 +200,6 @@ def w1(args) -> dict:
         out["speculation_off"] = off
         out["ratio_spec_on_off_tok_s"] = res["output_tok_s"] / off["output_tok_s"]
         del base_llm
-        gc.collect()
     if args.structured_fraction > 0:
         from roofline.structured_output.params import StructuredOutputsParams
 
