@@ -164,10 +164,12 @@ class EngineCore:
             raise ValueError(
                 f"the prompt ({n} tokens) plus max_tokens ({params.max_tokens}) exceeds max_model_len ({max_len})"
             )
-        if n + params.max_tokens > self.kv_capacity_tokens:
+        lookahead = self.scheduler.num_lookahead_slots  # a draft model's slots past the last token
+        if n + params.max_tokens + lookahead > self.kv_capacity_tokens:
             raise ValueError(
-                f"the prompt ({n} tokens) plus max_tokens ({params.max_tokens}) exceeds the KV cache capacity "
-                f"({self.kv_capacity_tokens} tokens)"
+                f"the prompt ({n} tokens) plus max_tokens ({params.max_tokens})"
+                + (f" plus the draft model's {lookahead} lookahead slots" if lookahead else "")
+                + f" exceeds the KV cache capacity ({self.kv_capacity_tokens} tokens)"
             )
         if params.structured_outputs is not None and self.tokenizer is None:
             raise ValueError("structured_outputs need the model's tokenizer, and this model has none")
@@ -338,7 +340,8 @@ class EngineCore:
                 blocks_to_copy=out.blocks_to_copy if first else [],
                 blocks_to_swap_out=out.blocks_to_swap_out if first else [],
                 blocks_to_swap_in=out.blocks_to_swap_in if first else [],
-                grammar_req_ids=out.grammar_req_ids, grammar_bitmask=out.grammar_bitmask)  # rows found by req id
+                grammar_req_ids=out.grammar_req_ids, grammar_bitmask=out.grammar_bitmask,  # rows found by req id
+                num_tokens_to_propose=out.num_tokens_to_propose)
             parts.append(self._execute_isolating(sub))
         return merge_runner_outputs(parts)
 

@@ -41,10 +41,12 @@ class TargetStep:
 class DraftModelProposer(Proposer):
     needs_target_step = True
 
-    def __init__(self, model: torch.nn.Module, kv_caches: list[torch.Tensor], k: int) -> None:
+    def __init__(self, model: torch.nn.Module, kv_caches: list[torch.Tensor], k: int, max_positions: int) -> None:
+        """max_positions: positions the draft may be run at (its rotary table, the engine's max_model_len)."""
         self.model = model
         self.kv_caches = kv_caches
         self.num_lookahead_slots = k
+        self.max_positions = max_positions
 
     @torch.inference_mode()
     def follow_target(self, input_ids: torch.Tensor, positions: torch.Tensor, meta) -> None:
@@ -56,12 +58,16 @@ class DraftModelProposer(Proposer):
     def propose(self, batch: ProposalBatch) -> Proposals:
         t: TargetStep = batch.target
         k = batch.k
-        rids = batch.req_ids
+        # requests whose k draft positions all fit (one at the end of its room proposes nothing)
+        fit = [i for i, r in enumerate(batch.req_ids) if t.next_position[r] + k <= self.max_positions]
+        if k <= 0 or not fit:
+            return Proposals([[] for _ in batch.req_ids])
+        rids = [batch.req_ids[i] for i in fit]
         states = [t.states[r] for r in rids]
         drafts: list[list[int]] = [[] for _ in rids]
         probs: list[list[torch.Tensor]] = [[] for _ in rids]
         random_rows = [i for i, st in enumerate(states) if not st.greedy]
-        tokens = [toks[-1] for toks in batch.token_ids]
+        tokens = [batch.token_ids[i][-1] for i in fit]
         for step in range(k):  # 2. k decode steps
             items = [ScheduledRequest(r, t.next_position[r] + step, [tok], t.block_ids[r], True)
                      for r, tok in zip(rids, tokens)]
@@ -78,5 +84,9 @@ class DraftModelProposer(Proposer):
                     probs[i].append(q[j])
             for i, tok in enumerate(tokens):
                 drafts[i].append(tok)
-        q_rows = [torch.stack(p) if p else None for p in probs]
-        return Proposals(drafts, q_rows if random_rows else None)
+        out_drafts: list[list[int]] = [[] for _ in batch.req_ids]
+        out_probs: list = [None] * len(batch.req_ids)
+        for j, i in enumerate(fit):
+            out_drafts[i] = drafts[j]
+            out_probs[i] = torch.stack(probs[j]) if probs[j] else None
+        return Proposals(out_drafts, out_probs if random_rows else None)

@@ -53,7 +53,7 @@ class Proposer(ABC):
 MODEL_BASED_METHODS = ("draft_model", "mtp")  # proposers with a KV cache of their own (lookahead slots)
 
 
-def create_proposer(spec_config, draft_model=None, draft_kv_caches=None) -> Proposer:
+def create_proposer(spec_config, draft_model=None, draft_kv_caches=None, max_positions: int = 0) -> Proposer:
     """The proposer for a SpeculativeConfig (roofline/config.py); a model-based one gets its model and KV
     cache from the Worker, which loads them."""
     if spec_config.method == "ngram":
@@ -63,5 +63,5 @@ def create_proposer(spec_config, draft_model=None, draft_kv_caches=None) -> Prop
     if spec_config.method == "draft_model":
         from roofline.spec_decode.draft_model import DraftModelProposer
 
-        return DraftModelProposer(draft_model, draft_kv_caches, spec_config.num_speculative_tokens)
+        return DraftModelProposer(draft_model, draft_kv_caches, spec_config.num_speculative_tokens, max_positions)
     raise ValueError(f"speculative_config.method {spec_config.method!r} is not available in this build")

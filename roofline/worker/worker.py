@@ -233,7 +233,13 @@ class Worker:
         if self.config.speculative_config is not None:
             from roofline.spec_decode.proposer import create_proposer
 
-            self.runner.proposer = create_proposer(self.config.speculative_config, self.draft_model, draft_caches)
+            max_positions = self.config.scheduler_config.max_model_len
+            if self.draft_model is not None:
+                draft_limit = getattr(self.draft_model, "config", None)
+                draft_limit = getattr(draft_limit, "max_position_embeddings", None)
+                max_positions = min(max_positions, draft_limit or max_positions)
+            self.runner.proposer = create_proposer(self.config.speculative_config, self.draft_model, draft_caches,
+                                                   max_positions)
         total = num_blocks * self.block_bytes()
         logger.info("KV cache: %d blocks x %d tokens = %d tokens, %.3f GiB", num_blocks, bs, num_blocks * bs, total / GiB)
 
