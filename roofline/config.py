@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any, Literal, Optional
 
 GiB = 1 << 30
+GGUF_WEIGHTS = ("native", "dequantize")  # how a GGUF file's quantized layers are computed
 
 
 @dataclass
@@ -23,6 +24,7 @@ class ModelConfig:
     dtype: str = "auto"  # auto | float32 | bfloat16 | float16
     seed: int = 0
     load_format: str = "auto"  # auto | safetensors | gguf | dummy
+    gguf_weights: str = "native"  # native (layers computed on GGUF blocks, CPU) | dequantize (fp32)
     max_model_len: Optional[int] = None
     served_model_name: Optional[str] = None
     trust_remote_code: bool = False
@@ -54,14 +56,63 @@ class SchedulerConfig:
     max_waiting_requests: Optional[int] = None
 
 
+ALL2ALL_BACKENDS = ("all_to_all", "allgather_reducescatter")
+
+
+@dataclass
+class EPLBConfig:
+    """Expert-parallel load balancing (--eplb-config JSON, vLLM's names)."""
+
+    window_size: int = 1000  # steps of per-expert token counts the rebalance looks at
+    step_interval: int = 3000  # steps between rebalances
+    num_redundant_experts: int = 0  # extra physical expert slots per MoE layer, given to hot experts
+    log_balancedness: bool = False  # log mean/max tokens per rank per layer at every rebalance
+
+    @classmethod
+    def from_json(cls, text: Optional[str]) -> "EPLBConfig":
+        import json
+
+        if not text:
+            return cls()
+        try:
+            d = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"eplb_config is not valid JSON: {e}") from None
+        if not isinstance(d, dict):
+            raise ValueError("eplb_config must be a JSON object")
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(d) - known)
+        if unknown:
+            raise ValueError(f"eplb_config: unknown field(s) {unknown}; known: {sorted(known)}")
+        cfg = cls(**d)
+        for name in ("window_size", "step_interval"):
+            if not isinstance(getattr(cfg, name), int) or getattr(cfg, name) <= 0:
+                raise ValueError(f"eplb_config.{name} must be a positive integer, got {getattr(cfg, name)!r}")
+        if not isinstance(cfg.num_redundant_experts, int) or cfg.num_redundant_experts < 0:
+            raise ValueError(f"eplb_config.num_redundant_experts must be an integer >= 0, "
+                             f"got {cfg.num_redundant_experts!r}")
+        return cfg
+
+
 @dataclass
 class ParallelConfig:
     tensor_parallel_size: int = 1
+    pipeline_parallel_size: int = 1
+    pp_layer_partition: Optional[str] = None  # "a,b,...": layers per pipeline stage; None: even split
+    data_parallel_size: int = 1
+    enable_expert_parallel: bool = False  # MoE layers: whole experts spread over DP x TP ranks
+    all2all_backend: str = "all_to_all"  # expert-parallel dispatch/combine: see ALL2ALL_BACKENDS
+    enable_eplb: bool = False
+    eplb: EPLBConfig = field(default_factory=EPLBConfig)
     nnodes: int = 1
     node_rank: int = 0
     master_addr: str = "127.0.0.1"
     master_port: Optional[int] = None
     distributed_backend: Optional[str] = None  # gloo on CPU, nccl on CUDA when None
+
+    @property
+    def world_size(self) -> int:
+        return self.data_parallel_size * self.pipeline_parallel_size * self.tensor_parallel_size
 
 
 @dataclass
@@ -151,6 +202,10 @@ class EngineConfig:
     device_config: DeviceConfig
     observability_config: ObservabilityConfig = field(default_factory=ObservabilityConfig)
     speculative_config: Optional[SpeculativeConfig] = None
+    kv_transfer_config: Optional[Any] = None  # kv_transfer.config.KVTransferConfig: a KV connector, if any
+    # the server runs EngineCore in a process of its own (engine/core_process.py), apart from HTTP,
+    # tokenization and detokenization of requests; offline LLM(...) always runs it in-process
+    engine_core_process: bool = False
 
 
 def _default_device() -> str:
@@ -172,6 +227,7 @@ class EngineArgs:
     seed: int = 0
     device: Optional[str] = None
     load_format: str = "auto"
+    gguf_weights: str = "native"
     max_model_len: Optional[int] = None
     served_model_name: Optional[str] = None
     trust_remote_code: bool = False
@@ -192,6 +248,13 @@ class EngineArgs:
     max_waiting_requests: Optional[int] = None
     # parallel
     tensor_parallel_size: int = 1
+    pipeline_parallel_size: int = 1
+    pp_layer_partition: Optional[str] = None
+    data_parallel_size: int = 1
+    enable_expert_parallel: bool = False
+    all2all_backend: str = "all_to_all"
+    enable_eplb: bool = False
+    eplb_config: Optional[str] = None
     nnodes: int = 1
     node_rank: int = 0
     master_addr: str = "127.0.0.1"
@@ -205,6 +268,10 @@ class EngineArgs:
     roofline_hardware: Optional[str] = None
     # speculative decoding: vLLM's dict (method, num_speculative_tokens, prompt_lookup_min/max, model, ...)
     speculative_config: Optional[dict] = None
+    # KV transfer (prefill/decode disaggregation): vLLM's --kv-transfer-config JSON (or a dict)
+    kv_transfer_config: Optional[str] = None
+    # server
+    engine_core_process: bool = False
 
     @classmethod
     def field_names(cls) -> set[str]:
@@ -233,8 +300,26 @@ class EngineArgs:
             errors.append(f"scheduling_policy must be 'fcfs' or 'priority', got {self.scheduling_policy!r}")
         if self.preemption_mode not in ("recompute", "swap"):
             errors.append(f"preemption_mode must be 'recompute' or 'swap', got {self.preemption_mode!r}")
-        if self.tensor_parallel_size <= 0:
-            errors.append(f"tensor_parallel_size must be positive, got {self.tensor_parallel_size}")
+        for name in ("tensor_parallel_size", "pipeline_parallel_size", "data_parallel_size"):
+            if getattr(self, name) <= 0:
+                errors.append(f"{name} must be positive, got {getattr(self, name)}")
+        if self.all2all_backend not in ALL2ALL_BACKENDS:
+            errors.append(f"all2all_backend must be one of {', '.join(ALL2ALL_BACKENDS)}, got {self.all2all_backend!r}")
+        if self.enable_eplb and not self.enable_expert_parallel:
+            errors.append("enable_eplb needs enable_expert_parallel")
+        try:
+            eplb = EPLBConfig.from_json(self.eplb_config)
+        except (TypeError, ValueError) as e:
+            errors.append(str(e))
+        if self.pp_layer_partition is not None and self.pipeline_parallel_size >= 1:
+            from roofline.distributed.pipeline import parse_partition
+
+            try:
+                parse_partition(self.pp_layer_partition, self.pipeline_parallel_size)
+            except ValueError as e:
+                errors.append(str(e))
+        if self.gguf_weights not in GGUF_WEIGHTS:
+            errors.append(f"gguf_weights must be one of {', '.join(GGUF_WEIGHTS)}, got {self.gguf_weights!r}")
         if self.swap_space < 0:
             errors.append(f"swap_space must be >= 0, got {self.swap_space}")
         if self.max_num_batched_tokens is not None and self.max_num_batched_tokens <= 0:
@@ -260,6 +345,22 @@ class EngineArgs:
                     errors.append(f"speculative_config.draft_tensor_parallel_size must equal tensor_parallel_size "
                                   f"({tp}): the draft runs on the target's ranks; got "
                                   f"{speculative.draft_tensor_parallel_size}")
+                if self.pipeline_parallel_size > 1 or self.data_parallel_size > 1:
+                    errors.append("speculative_config needs pipeline_parallel_size 1 and data_parallel_size 1 "
+                                  "(the draft runs beside one tensor-parallel group)")
+        kv_transfer = None
+        if self.kv_transfer_config is not None:
+            from roofline.kv_transfer.config import KVTransferConfig
+
+            try:
+                kv_transfer = (KVTransferConfig(**self.kv_transfer_config) if isinstance(self.kv_transfer_config, dict)
+                               else KVTransferConfig.from_json(self.kv_transfer_config))
+            except (TypeError, ValueError) as e:
+                errors.append(str(e))
+            if (self.tensor_parallel_size > 1 or self.pipeline_parallel_size > 1 or self.data_parallel_size > 1
+                    or self.nnodes > 1):
+                errors.append("kv_transfer_config needs tensor_parallel_size, pipeline_parallel_size and "
+                              "data_parallel_size 1 (a KV connector serves one pool)")
         if errors:
             raise ValueError("invalid engine arguments: " + "; ".join(errors))
         device = self.device or _default_device()
@@ -269,6 +370,7 @@ class EngineArgs:
             dtype=self.dtype,
             seed=self.seed,
             load_format=self.load_format,
+            gguf_weights=self.gguf_weights,
             max_model_len=self.max_model_len,
             served_model_name=self.served_model_name,
             trust_remote_code=self.trust_remote_code,
@@ -293,6 +395,13 @@ class EngineArgs:
         )
         parallel_config = ParallelConfig(
             tensor_parallel_size=self.tensor_parallel_size,
+            pipeline_parallel_size=self.pipeline_parallel_size,
+            pp_layer_partition=self.pp_layer_partition,
+            data_parallel_size=self.data_parallel_size,
+            enable_expert_parallel=self.enable_expert_parallel,
+            all2all_backend=self.all2all_backend,
+            enable_eplb=self.enable_eplb,
+            eplb=eplb,
             nnodes=self.nnodes,
             node_rank=self.node_rank,
             master_addr=self.master_addr,
@@ -304,7 +413,8 @@ class EngineArgs:
         )
         observability = ObservabilityConfig(step_roofline=self.step_roofline, roofline_hardware=self.roofline_hardware)
         return EngineConfig(model_config, cache_config, scheduler_config, parallel_config, device_config, observability,
-                            speculative)
+                            speculative, kv_transfer,
+                            engine_core_process=self.engine_core_process)
 
 
 def finalize_lengths(config: EngineConfig, model_max_len: int) -> None:

@@ -65,3 +65,6 @@ class RequestOutput:
     num_cached_tokens: int = 0
     # A per-request error (the request was rejected or failed); the engine keeps serving others.
     error: Optional[str] = None
+    # A prefill for another engine (kv_transfer_params.do_remote_decode): what the decoder needs to
+    # fetch its KV (do_remote_prefill, remote_engine_id, remote_block_ids, remote_host, remote_port, ...)
+    kv_transfer_params: Optional[dict] = None

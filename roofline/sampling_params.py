@@ -51,6 +51,8 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
     structured_outputs: Optional[StructuredOutputsParams] = None  # JSON schema / regex / choice / grammar
+    # prefill/decode disaggregation (kv_transfer/config.py KVTransferParams): do_remote_decode, ...
+    kv_transfer_params: Optional[dict] = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):

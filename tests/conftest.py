@@ -10,6 +10,34 @@ import torch
 torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
 
 
+def pytest_addoption(parser):
+    parser.addoption("--engine-core-process", action="store_true", default=False,
+                     help="every AsyncLLM.from_engine_args runs its engine core in a process of its own "
+                          "(the server suite's second mode)")
+
+
+@pytest.fixture(scope="session", autouse=True)
+def engine_core_process_mode(request):
+    """With --engine-core-process, servers built from EngineArgs drive an EngineCoreClient."""
+    if not request.config.getoption("--engine-core-process"):
+        yield False
+        return
+    import dataclasses
+
+    from roofline.engine.async_llm import AsyncLLM
+
+    original = AsyncLLM.__dict__["from_engine_args"]
+
+    def in_own_process(cls, engine_args, **kwargs):
+        return original.__func__(cls, dataclasses.replace(engine_args, engine_core_process=True), **kwargs)
+
+    AsyncLLM.from_engine_args = classmethod(in_own_process)
+    try:
+        yield True
+    finally:
+        AsyncLLM.from_engine_args = original
+
+
 @pytest.fixture(scope="session")
 def default_llm():
     from roofline import LLM

@@ -49,6 +49,11 @@ class KVCacheManager:
         self.prefix_cache_hits = 0  # tokens found
 
     # ---- hashing -------------------------------------------------------------------------
+    def compute_block_hashes(self, request: Request) -> list[bytes]:
+        """The request's full-block prefix hashes (whether or not prefix caching is on)."""
+        self._update_hashes(request)
+        return request.block_hashes
+
     def _update_hashes(self, request: Request) -> None:
         bs = self.block_size
         hashes = request.block_hashes
@@ -93,11 +98,13 @@ class KVCacheManager:
         return None
 
     def allocate_slots(
-        self, request: Request, num_new_tokens: int, new_computed: Sequence[KVBlock] = ()
+        self, request: Request, num_new_tokens: int, new_computed: Sequence[KVBlock] = (), register: bool = True
     ) -> Optional[list[KVBlock]]:
         """Give the request room for num_new_tokens more tokens after its computed ones.
 
         new_computed are prefix-cache hits found by get_computed_blocks (first scheduling only).
+        register=False leaves the new full blocks out of the prefix cache (a KV load fills them later:
+        register_computed once it has).
         Returns the newly allocated blocks, or None (nothing changed) when the pool is short.
         """
         if self.blocks_needed(request, num_new_tokens, new_computed) > self.pool.num_free_blocks:
@@ -124,8 +131,13 @@ class KVCacheManager:
             fresh = self.pool.get_new_blocks(need)
             blocks.extend(fresh)
             new_blocks.extend(fresh)
-        self._cache_full_blocks(request, min(total, request.num_tokens))
+        if register:
+            self._cache_full_blocks(request, min(total, request.num_tokens))
         return new_blocks
+
+    def register_computed(self, request: Request, num_tokens: int) -> None:
+        """The request's first num_tokens tokens now hold valid KV: offer its full blocks to the prefix cache."""
+        self._cache_full_blocks(request, num_tokens)
 
     def _cache_full_blocks(self, request: Request, num_tokens: int) -> None:
         if not self.enable_caching:

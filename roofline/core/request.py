@@ -15,6 +15,7 @@ class RequestStatus(enum.IntEnum):
     RUNNING = 2
     PREEMPTED = 3  # waiting again after preemption by recompute
     SWAPPED = 4  # its KV lives in the CPU swap pool
+    WAITING_FOR_REMOTE_KVS = 5  # its blocks are allocated; a KV connector is filling them (kv_transfer/)
     FINISHED_STOPPED = 10
     FINISHED_LENGTH = 11
     FINISHED_ABORTED = 12
@@ -66,6 +67,11 @@ class Request:
         # speculative decoding: tokens proposed to follow all_token_ids, verified at the next step; never
         # part of all_token_ids (so never hashed into the prefix cache) until accepted
         self.spec_token_ids: list[int] = []
+        # KV transfer (kv_transfer/): the request's KVTransferParams, the tokens a load is bringing in,
+        # and whether a load failed (it then computes its whole prompt here)
+        self.kv_transfer = None
+        self.num_loading_tokens = 0
+        self.kv_load_failed = False
 
     @property
     def num_tokens(self) -> int:

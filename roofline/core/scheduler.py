@@ -29,6 +29,8 @@ from roofline.config import CacheConfig, SchedulerConfig
 from roofline.core.kv_cache_manager import KVCacheManager
 from roofline.core.request import Request, RequestStatus
 from roofline.spec_decode.stats import SpecDecodeStats
+from roofline.kv_transfer.base import KVConnectorScheduler
+from roofline.kv_transfer.tracker import KVTransferTracker
 from roofline.core.scheduler_output import (
     ModelRunnerOutput,
     NewRequestData,
@@ -86,6 +88,7 @@ class Scheduler:
         seed: int = 0,
         draft_length_policy=None,
         num_lookahead_slots: int = 0,
+        kv_connector: Optional[KVConnectorScheduler] = None,
     ) -> None:
         self.config = scheduler_config
         self.block_size = cache_config.block_size
@@ -105,6 +108,8 @@ class Scheduler:
         self.num_lookahead_slots = num_lookahead_slots
         self.spec_stats = SpecDecodeStats(draft_length_policy.max_k) if draft_length_policy is not None else None
         self.step_draft_len = 0
+        # KV transfer between engines (kv_transfer/): loads in flight, held prefills
+        self.kv_transfer = KVTransferTracker(kv_connector, self.kv) if kv_connector is not None else None
 
     # ---- intake -------------------------------------------------------------------------------
     def add_request(self, request: Request) -> None:
@@ -148,14 +153,15 @@ class Scheduler:
         return done
 
     def _free(self, req: Request) -> None:
-        self.kv.free(req)
+        if self.kv_transfer is None or not self.kv_transfer.keep_blocks(req):
+            self.kv.free(req)
         self.requests.pop(req.request_id, None)
         if req.request_id in self.sent_to_worker:
             self.sent_to_worker.discard(req.request_id)
             self.finished_req_ids.append(req.request_id)
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self.requests)
+        return bool(self.requests) or (self.kv_transfer is not None and self.kv_transfer.busy)
 
     # ---- the step -----------------------------------------------------------------------------
     def _victim(self) -> Request:
@@ -238,6 +244,8 @@ class Scheduler:
         swap_in: list[tuple[int, int]] = []
         preempted_any = False
         self.step_draft_len = self._choose_draft_length()
+        if self.kv_transfer is not None:
+            self.kv_transfer.expire_holds()
 
         # 1. running requests, admission order
         i = 0
@@ -295,6 +303,13 @@ class Scheduler:
                 compiling.append(self.waiting.pop(0))
                 continue
             hits, num_hit = self.kv.get_computed_blocks(req) if req.num_computed_tokens == 0 else ([], 0)
+            if self.kv_transfer is not None and req.num_computed_tokens == 0:
+                loading = self.kv_transfer.try_load(req, hits, num_hit)  # the rest of the prompt from elsewhere
+                if loading is False:
+                    break
+                if loading:
+                    self.waiting.pop(0)
+                    continue
             remaining = req.num_tokens - req.num_computed_tokens - num_hit
             if not self.config.enable_chunked_prefill and remaining > budget:
                 break
@@ -341,6 +356,8 @@ class Scheduler:
             start = req.num_computed_tokens
             known = min(n, req.num_tokens - start)
             drafts = req.spec_token_ids[: n - known]
+            if self.kv_transfer is not None:
+                self.kv_transfer.on_scheduled(req, start, n)
             items.append(
                 ScheduledRequest(
                     req_id=req.request_id,
@@ -361,6 +378,7 @@ class Scheduler:
             blocks_to_swap_out=swap_out,
             blocks_to_swap_in=swap_in,
             num_tokens_to_propose=self.step_draft_len,
+            kv_connector_metadata=self.kv_transfer.build_meta() if self.kv_transfer is not None else None,
         )
 
     # ---- results ------------------------------------------------------------------------------
@@ -369,6 +387,12 @@ class Scheduler:
 
         Returns (request, number of tokens appended) for requests that got tokens this step.
         """
+        if self.kv_transfer is not None:
+            resumed, failed = self.kv_transfer.process_output(result.kv_connector_output)
+            for req in failed:
+                self._free(req)
+            for req in reversed(resumed):
+                self._enqueue(req, front=True)
         sampled = dict(zip(result.req_ids, result.sampled_token_ids))
         drafts = dict(zip(result.req_ids, result.draft_token_ids))
         if out.num_tokens_to_propose and self.draft_length_policy is not None:
@@ -438,7 +462,7 @@ class Scheduler:
         pool = self.kv.pool
         return SchedulerStats(
             num_running=len(self.running),
-            num_waiting=len(self.waiting) + sum(
+            num_waiting=len(self.waiting) + (len(self.kv_transfer.loading) if self.kv_transfer else 0) + sum(
                 1 for r in self.requests.values() if r.status == RequestStatus.WAITING_FOR_FORK
             ),
             num_swapped=len(self.swapped),

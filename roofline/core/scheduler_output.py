@@ -8,6 +8,8 @@ from typing import Optional
 
 import msgspec
 
+from roofline.kv_transfer.metadata import KVConnectorMetadata, KVConnectorOutput, merge_connector_outputs
+
 
 class SamplingSpec(msgspec.Struct, array_like=True):
     """The part of SamplingParams a worker needs to sample."""
@@ -60,6 +62,7 @@ class SchedulerOutput(msgspec.Struct, array_like=True):
     # speculative decoding: how many tokens the workers propose, after sampling, for each sampled request
     # (the scheduler's per-step choice; 0: none)
     num_tokens_to_propose: int = 0
+    kv_connector_metadata: Optional[KVConnectorMetadata] = None  # the step's KV transfer plan (kv_transfer/)
 
     @property
     def total_num_scheduled_tokens(self) -> int:
@@ -85,6 +88,7 @@ class ModelRunnerOutput(msgspec.Struct, array_like=True):
     failed: dict[str, str] = {}
     # speculative decoding: per sampled request (req_ids order), the tokens proposed for its next step
     draft_token_ids: list[list[int]] = []
+    kv_connector_output: Optional[KVConnectorOutput] = None  # finished / failed KV transfers (kv_transfer/)
 
 
 def merge_runner_outputs(parts: list[ModelRunnerOutput]) -> ModelRunnerOutput:
@@ -97,6 +101,7 @@ def merge_runner_outputs(parts: list[ModelRunnerOutput]) -> ModelRunnerOutput:
         out.prompt_logprobs.update(p.prompt_logprobs)
         out.failed.update(p.failed)
         out.draft_token_ids += p.draft_token_ids or [[] for _ in p.req_ids]
+    out.kv_connector_output = merge_connector_outputs([p.kv_connector_output for p in parts])
     return out
 
 

@@ -31,6 +31,27 @@ def broadcast_bytes(data: Optional[bytes], src: int = 0) -> bytes:
     return bytes(data) if is_src else buf.numpy().tobytes()
 
 
+def send_bytes(data: bytes, dst: int) -> None:
+    """Point-to-point on the control group: these bytes to global rank dst (recv_bytes there)."""
+    group = get_control_group()
+    dist.send(torch.tensor([len(data)], dtype=torch.int64), dst=dst, group=group)
+    if data:
+        dist.send(torch.frombuffer(bytearray(data), dtype=torch.uint8), dst=dst, group=group)
+
+
+def recv_bytes(src: int) -> bytes:
+    """The bytes global rank src sent with send_bytes."""
+    group = get_control_group()
+    header = torch.zeros(1, dtype=torch.int64)
+    dist.recv(header, src=src, group=group)
+    n = int(header.item())
+    if n == 0:
+        return b""
+    buf = torch.empty(n, dtype=torch.uint8)
+    dist.recv(buf, src=src, group=group)
+    return buf.numpy().tobytes()
+
+
 def all_gather_bytes(data: bytes) -> list[bytes]:
     """Every rank's bytes, in rank order, on every rank."""
     group = get_control_group()

@@ -1,7 +1,7 @@
 """Starting and watching this node's ranks; torchrun-style multi-node layout.
 
-World = tensor_parallel_size ranks over `nnodes` nodes, tp/nnodes ranks per node; node k holds
-global ranks [k*tp/nnodes, (k+1)*tp/nnodes) and node 0's rank 0 hosts the rendezvous store at
+World = data_parallel_size x pipeline_parallel_size x tensor_parallel_size ranks (layout.py) over
+`nnodes` nodes, world/nnodes ranks per node; node k holds global ranks [k*world/nnodes, (k+1)*world/nnodes) and node 0's rank 0 hosts the rendezvous store at
 master_addr:master_port.  Node 0 runs the engine (`roofline serve`, `LLM(...)`): its executor starts
 node 0's ranks.  Every other node runs `roofline worker --node-rank K` (run_worker_node below),
 which starts that node's ranks and waits for them; they take their configuration from rank 0.
@@ -20,6 +20,7 @@ from multiprocessing.connection import wait
 from typing import Optional
 
 from roofline.config import EngineArgs, ParallelConfig, env_flag
+from roofline.distributed.layout import ParallelLayout
 from roofline.distributed.protocol import (
     DEFAULT_WORKER_CLS,
     HEARTBEAT_INTERVAL_S,
@@ -72,12 +73,14 @@ class NodeLayout:
 
 
 def node_layout(pc: ParallelConfig, device: str) -> NodeLayout:
-    tp, nnodes, node_rank = pc.tensor_parallel_size, pc.nnodes, pc.node_rank
+    world, nnodes, node_rank = ParallelLayout.from_config(pc).world_size, pc.nnodes, pc.node_rank
     if nnodes < 1:
         raise ValueError(f"nnodes must be >= 1, got {nnodes}")
-    if tp % nnodes:
-        raise ValueError(f"tensor_parallel_size ({tp}) must be a multiple of nnodes ({nnodes}): "
-                         f"each node runs tensor_parallel_size/nnodes ranks")
+    if world % nnodes:
+        what = ("tensor_parallel_size" if world == pc.tensor_parallel_size
+                else "data_parallel_size x pipeline_parallel_size x tensor_parallel_size")
+        raise ValueError(f"{what} ({world}) must be a multiple of nnodes ({nnodes}): "
+                         f"each node runs {world}/nnodes ranks")
     if not 0 <= node_rank < nnodes:
         raise ValueError(f"node_rank must be in [0, {nnodes}), got {node_rank}")
     dev = device.split(":")[0]
@@ -89,7 +92,7 @@ def node_layout(pc: ParallelConfig, device: str) -> NodeLayout:
     port = pc.master_port
     if port is None:
         port = DEFAULT_MULTINODE_PORT if nnodes > 1 else free_port(pc.master_addr)
-    nproc = tp // nnodes
+    nproc = world // nnodes
     secret = env_flag("ROOFLINE_DIST_SECRET")
     if not secret:
         if nnodes > 1:
@@ -102,7 +105,7 @@ def node_layout(pc: ParallelConfig, device: str) -> NodeLayout:
         have = torch.cuda.device_count()
         if have < nproc:
             raise ValueError(f"{nproc} ranks per node need {nproc} GPUs on this node, found {have}")
-    return NodeLayout(tp, nnodes, node_rank, nproc, pc.master_addr, port, backend, dev, secret)
+    return NodeLayout(world, nnodes, node_rank, nproc, pc.master_addr, port, backend, dev, secret)
 
 
 def heartbeat_timeout_s() -> float:
@@ -381,8 +384,8 @@ def startup_timeout_s() -> float:
 def run_worker_node(args: EngineArgs) -> int:
     """`roofline worker`: run node `args.node_rank` (>= 1) of a multi-node engine until it shuts down.
 
-    Only the distributed flags (tensor_parallel_size, nnodes, node_rank, master_addr, master_port,
-    distributed_backend, device) and an optional local --model path are used here; everything else
+    Only the distributed flags (tensor_parallel_size, data_parallel_size, pipeline_parallel_size,
+    enable_expert_parallel, nnodes, node_rank, master_addr, master_port, distributed_backend, device) and an optional local --model path are used here; everything else
     comes from node 0.
     """
     config = args.create_engine_config()

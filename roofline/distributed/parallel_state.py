@@ -1,9 +1,15 @@
-"""The tensor-parallel group a process belongs to, and the collectives layers call.
+"""The process groups a rank belongs to -- TP, PP, DP, EP -- and the collectives layers call on them.
 
-With no group initialized (single device) every collective is the identity, so model code reads
-the same at tp=1 and tp=N.  `init_distributed` joins a torch.distributed process group (gloo on
-CPU, NCCL on CUDA) for the model's collectives, plus a CPU (gloo) *control* group that carries the
-engine's messages from rank 0 to the other ranks (see roofline.distributed.comm).
+One registry: `init_model_parallel(layout)` creates every group of a `ParallelLayout` (layout.py:
+world = DP x PP x TP, the experts' EP group spanning DP x TP) and `get_tp_group()`, `get_pp_group()`,
+`get_dp_group()`, `get_ep_group()` return this rank's `GroupCoordinator` of each kind.  With no world
+(one device) every group is this rank alone and every collective is the identity, so model code reads
+the same at any layout.  Each coordinator counts its collectives and their bytes (for /metrics and
+tests).
+
+`init_distributed` joins the torch.distributed world (gloo on CPU, NCCL on CUDA) and creates the CPU
+(gloo) *control* group that carries the engine's messages from rank 0 to the others
+(roofline.distributed.comm); the model groups follow once the configuration has arrived.
 """
 
 from __future__ import annotations
@@ -11,61 +17,219 @@ from __future__ import annotations
 import contextlib
 import logging
 import socket
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Optional
 
 import torch
 import torch.distributed as dist
 
+from roofline.distributed.layout import ParallelLayout
+
 logger = logging.getLogger(__name__)
 
 # The control group waits for the next engine message for as long as the engine stays idle, so its
 # timeout is effectively infinite; a peer that dies still breaks the wait at once (closed socket).
 CONTROL_TIMEOUT = timedelta(days=365)
+GROUP_KINDS = ("tp", "pp", "dp", "ep")
+
+
+def _nbytes(x: torch.Tensor) -> int:
+    return x.numel() * x.element_size()
 
 
 @dataclass
-class TPGroup:
-    rank: int = 0
-    world_size: int = 1
-    group: Optional[object] = None  # torch.distributed ProcessGroup
-    all_reduce_count: int = 0  # collectives issued, for tests and accounting
-    all_gather_count: int = 0
+class GroupCoordinator:
+    """One group of ranks (global ranks in group order) as seen by one member, and its collectives.
+
+    Counters: `stats[op] = [calls, bytes]`, bytes being what this rank hands to the collective (for
+    all_to_all_single: what it sends to the *other* members)."""
+
+    kind: str
+    ranks: list[int]
+    rank_in_group: int
+    group: Optional[object] = None  # torch.distributed ProcessGroup; None for a group of one or a meta build
+    stats: dict[str, list[int]] = field(default_factory=dict)
+
+    @property
+    def world_size(self) -> int:
+        return len(self.ranks)
+
+    @property
+    def rank(self) -> int:
+        """This process's global rank."""
+        return self.ranks[self.rank_in_group]
+
+    @property
+    def is_first_rank(self) -> bool:
+        return self.rank_in_group == 0
+
+    @property
+    def is_last_rank(self) -> bool:
+        return self.rank_in_group == self.world_size - 1
+
+    @property
+    def next_rank(self) -> int:
+        """Global rank of the next member (wrapping): the next pipeline stage in a PP group."""
+        return self.ranks[(self.rank_in_group + 1) % self.world_size]
+
+    @property
+    def prev_rank(self) -> int:
+        return self.ranks[(self.rank_in_group - 1) % self.world_size]
+
+    def _count(self, op: str, nbytes: int) -> None:
+        s = self.stats.setdefault(op, [0, 0])
+        s[0] += 1
+        s[1] += nbytes
+
+    def _need_group(self, op: str) -> None:
+        if self.group is None:
+            raise RuntimeError(f"{self.kind} group of {self.world_size} ranks has no process group ({op} in a "
+                               "meta-device build?)")
+
+    # ---- collectives (identity for a group of one) -----------------------------------------------
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        """Sum over the group, in place."""
+        if self.world_size == 1:
+            return x
+        self._need_group("all_reduce")
+        self._count("all_reduce", _nbytes(x))
+        dist.all_reduce(x, group=self.group)
+        return x
+
+    def all_gather(self, x: torch.Tensor, dim: int = -1) -> torch.Tensor:
+        """Every member's x (same shape) concatenated along dim, in group order."""
+        if self.world_size == 1:
+            return x
+        self._need_group("all_gather")
+        x = x.contiguous()
+        self._count("all_gather", _nbytes(x))
+        parts = [torch.empty_like(x) for _ in range(self.world_size)]
+        dist.all_gather(parts, x, group=self.group)
+        return torch.cat(parts, dim=dim)
+
+    def reduce_scatter(self, x: torch.Tensor) -> torch.Tensor:
+        """x [world_size * n, ...] summed over the group; this member keeps rows [rank_in_group * n, ...)."""
+        if self.world_size == 1:
+            return x
+        self._need_group("reduce_scatter")
+        if x.shape[0] % self.world_size:
+            raise ValueError(f"reduce_scatter: {x.shape[0]} rows do not split over {self.world_size} ranks")
+        x = x.contiguous()
+        self._count("reduce_scatter", _nbytes(x))
+        out = torch.empty_like(x[: x.shape[0] // self.world_size])
+        dist.reduce_scatter(out, list(x.chunk(self.world_size)), group=self.group)
+        return out
+
+    def all_to_all_single(self, x: torch.Tensor, in_splits: list[int], out_splits: list[int]) -> torch.Tensor:
+        """Rows [sum(in_splits[:j]), +in_splits[j]) of x go to member j; the result holds what every
+        member sent here, in group order (out_splits[j] rows from member j)."""
+        if self.world_size == 1:
+            return x
+        self._need_group("all_to_all")
+        x = x.contiguous()
+        row = _nbytes(x[:1]) if x.shape[0] else 0
+        self._count("all_to_all", row * (sum(in_splits) - in_splits[self.rank_in_group]))
+        out = x.new_empty((sum(out_splits),) + tuple(x.shape[1:]))
+        dist.all_to_all_single(out, x, output_split_sizes=out_splits, input_split_sizes=in_splits, group=self.group)
+        return out
+
+    def broadcast(self, x: torch.Tensor, src_in_group: int = 0) -> torch.Tensor:
+        if self.world_size == 1:
+            return x
+        self._need_group("broadcast")
+        self._count("broadcast", _nbytes(x) if self.rank_in_group == src_in_group else 0)
+        dist.broadcast(x, src=self.ranks[src_in_group], group=self.group)
+        return x
+
+    def send(self, x: torch.Tensor, dst_in_group: int) -> None:
+        """Point-to-point (e.g. to the next pipeline stage: dst_in_group = (rank_in_group + 1) % size)."""
+        self._need_group("send")
+        self._count("send", _nbytes(x))
+        dist.send(x.contiguous(), dst=self.ranks[dst_in_group], group=self.group)
+
+    def recv(self, x: torch.Tensor, src_in_group: int) -> torch.Tensor:
+        """Receive into x (its shape and dtype must match what the sender sent)."""
+        self._need_group("recv")
+        self._count("recv", _nbytes(x))
+        dist.recv(x, src=self.ranks[src_in_group], group=self.group)
+        return x
 
 
-_TP = TPGroup()
+def _alone(kind: str, rank: int = 0) -> GroupCoordinator:
+    return GroupCoordinator(kind, [rank], 0)
+
+
+_LAYOUT = ParallelLayout()
+_GROUPS: dict[str, GroupCoordinator] = {k: _alone(k) for k in GROUP_KINDS}
 _CONTROL_GROUP: Optional[object] = None
 _STORE_SOCKET: Optional[socket.socket] = None  # rank 0's listening socket for the rendezvous store
 
 
-def get_tp_group() -> TPGroup:
-    return _TP
+def get_layout() -> ParallelLayout:
+    return _LAYOUT
+
+
+def get_tp_group() -> GroupCoordinator:
+    return _GROUPS["tp"]
+
+
+def get_pp_group() -> GroupCoordinator:
+    return _GROUPS["pp"]
+
+
+def get_dp_group() -> GroupCoordinator:
+    return _GROUPS["dp"]
+
+
+def get_ep_group() -> GroupCoordinator:
+    return _GROUPS["ep"]
 
 
 def get_tp_rank() -> int:
-    return _TP.rank
+    return _GROUPS["tp"].rank_in_group
 
 
 def get_tp_size() -> int:
-    return _TP.world_size
+    return _GROUPS["tp"].world_size
 
 
-def set_tp_group(rank: int, world_size: int, group=None) -> None:
-    global _TP
-    _TP = TPGroup(rank=rank, world_size=world_size, group=group)
+def tp_all_reduce(x: torch.Tensor) -> torch.Tensor:
+    return _GROUPS["tp"].all_reduce(x)
+
+
+def tp_all_gather(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
+    """Concatenate each TP rank's shard along dim (rank order)."""
+    return _GROUPS["tp"].all_gather(x, dim)
+
+
+def _coordinators(layout: ParallelLayout, rank: int, make_group=None) -> dict[str, GroupCoordinator]:
+    """This rank's coordinator of every kind; make_group(ranks) -> ProcessGroup is called for every group
+    of every kind in the same order on all ranks (torch.distributed.new_group's rule), None: meta build."""
+    out = {}
+    for kind in GROUP_KINDS:
+        for ranks in layout.groups(kind):
+            group = make_group(ranks) if make_group is not None and len(ranks) > 1 else None
+            if rank in ranks:
+                out[kind] = GroupCoordinator(kind, list(ranks), ranks.index(rank), group)
+    return out
 
 
 @contextlib.contextmanager
-def tp_group_as(rank: int, world_size: int):
-    """Build layers as `rank` of a world of `world_size` without joining one (shape checks)."""
-    global _TP
-    saved = _TP
-    _TP = TPGroup(rank=rank, world_size=world_size, group=None)
+def parallel_layout_as(layout: ParallelLayout, rank: int):
+    """Build layers as `rank` of `layout` without joining a world (meta-device shape checks, tests)."""
+    global _LAYOUT, _GROUPS
+    saved = _LAYOUT, _GROUPS
+    _LAYOUT, _GROUPS = layout, _coordinators(layout, rank)
     try:
         yield
     finally:
-        _TP = saved
+        _LAYOUT, _GROUPS = saved
+
+
+def tp_group_as(rank: int, world_size: int):
+    """parallel_layout_as for a pure tensor-parallel world."""
+    return parallel_layout_as(ParallelLayout(tp=world_size), rank)
 
 
 def get_control_group():
@@ -74,14 +238,20 @@ def get_control_group():
     return _CONTROL_GROUP
 
 
+def collective_stats() -> dict[str, list[int]]:
+    """{"<kind>.<op>": [calls, bytes]} issued by the model in this process since the last reset."""
+    return {f"{k}.{op}": list(v) for k, g in _GROUPS.items() for op, v in sorted(g.stats.items())}
+
+
 def collective_counts() -> tuple[int, int]:
-    """(all-reduces, all-gathers) issued by the model in this process since the last reset."""
-    return _TP.all_reduce_count, _TP.all_gather_count
+    """(all-reduces, all-gathers) issued on the TP group since the last reset."""
+    s = _GROUPS["tp"].stats
+    return s.get("all_reduce", [0, 0])[0], s.get("all_gather", [0, 0])[0]
 
 
 def reset_collective_counts() -> None:
-    _TP.all_reduce_count = 0
-    _TP.all_gather_count = 0
+    for g in _GROUPS.values():
+        g.stats.clear()
 
 
 def _store_listener(host: str, port: int) -> socket.socket:
@@ -112,9 +282,9 @@ def rendezvous_store(rank: int, world_size: int, host: str, port: int, secret: s
 
 def init_distributed(rank: int, world_size: int, host: str, port: int, secret: str, backend: str = "gloo",
                      timeout_s: float = 600.0) -> None:
-    """Join the world: rendezvous through rank 0's store at host:port (rendezvous_store), then one
-    process group for the model's collectives with `backend`, plus a gloo group for control messages
-    (CPU bytes, also under NCCL).  The whole world is one tensor-parallel group."""
+    """Join the world: rendezvous through rank 0's store at host:port (rendezvous_store), then the world
+    process group with `backend` plus a gloo group for control messages (CPU bytes, also under NCCL).
+    The model groups come from init_model_parallel."""
     global _CONTROL_GROUP
     if backend not in ("gloo", "nccl"):
         raise ValueError(f"distributed_backend must be 'gloo' or 'nccl', got {backend!r}")
@@ -122,13 +292,29 @@ def init_distributed(rank: int, world_size: int, host: str, port: int, secret: s
     dist.init_process_group(backend=backend, store=store, rank=rank, world_size=world_size,
                             timeout=timedelta(seconds=timeout_s))
     _CONTROL_GROUP = dist.new_group(backend="gloo", timeout=CONTROL_TIMEOUT)
-    set_tp_group(rank, world_size, dist.group.WORLD)
     logger.debug("rank %d/%d joined %s:%d (%s)", rank, world_size, host, port, backend)
 
 
+def init_model_parallel(layout: ParallelLayout) -> None:
+    """Create every TP, PP, DP and EP group of `layout` (collectively: every rank calls this) and make
+    this rank's the current ones."""
+    global _LAYOUT, _GROUPS
+    world, rank = dist.get_world_size(), dist.get_rank()
+    if layout.world_size != world:
+        raise ValueError(f"layout {layout.describe()} needs {layout.world_size} ranks, the world has {world}")
+
+    def make_group(ranks: list[int]):
+        if len(ranks) == world:
+            return dist.group.WORLD
+        return dist.new_group(ranks)
+
+    _LAYOUT, _GROUPS = layout, _coordinators(layout, rank, make_group)
+    logger.debug("rank %d: %s", rank, layout.describe())
+
+
 def destroy_distributed() -> None:
-    global _CONTROL_GROUP, _STORE_SOCKET
-    set_tp_group(0, 1, None)
+    global _CONTROL_GROUP, _STORE_SOCKET, _LAYOUT, _GROUPS
+    _LAYOUT, _GROUPS = ParallelLayout(), {k: _alone(k) for k in GROUP_KINDS}
     _CONTROL_GROUP = None
     if dist.is_available() and dist.is_initialized():
         try:
@@ -138,22 +324,3 @@ def destroy_distributed() -> None:
     if _STORE_SOCKET is not None:
         _STORE_SOCKET.close()
         _STORE_SOCKET = None
-
-
-def tp_all_reduce(x: torch.Tensor) -> torch.Tensor:
-    if _TP.world_size == 1:
-        return x
-    _TP.all_reduce_count += 1
-    dist.all_reduce(x, group=_TP.group)
-    return x
-
-
-def tp_all_gather(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
-    """Concatenate each rank's shard along dim (rank order)."""
-    if _TP.world_size == 1:
-        return x
-    _TP.all_gather_count += 1
-    x = x.contiguous()
-    parts = [torch.empty_like(x) for _ in range(_TP.world_size)]
-    dist.all_gather(parts, x, group=_TP.group)
-    return torch.cat(parts, dim=dim)

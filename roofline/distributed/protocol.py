@@ -112,6 +112,7 @@ reply_decoder = msgspec.msgpack.Decoder(Reply)
 spec_decoder = msgspec.msgpack.Decoder(WorkerSpec)
 bootstrap_decoder = msgspec.msgpack.Decoder(Bootstrap)
 status_decoder = msgspec.msgpack.Decoder(RankStatus)
+runner_output_decoder = msgspec.msgpack.Decoder(ModelRunnerOutput)  # last pipeline stage -> rank 0
 
 
 def encode_bootstrap(config: EngineConfig) -> bytes:
@@ -143,11 +144,18 @@ class LocalProcess:
 
 
 def start_worker_process(spec: WorkerSpec) -> LocalProcess:
-    """Start `python -m roofline.worker.worker_process` with one end of a socket pair as its link.
+    """Start `python -m roofline.worker.worker_process` with one end of a socket pair as its link."""
+    proc, conn = start_child_process("roofline.worker.worker_process", encoder.encode(spec))
+    return LocalProcess(spec.rank, proc, conn)
+
+
+def start_child_process(module: str, first_message: bytes):
+    """Start `python -m <module> --fd N` (N: the child's end of a socket pair) and send it
+    first_message; returns (Popen, Connection).
 
     A fresh interpreter (not multiprocessing's spawn) so that the user's main module is never
-    re-imported in the worker and nothing is pickled; the child's end of the socket closes when it
-    exits, which is how the parent notices a dead worker.
+    re-imported in the child and nothing is pickled; the child's end of the socket closes when it
+    exits, which is how the parent notices a dead child.
     """
     from multiprocessing.connection import Connection
 
@@ -155,15 +163,13 @@ def start_worker_process(spec: WorkerSpec) -> LocalProcess:
     child_fd = theirs.detach()
     try:
         os.set_inheritable(child_fd, True)
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "roofline.worker.worker_process", "--fd", str(child_fd)],
-            pass_fds=(child_fd,), close_fds=True,
-        )
+        proc = subprocess.Popen([sys.executable, "-m", module, "--fd", str(child_fd)],
+                                pass_fds=(child_fd,), close_fds=True)
     finally:
         os.close(child_fd)
     conn = Connection(ours.detach())
-    conn.send_bytes(encoder.encode(spec))
-    return LocalProcess(spec.rank, proc, conn)
+    conn.send_bytes(first_message)
+    return proc, conn
 
 
 def describe_exit(proc: subprocess.Popen) -> str:

@@ -166,8 +166,12 @@ class AsyncLLM:
         from roofline.engine.engine_core import EngineCore
 
         # The core enforces max_waiting_requests itself (EngineOverloadedError -> EngineQueueFullError).
-        core = EngineCore.from_engine_args(engine_args)
-        return cls(core, **kwargs)
+        config = engine_args.create_engine_config()
+        if config.engine_core_process:  # the core in a process of its own, same methods
+            from roofline.engine.core_process import EngineCoreClient
+
+            return cls(EngineCoreClient(config), **kwargs)
+        return cls(EngineCore(config), **kwargs)
 
     # ------------------------------------------------------------------ public API (event loop)
     @property

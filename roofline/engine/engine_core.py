@@ -26,6 +26,7 @@ from roofline.core.scheduler import Scheduler
 from roofline.core.scheduler_output import ModelRunnerOutput, SchedulerOutput, merge_runner_outputs
 from roofline.engine.output_processor import OutputProcessor
 from roofline.executor.base import ExecutorDeadError, create_executor
+from roofline.kv_transfer import create_scheduler_connector, request_params
 from roofline.metrics.step_roofline import StepRoofline, model_for_engine
 from roofline.model_executor.loader.source import load_hf_config, load_tokenizer, resolve_source
 from roofline.outputs import RequestOutput
@@ -55,13 +56,20 @@ class EngineStats:
     num_preemptions: int
     prompt_tokens: int
     generation_tokens: int
+    # bytes of the model's weights as its layers compute on them, by format ("Q4_1", "float32"; rank 0)
+    weight_bytes: dict[str, int] = field(default_factory=dict)
     # live roofline: the steps since the previous snapshot (oldest first; empty when switched off)
     step_roofline: list[StepRoofline] = field(default_factory=list)
     spec_decode: Optional[SpecDecodeStats] = None  # speculative decoding counters (cumulative), when on
+    # KV transfer (kv_transfer/): bytes of KV loaded from / handed to other engines or the storage
+    kv_transfer_bytes_received: int = 0
+    kv_transfer_bytes_sent: int = 0
 
 
 # steps kept for the next get_stats() (a caller that never asks keeps only the latest ones)
 STEP_RECORDS_KEPT = 16384
+# a step with nothing to compute while KV transfers are in flight waits this long before the next poll
+TRANSFER_POLL_S = 0.002
 
 
 class EngineCore:
@@ -81,6 +89,7 @@ class EngineCore:
         self.eos_token_id = self._eos_token_id()
         self._check_draft_model()
         self.executor = create_executor(config, self.source, show_progress)
+        self.weight_bytes = self.executor.weight_bytes()
         num_blocks = self.executor.determine_num_blocks()
         cc, sc = config.cache_config, config.scheduler_config
         num_swap = int(cc.swap_space * GiB) // self.executor.block_bytes() if sc.preemption_mode == "swap" else 0
@@ -96,7 +105,7 @@ class EngineCore:
                                                   config.observability_config.roofline_hardware)
         policy, lookahead = self._speculation()
         self.scheduler = Scheduler(sc, cc, num_blocks, num_swap, seed=mc.seed, draft_length_policy=policy,
-                                   num_lookahead_slots=lookahead)
+                                   num_lookahead_slots=lookahead, kv_connector=create_scheduler_connector(config))
         self.kv_capacity_tokens = num_blocks * cc.block_size
         self.output_processor = OutputProcessor(self.tokenizer)
         self.structured_output = StructuredOutputManager(self.tokenizer, self.vocab_size)
@@ -173,6 +182,8 @@ class EngineCore:
             )
         if params.structured_outputs is not None and self.tokenizer is None:
             raise ValueError("structured_outputs need the model's tokenizer, and this model has none")
+        if params.kv_transfer_params is not None:
+            request_params(self.scheduler.kv_transfer, params, params.n)
         bad_stop = [t for t in params.stop_token_ids if t >= self.vocab_size]
         if bad_stop:
             raise ValueError(f"stop_token_ids {bad_stop} out of range for a vocabulary of {self.vocab_size}")
@@ -200,6 +211,8 @@ class EngineCore:
                                                            len(reqs))
             for r, g in zip(reqs, grammars):
                 r.grammar = g
+        if params.kv_transfer_params is not None:
+            reqs[0].kv_transfer = request_params(self.scheduler.kv_transfer, params, len(reqs))
         for child in reqs[1:]:
             child.status = RequestStatus.WAITING_FOR_FORK
         reqs[0].forks_pending = reqs[1:]
@@ -268,6 +281,9 @@ class EngineCore:
         if result.failed:
             self._fail_requests(result.failed)
         touched = self.scheduler.update_from_output(sched_out, result)
+        transfers = self.scheduler.kv_transfer
+        if transfers is not None and transfers.failed:
+            self._fail_requests(transfers.take_failed())
         self.structured_output.accept(touched)
         now = time.monotonic()
         op = self.output_processor
@@ -307,6 +323,10 @@ class EngineCore:
                 outputs.append(out)
                 if out.finished:
                     self.group_children.pop(gid, None)
+                    if transfers is not None:
+                        out.kv_transfer_params = transfers.take_result(gid)
+        if not sched_out.scheduled and transfers is not None and transfers.busy:
+            time.sleep(TRANSFER_POLL_S)  # only transfers in flight: poll them without spinning a core
         policy = self.scheduler.draft_length_policy
         if policy is not None:
             policy.observe_step(sched_out.total_num_scheduled_tokens, time.perf_counter() - t_start)
@@ -340,8 +360,9 @@ class EngineCore:
                 blocks_to_copy=out.blocks_to_copy if first else [],
                 blocks_to_swap_out=out.blocks_to_swap_out if first else [],
                 blocks_to_swap_in=out.blocks_to_swap_in if first else [],
-                grammar_req_ids=out.grammar_req_ids, grammar_bitmask=out.grammar_bitmask,  # rows found by req id
-                num_tokens_to_propose=out.num_tokens_to_propose)
+                kv_connector_metadata=out.kv_connector_metadata if first else None,
+                num_tokens_to_propose=out.num_tokens_to_propose,
+                grammar_req_ids=out.grammar_req_ids, grammar_bitmask=out.grammar_bitmask)  # rows found by req id
             parts.append(self._execute_isolating(sub))
         return merge_runner_outputs(parts)
 
@@ -353,8 +374,11 @@ class EngineCore:
             num_free_blocks=s.num_free_blocks, num_cached_blocks=s.num_cached_blocks,
             prefix_cache_queries=s.prefix_cache_queries, prefix_cache_hits=s.prefix_cache_hits,
             num_preemptions=s.num_preemptions, prompt_tokens=self.prompt_tokens,
-            generation_tokens=self.generation_tokens, step_roofline=self._drain_step_records(),
+            generation_tokens=self.generation_tokens, weight_bytes=dict(self.weight_bytes),
+            step_roofline=self._drain_step_records(),
             spec_decode=s.spec_decode.copy() if s.spec_decode is not None else None,
+            kv_transfer_bytes_received=self.scheduler.kv_transfer.bytes_received if self.scheduler.kv_transfer else 0,
+            kv_transfer_bytes_sent=self.scheduler.kv_transfer.bytes_sent if self.scheduler.kv_transfer else 0,
         )
 
     def _drain_step_records(self) -> list[StepRoofline]:

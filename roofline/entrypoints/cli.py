@@ -11,6 +11,7 @@ import sys
 SUBCOMMAND_MODULES = [
     "roofline.entrypoints.generate_cmd",
     "roofline.entrypoints.serve_cmd",
+    "roofline.entrypoints.router_cmd",
     "roofline.entrypoints.worker_cmd",
     "roofline.planner.cli",
     "roofline.benchmarks.cli",

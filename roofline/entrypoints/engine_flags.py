@@ -9,17 +9,33 @@ import typing
 
 from roofline.config import EngineArgs
 
-_SHORT = {"tensor_parallel_size": ["-tp"]}
+_SHORT = {"tensor_parallel_size": ["-tp"], "pipeline_parallel_size": ["-pp"]}
 _HELP = {
     "model": "HF model directory or .gguf file (default: the embedded SmolLM2-135M-Instruct)",
     "load_format": "auto | safetensors | gguf | dummy (random weights)",
+    "gguf_weights": "native (a GGUF file's Q4_0/Q4_1/Q8_0/Q4_K/Q5_K/Q6_K layers stay in their blocks and are "
+                    "computed natively on the CPU) | dequantize (fp32 copies, as on GPUs)",
     "kv_cache_memory": "bytes for the KV pool on CPU",
     "num_kv_blocks": "force the number of KV blocks",
     "preemption_mode": "recompute | swap",
     "scheduling_policy": "fcfs | priority",
     "attention_backend": "auto | torch | cpu | triton",
     "tensor_parallel_size": "ranks (processes, one device each) to split every layer over, across all nodes",
-    "nnodes": "machines taking part (torchrun-style); each runs tensor_parallel_size/nnodes ranks",
+    "pipeline_parallel_size": "pipeline stages, each holding a slice of the layers (world = data x pipeline x "
+                              "tensor parallel ranks); the last stage holds the final norm and LM head and samples",
+    "pp_layer_partition": "layers per pipeline stage, e.g. \"16,14\" (default: an even split, the remainder to "
+                          "the stages before the last)",
+    "data_parallel_size": "replicas of the tensor-parallel group; their MoE layers run expert-parallel "
+                          "together with --enable-expert-parallel",
+    "enable_expert_parallel": "MoE layers hold whole experts, spread over the data x tensor parallel ranks, "
+                              "tokens sent to them and back (all-to-all)",
+    "all2all_backend": "expert-parallel token exchange: all_to_all (all_to_all_single: each token to its "
+                       "experts' ranks and back) | allgather_reducescatter (every rank sees every token)",
+    "enable_eplb": "expert-parallel load balancing: replicate hot experts and move experts between ranks "
+                   "while serving (needs --enable-expert-parallel)",
+    "eplb_config": 'EPLB settings as JSON: {"window_size": 1000, "step_interval": 3000, '
+                   '"num_redundant_experts": 0, "log_balancedness": false}',
+    "nnodes": "machines taking part (torchrun-style); each runs world_size/nnodes ranks",
     "node_rank": "this machine's index in [0, nnodes); node 0 runs the engine, others `roofline worker`",
     "master_addr": "address of node 0, where rank 0 hosts the rendezvous",
     "master_port": "rendezvous port on node 0 (a free one on one node; 29500 when unset with nnodes > 1)",
@@ -30,8 +46,14 @@ _HELP = {
                           "num_speculative_tokens, prompt_lookup_min, prompt_lookup_max, model, "
                           "draft_tensor_parallel_size; and adaptive (true: drafts per step from the cost model), "
                           "e.g. '{\"method\": \"ngram\", \"num_speculative_tokens\": 4}'",
+    "engine_core_process": "server: run the engine core (scheduler, executor, detokenizer) in a process of its "
+                           "own, apart from HTTP and tokenization (messages: msgpack over a socket pair)",
     "roofline_hardware": "bandwidth/peak for the live roofline: a `roofline plan` preset (h100-sxm, h200, "
                          "a100-80gb, l4) or 'measure'; unset: the matching GPU preset, else measured at start-up",
+    "kv_transfer_config": "prefill/decode disaggregation, as JSON: {\"kv_connector\": \"SharedStorageConnector\" | "
+                          "\"P2pConnector\", \"kv_role\": \"kv_producer\" | \"kv_consumer\" | \"kv_both\", "
+                          "\"kv_ip\", \"kv_port\", \"kv_load_failure_policy\": \"recompute\" | \"fail\", "
+                          "\"kv_connector_extra_config\": {...}}",
 }
 
 

@@ -27,6 +27,10 @@ class Executor(ABC):
     @abstractmethod
     def execute(self, out: SchedulerOutput) -> ModelRunnerOutput: ...
 
+    def weight_bytes(self) -> dict[str, int]:
+        """Bytes of the model's weights as rank 0's layers compute on them, by format."""
+        return {}
+
     def check_health(self) -> None:
         """Raise if a worker is gone."""
 
@@ -35,7 +39,7 @@ class Executor(ABC):
 
 
 def create_executor(config: EngineConfig, source: ModelSource, show_progress: bool = True) -> Executor:
-    if config.parallel_config.tensor_parallel_size > 1 or config.parallel_config.nnodes > 1:
+    if config.parallel_config.world_size > 1 or config.parallel_config.nnodes > 1:
         from roofline.executor.multiproc import MultiprocExecutor
 
         return MultiprocExecutor(config, source, show_progress)

@@ -63,20 +63,27 @@ def check_tensor_parallel_split(config: EngineConfig) -> None:
     import torch
 
     from roofline.attention.torch_backend import TorchAttentionBackend
-    from roofline.distributed.parallel_state import tp_group_as
+    from roofline.distributed.layout import ParallelLayout
+    from roofline.distributed.parallel_state import parallel_layout_as
     from roofline.model_executor.models.registry import resolve_architecture
 
     hf_config = config.model_config.hf_config
     tp = config.parallel_config.tensor_parallel_size
+    layout = ParallelLayout.from_config(config.parallel_config)
+    from roofline.distributed import pipeline
+
+    pc = config.parallel_config
+    pipeline.set_partition(pipeline.parse_partition(pc.pp_layer_partition, pc.pipeline_parallel_size))
     if hf_config is None:
         return
     arch, cls = resolve_architecture(hf_config)
-    for rank in sorted({0, tp - 1}):
+    for rank in sorted({0, layout.world_size - 1}):
         try:
-            with tp_group_as(rank, tp), torch.device("meta"):
+            with parallel_layout_as(layout, rank), torch.device("meta"):
                 cls(hf_config, TorchAttentionBackend())
         except ValueError as e:
-            raise ValueError(f"tensor_parallel_size={tp} cannot split {arch}: {e}") from None
+            what = f"tensor_parallel_size={tp}" if layout.world_size == tp else layout.describe()
+            raise ValueError(f"{what} cannot split {arch}: {e}") from None
         except Exception:  # not a split problem; the ranks will report whatever it is
             logger.debug("meta-device build of %s failed", arch, exc_info=True)
             return
@@ -183,6 +190,9 @@ class MultiprocExecutor(Executor):
     def block_bytes(self) -> int:
         """Bytes of one block on one rank (each rank holds only its KV heads)."""
         return int(self._call("block_bytes"))
+
+    def weight_bytes(self) -> dict[str, int]:
+        return dict(self._call("weight_bytes"))
 
     def init_kv_cache(self, num_blocks: int, num_swap_blocks: int) -> None:
         self._call("init_kv_cache", num_blocks, num_swap_blocks, timeout=startup_timeout_s())

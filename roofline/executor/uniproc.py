@@ -22,5 +22,11 @@ class UniProcExecutor(Executor):
     def init_kv_cache(self, num_blocks: int, num_swap_blocks: int) -> None:
         self.worker.init_kv_cache(num_blocks, num_swap_blocks)
 
+    def weight_bytes(self) -> dict[str, int]:
+        return dict(self.worker.weight_bytes)
+
     def execute(self, out: SchedulerOutput) -> ModelRunnerOutput:
         return self.worker.execute(out)
+
+    def shutdown(self) -> None:
+        self.worker.shutdown()

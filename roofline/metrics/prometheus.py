@@ -69,12 +69,17 @@ class PrometheusStatLogger:
         self.num_free_blocks = gauge("kv_cache_num_free_blocks", "KV blocks not held by any request.")
         self.num_cached_blocks = gauge("kv_cache_num_cached_blocks",
                                        "Free KV blocks that still hold a reusable cached prefix.")
+        self.weight_bytes = Gauge(PREFIX + "model_weight_bytes", "Bytes of the model's weights as its layers "
+                                  "compute on them (GGUF blocks where kept, else dense), by format; rank 0.",
+                                  ["model_name", "format"], registry=reg)
 
         self.prefix_queries = counter("prefix_cache_queries", "Prompt tokens looked up in the prefix cache.")
         self.prefix_hits = counter("prefix_cache_hits", "Prompt tokens found in the prefix cache.")
         self.preemptions = counter("num_preemptions", "Requests preempted to free KV blocks.")
         self.prompt_tokens = counter("prompt_tokens", "Prompt tokens processed (prefilled).")
         self.generation_tokens = counter("generation_tokens", "Tokens generated.")
+        self.kv_received = counter("kv_transfer_received_bytes", "KV bytes loaded by the KV connector.")
+        self.kv_sent = counter("kv_transfer_sent_bytes", "KV bytes the KV connector sent or stored.")
         success = Counter(PREFIX + "request_success", "Requests that left the engine, by finish reason.",
                           ["model_name", "finish_reason"], registry=reg)
         self.request_success = {r: success.labels(model_name, r) for r in FINISH_REASONS}
@@ -195,11 +200,15 @@ class PrometheusStatLogger:
         self.num_total_blocks.set(stat(e, "num_total_blocks"))
         self.num_free_blocks.set(stat(e, "num_free_blocks"))
         self.num_cached_blocks.set(stat(e, "num_cached_blocks"))
+        for fmt, n in (getattr(e, "weight_bytes", None) or {}).items():
+            self.weight_bytes.labels(self.model_name, fmt).set(n)
         self._inc_from_cumulative(self.prefix_queries, e, "prefix_cache_queries")
         self._inc_from_cumulative(self.prefix_hits, e, "prefix_cache_hits")
         self._inc_from_cumulative(self.preemptions, e, "num_preemptions")
         self._inc_from_cumulative(self.prompt_tokens, e, "prompt_tokens")
         self._inc_from_cumulative(self.generation_tokens, e, "generation_tokens")
+        self._inc_from_cumulative(self.kv_received, e, "kv_transfer_bytes_received")
+        self._inc_from_cumulative(self.kv_sent, e, "kv_transfer_bytes_sent")
         self._record_steps(getattr(e, "step_roofline", None))
         self._record_spec_decode(getattr(e, "spec_decode", None))
 

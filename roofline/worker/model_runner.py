@@ -21,6 +21,8 @@ import numpy as np
 import torch
 
 from roofline.attention.backend import AttentionMetadata
+from roofline.distributed import pipeline
+from roofline.distributed.parallel_state import get_pp_group
 from roofline.core.scheduler_output import (
     ModelRunnerOutput,
     PositionLogprobs,
@@ -53,6 +55,13 @@ class ModelRunner:
         self.proposer: Optional[Proposer] = None  # speculative decoding, set by the Worker
         self.rejection_sampler = RejectionSampler()
         self.draft_probs: dict[str, torch.Tensor] = {}  # q of a request's pending drafts (sampled proposers)
+        pp = get_pp_group()
+        # pipeline stages: all but the first receive (hidden, residual), all but the last send them on
+        self.receives_hidden, self.samples = not pp.is_first_rank, pp.is_last_rank
+
+    @property
+    def model_dtype(self) -> torch.dtype:
+        return next(self.model.parameters()).dtype
 
     # ---- block movement ----------------------------------------------------------------------
     def _move_blocks(self, out: SchedulerOutput) -> None:
@@ -266,14 +275,21 @@ class ModelRunner:
             # only the rows read below leave the model (a chunk's earlier rows skip its last layer's MLP)
             wanted = sorted(set().union(*sample_rows, *(range(j[1], j[1] + j[2]) for j in prompt_lp_jobs)))
             prepared = input_ids, positions, meta = self._prepare(items)
+            intermediate = None
+            if self.receives_hidden:  # [N, d] hidden and residual from the previous pipeline stage
+                intermediate = pipeline.recv_from_prev_stage(qsl[-1], self.model.config.hidden_size,
+                                                             self.model_dtype, self.device)
             if len(wanted) < qsl[-1]:
                 at = {row: i for i, row in enumerate(wanted)}
                 sample_rows = [[at[row] for row in rows] for rows in sample_rows]
                 prompt_lp_jobs = [(rid, at[row0], n, nxt, k) for rid, row0, n, nxt, k in prompt_lp_jobs]
                 hidden = self.model(input_ids, positions, self.kv_caches, meta,
-                                    torch.tensor(wanted, dtype=torch.int64, device=self.device))
+                                    torch.tensor(wanted, dtype=torch.int64, device=self.device), intermediate)
             else:
-                hidden = self.model(input_ids, positions, self.kv_caches, meta)  # [N, d]
+                hidden = self.model(input_ids, positions, self.kv_caches, meta, None, intermediate)  # [N, d]
+            if not self.samples:  # a pipeline stage before the last: hand on (hidden, residual), done
+                pipeline.send_to_next_stage(*hidden)
+                return result
         if self.proposer is not None and self.proposer.needs_target_step:  # every step: its K/V follows ours
             self.proposer.follow_target(*(prepared if prepared is not None else self._prepare(items)))
         for rid, row0, count, next_tokens, k in prompt_lp_jobs:

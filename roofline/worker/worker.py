@@ -17,7 +17,7 @@ from roofline.attention import kv_spec
 from roofline.attention.backend import get_attention_backend
 from roofline.config import GiB, EngineConfig, Switch
 from roofline.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
-from roofline.model_executor.layers import cpu_gemm
+from roofline.model_executor.layers import cpu_gemm, cpu_ops, gguf_quant
 from roofline.model_executor.loader.source import ModelSource
 from roofline.model_executor.loader.weights import gguf_weights, init_dummy_weights, safetensors_weights
 from roofline.model_executor.models import llama_cpu_stack
@@ -110,6 +110,7 @@ class Worker:
         self.load_time = time.monotonic() - t0
         self.num_blocks = 0
         self.runner: Optional[ModelRunner] = None
+        self.kv_connector = None  # the worker half of a KV connector (kv_transfer/), set with the pool
 
     def _load_draft_model(self, show_progress: bool) -> Optional[torch.nn.Module]:
         """Speculative decoding with a draft model: load it like the target (any format we load)."""
@@ -121,8 +122,9 @@ class Worker:
         source = resolve_source(spec.model, "auto")
         return self._load_model(source, show_progress, load_hf_config(source))
 
-    def _load_model(self, source: ModelSource, show_progress: bool, hf_config=None) -> torch.nn.Module:
-        hf_config = self.hf_config if hf_config is None else hf_config
+    def _load_model(self, source: ModelSource, show_progress: bool, model_hf_config=None) -> torch.nn.Module:
+        """The target model, or with model_hf_config another one (a draft model) on the same device."""
+        hf_config = self.hf_config if model_hf_config is None else model_hf_config
         arch, cls = resolve_architecture(hf_config)
         backend = get_attention_backend(self.config.device_config.attention_backend, self.config.device_config.device)
         torch.manual_seed(self.config.model_config.seed)
@@ -137,7 +139,8 @@ class Worker:
             init_dummy_weights(model, self.config.model_config.seed)
         else:
             if source.fmt == "gguf":
-                weights = gguf_weights(os.path.join(source.path, source.gguf_file), hf_config, show_progress)
+                weights = gguf_weights(os.path.join(source.path, source.gguf_file), hf_config, show_progress,
+                                       keep_quantized=self._keeps_gguf_blocks(cls))
             else:
                 weights = safetensors_weights(source.path, show_progress)
             loaded = model.load_weights(weights)
@@ -149,8 +152,31 @@ class Worker:
         if self.device.type == "cpu":
             cpu_gemm.prepare_model(model)
             llama_cpu_stack.attach(model)
-        logger.info("loaded %s (%s, %s) on %s", arch, source.fmt, self.dtype, self.device)
+        weight_bytes = gguf_quant.weight_bytes_by_format(model)
+        if model_hf_config is None:  # the target's (a draft model's are not the served model's)
+            self.weight_bytes = weight_bytes
+        logger.info("loaded %s (%s, %s) on %s; weights %.1f MB (%s)", arch, source.fmt, self.dtype, self.device,
+                    sum(weight_bytes.values()) / 1e6,
+                    ", ".join(f"{k} {v / 1e6:.1f} MB" for k, v in sorted(weight_bytes.items())))
         return model
+
+    def _keeps_gguf_blocks(self, model_cls) -> bool:
+        """Whether a GGUF file's quantized layers stay in their blocks (--gguf-weights native): on the
+        CPU in fp32 with the native kernels, one rank, a model class that takes them; else fp32 copies."""
+        if self.config.model_config.gguf_weights != "native":
+            return False
+        why = None
+        if self.device.type != "cpu" or self.dtype != torch.float32:
+            why = f"{self.device.type} / {self.dtype} (native blocks are computed on the CPU in fp32)"
+        elif self.config.parallel_config.tensor_parallel_size > 1:
+            why = "tensor parallel"
+        elif not getattr(model_cls, "keeps_quantized_weights", False):
+            why = f"{model_cls.__name__} loads dense tensors only"
+        elif not cpu_ops.available():
+            why = "native CPU kernels unavailable"
+        if why is not None:
+            logger.info("GGUF weights dequantized to %s: %s", self.dtype, why)
+        return why is None
 
     # ---- KV pool ------------------------------------------------------------------------------
     def _kv_models(self) -> list[torch.nn.Module]:
@@ -240,9 +266,25 @@ class Worker:
                 max_positions = min(max_positions, draft_limit or max_positions)
             self.runner.proposer = create_proposer(self.config.speculative_config, self.draft_model, draft_caches,
                                                    max_positions)
+        from roofline.kv_transfer import create_worker_connector
+
+        self.kv_connector = create_worker_connector(self.config, caches)
         total = num_blocks * self.block_bytes()
         logger.info("KV cache: %d blocks x %d tokens = %d tokens, %.3f GiB", num_blocks, bs, num_blocks * bs, total / GiB)
 
     def execute(self, out: SchedulerOutput) -> ModelRunnerOutput:
         assert self.runner is not None, "init_kv_cache first"
-        return self.runner.execute(out)
+        connector, plan = self.kv_connector, out.kv_connector_metadata
+        if connector is None:
+            return self.runner.execute(out)
+        if plan is not None:
+            connector.start_load_kv(plan)
+        result = self.runner.execute(out)
+        if plan is not None:
+            connector.save_kv(plan)
+        result.kv_connector_output = connector.get_finished()
+        return result
+
+    def shutdown(self) -> None:
+        if self.kv_connector is not None:
+            self.kv_connector.shutdown()

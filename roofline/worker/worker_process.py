@@ -31,11 +31,13 @@ from typing import Any, Optional
 import msgspec
 import torch
 
-from roofline.distributed import comm
+from roofline.distributed import comm, pipeline
+from roofline.distributed.layout import ParallelLayout
 from roofline.distributed.parallel_state import (
     collective_counts,
     destroy_distributed,
     init_distributed,
+    init_model_parallel,
     reset_collective_counts,
 )
 from roofline.distributed.protocol import (
@@ -55,6 +57,7 @@ from roofline.distributed.protocol import (
     decode_hf_config,
     encoder,
     request_decoder,
+    runner_output_decoder,
     spec_decoder,
     status_decoder,
 )
@@ -99,6 +102,7 @@ class WorkerProc:
         self.worker: Any = None
         self.config = None
         self.send_lock = threading.Lock()  # the heartbeat thread shares the connection
+        self.output_rank = 0
 
     # ---- start-up ------------------------------------------------------------------------------
     def startup(self) -> None:
@@ -108,9 +112,19 @@ class WorkerProc:
         init_distributed(spec.rank, spec.world_size, spec.master_addr, spec.master_port, spec.secret, spec.backend,
                          spec.timeout_s)
         boot: Bootstrap = bootstrap_decoder.decode(comm.broadcast_bytes(spec.bootstrap if self.rank == 0 else None, 0))
-        error = None
+        # the layout first: every rank must agree on it before the model groups are created collectively
+        layout = self._exchange_status(self._layout, boot)
+        init_model_parallel(layout)
+        self.output_rank = pipeline.last_stage_driver()  # who holds a step's sampled tokens
+        self._exchange_status(self._build, boot)
+        self._send(Ready(self.rank, f"rank {self.rank} on {socket.gethostname()} pid {os.getpid()}"))
+
+    def _exchange_status(self, step, boot: Bootstrap):
+        """Run step(boot) here, then tell every rank how it went: if it failed on any rank, every rank
+        fails with that rank's error (so the engine reports the real cause, whichever node it was on)."""
+        error, value = None, None
         try:
-            self._build(boot)
+            value = step(boot)
         except Exception as e:
             logger.exception("rank %d failed to start", self.rank)
             error = _error_line(e)
@@ -119,19 +133,24 @@ class WorkerProc:
         problem = _combine_errors(statuses)
         if problem:
             raise StartupFailed(problem)
-        self._send(Ready(self.rank, f"rank {self.rank} on {status.host} pid {status.pid}"))
+        return value
+
+    def _layout(self, boot: Bootstrap) -> ParallelLayout:
+        pc = boot.config.parallel_config
+        layout = ParallelLayout.from_config(pc)
+        pipeline.set_partition(pipeline.parse_partition(pc.pp_layer_partition, pc.pipeline_parallel_size))
+        if (layout.world_size, pc.nnodes) != (self.spec.world_size, self.spec.nnodes):
+            raise ValueError(
+                f"node {self.spec.node_rank} was started with a world of {self.spec.world_size} ranks, "
+                f"nnodes={self.spec.nnodes} but node 0 with {layout.describe()}, nnodes={pc.nnodes}"
+            )
+        return layout
 
     def _build(self, boot: Bootstrap) -> None:
         from roofline.model_executor.loader.source import resolve_source
 
         config = boot.config
-        pc, mc = config.parallel_config, config.model_config
-        if (pc.tensor_parallel_size, pc.nnodes) != (self.spec.world_size, self.spec.nnodes):
-            raise ValueError(
-                f"node {self.spec.node_rank} was started with tensor_parallel_size={self.spec.world_size}, "
-                f"nnodes={self.spec.nnodes} but node 0 with tensor_parallel_size={pc.tensor_parallel_size}, "
-                f"nnodes={pc.nnodes}"
-            )
+        mc = config.model_config
         model = self.spec.model_override if self.spec.model_override is not None else boot.model
         source = resolve_source(model, mc.load_format)
         mc.model_path, mc.gguf_file = source.path, source.gguf_file
@@ -177,6 +196,11 @@ class WorkerProc:
                 return
             if isinstance(msg, Execute):
                 out = self.worker.execute(msg.out)
+                if self.output_rank != 0:  # pipeline: the last stage sampled; rank 0 answers the engine
+                    if self.rank == self.output_rank:
+                        comm.send_bytes(encoder.encode(out), 0)
+                    elif self.rank == 0:
+                        out = runner_output_decoder.decode(comm.recv_bytes(self.output_rank))
                 if self.rank == 0:
                     self._send(Output(out))
             elif isinstance(msg, Call):
@@ -194,6 +218,9 @@ class WorkerProc:
 
     def rpc_block_bytes(self) -> int:
         return int(self.worker.block_bytes())
+
+    def rpc_weight_bytes(self) -> dict[str, int]:
+        return dict(self.worker.weight_bytes)
 
     def rpc_init_kv_cache(self, num_blocks: int, num_swap_blocks: int) -> None:
         self.worker.init_kv_cache(num_blocks, num_swap_blocks)

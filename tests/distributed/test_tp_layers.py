@@ -4,6 +4,8 @@ the embedding and one all-gather per logits computation, and bad head splits fai
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 
@@ -20,8 +22,12 @@ def as_rank():
     """as_rank(rank, world): build layers as that rank of a (fake) world; collectives are counted
     no-ops (all-reduce leaves the partial sum, all-gather repeats the local shard)."""
 
+    stack = contextlib.ExitStack()
+
     def enter(rank: int, world: int):
-        ps.set_tp_group(rank, world, None)
+        stack.close()
+        stack.enter_context(ps.tp_group_as(rank, world))
+        ps.get_tp_group().group = object()  # a stand-in: the collectives below are faked
 
     orig_ar, orig_ag = ps.dist.all_reduce, ps.dist.all_gather
 
@@ -35,7 +41,7 @@ def as_rank():
         yield enter
     finally:
         ps.dist.all_reduce, ps.dist.all_gather = orig_ar, orig_ag
-        ps.set_tp_group(0, 1, None)
+        stack.close()
 
 
 def _hf_state(arch: str, **kw):

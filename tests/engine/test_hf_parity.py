@@ -116,12 +116,12 @@ def test_prompt_logprobs_match_hf(device, tiny_models):
 
 def test_parity_above_runs_the_cpu_fast_path(default_llm):
     """The HF-parity tests check what users run: on CPU, the native-kernel attention backend and the
-    pre-packed projection weights (when this machine can build / pack them)."""
+    projections computed on the file's quantized blocks (when this machine can build the kernels)."""
     from roofline.model_executor.layers import cpu_gemm, cpu_ops
 
     model = default_llm.llm_engine.executor.worker.model
     attn = model.model.layers[0].self_attn
     if cpu_ops.available():
         assert attn.backend.name == "cpu"
-    if cpu_gemm.available():
-        assert attn.qkv_proj.cpu_packed is not None and model.lm_head.cpu_packed is not None
+    if cpu_gemm.available():  # the layers on their GGUF blocks (--gguf-weights native), the LM head packed
+        assert attn.qkv_proj.quant is not None and model.lm_head.cpu_packed is not None

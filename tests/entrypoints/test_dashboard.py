@@ -50,7 +50,7 @@ def _wait(http, cond, timeout=20.0):
         time.sleep(0.05)
 
 
-def test_step_metrics_appear_and_move_under_load(server):
+def test_step_metrics_appear_and_move_under_load(server, tiny_models):
     http = server
     before = _metrics(http)
     steps0 = metric_value(before, "roofline:steps_total")
@@ -76,6 +76,9 @@ def test_step_metrics_appear_and_move_under_load(server):
     assert metric_value(after, "roofline:step_roofline_ratio", phase="all") > 0
     assert metric_value(after, "roofline:step_roofline_ratio", phase="decode") > 0
     assert any(k.startswith("roofline:steps_total{") and 'roof="' in k for k in after)
+    # the tiny model's weights: all fp32 (safetensors), 4 bytes for each of HF's parameters
+    hf_params = sum(p.numel() for p in tiny_models["llama"][1].parameters())
+    assert metric_value(after, "roofline:model_weight_bytes", format="float32") == 4 * hf_params
 
 
 def test_stats_endpoint_and_dashboard_page(server):

@@ -15,6 +15,11 @@ from roofline.engine.async_llm import AsyncLLM
 from roofline.entrypoints.openai.server import ServerConfig, ServerThread, build_app
 
 
+# enough decode steps of the tiny model to outlast the 2 s drain also when the engine core runs in a
+# process of its own (free of the server's GIL it does 500 tokens in ~0.3 s)
+LONG = 16
+
+
 def test_shutdown_drains_then_ends_streams_cleanly(tiny_models):
     path, _ = tiny_models["llama"]
     engine = AsyncLLM.from_engine_args(EngineArgs(model=path, device="cpu", dtype="float32", num_kv_blocks=64,
@@ -24,7 +29,7 @@ def test_shutdown_drains_then_ends_streams_cleanly(tiny_models):
     long_body = {"prompt": [5, 6, 7], "max_tokens": 500, "ignore_eos": True}
     events, plain = [], []
 
-    def one_long():  # six of these run one at a time (max_num_seqs=1): seconds of work, past the drain
+    def one_long():  # LONG of these run one at a time (max_num_seqs=1): seconds of work, past the drain
         with httpx.Client(base_url=srv.url, timeout=60) as c:
             plain.append(c.post("/v1/completions", json=long_body).status_code)
 
@@ -41,13 +46,13 @@ def test_shutdown_drains_then_ends_streams_cleanly(tiny_models):
             assert time.monotonic() < deadline
             time.sleep(0.01)
 
-    threads = [threading.Thread(target=one_long) for _ in range(6)]
+    threads = [threading.Thread(target=one_long) for _ in range(LONG)]
     for t in threads:
         t.start()
-    wait_in_flight(6)
+    wait_in_flight(LONG)
     threads.append(threading.Thread(target=stream))  # last in the queue
     threads[-1].start()
-    wait_in_flight(7)
+    wait_in_flight(LONG + 1)
     stopper = threading.Thread(target=srv.stop)
     with httpx.Client(base_url=srv.url, timeout=30) as c:
         stopper.start()

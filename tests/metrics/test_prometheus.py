@@ -24,6 +24,7 @@ class Snap:
     num_preemptions: int = 1
     prompt_tokens: int = 100
     generation_tokens: int = 20
+    weight_bytes: dict = field(default_factory=lambda: {"Q4_1": 66355200, "float32": 113386752})
     step_roofline: list = field(default_factory=list)
 
 
@@ -65,6 +66,8 @@ def test_all_metrics_exported_with_values():
     assert metric_value(m, "roofline:inter_token_latency_seconds_count") == 2
     assert metric_value(m, "roofline:e2e_request_latency_seconds_count") == 2
     assert metric_value(m, "roofline:request_queue_time_seconds_count") == 1
+    assert metric_value(m, "roofline:model_weight_bytes", format="Q4_1") == 66355200
+    assert metric_value(m, "roofline:model_weight_bytes", format="float32") == 113386752
 
 
 def test_counters_follow_cumulative_engine_stats():

@@ -11,13 +11,13 @@ from roofline.model_executor.layers import cpu_ops
 
 @pytest.fixture(scope="session")
 def portable_kernels(tmp_path_factory):
-    """cpu_kernels.c built without -march=native (no AVX2, as on aarch64: the plain C loops), with every
+    """cpu_kernels.c and quant_kernels.c built without -march=native (no AVX2, as on aarch64: the plain C loops), with every
     kernel's ctypes signature set as cpu_ops sets it."""
     if shutil.which("cc") is None:
         pytest.skip("needs cc to build the portable variant")
     path = tmp_path_factory.mktemp("portable") / "portable.so"
     subprocess.run(["cc", "-O2", "-fPIC", "-shared", "-fopenmp", "-ffp-contract=off", "-std=c11",
-                    str(cpu_ops.SOURCE), "-o", str(path), "-lm"], check=True)
+                    *map(str, cpu_ops.SOURCES), "-o", str(path), "-lm"], check=True)
     lib = ctypes.CDLL(str(path))
     for name, argtypes in cpu_ops._SIGNATURES.items():
         fn = getattr(lib, name)

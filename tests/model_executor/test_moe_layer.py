@@ -1,6 +1,7 @@
 """FusedMoE (roofline/model_executor/layers/moe/layer.py): the torch reference expert compute against
-HF transformers' experts module on the same weights, the native CPU path (packed per-expert GEMMs,
-GEMV for lone rows) against the reference, per-expert and stacked 3-D loading, tensor-parallel
+HF transformers' experts module on the same weights, the native CPU paths (the whole layer in one
+grouped call for 16-aligned widths; packed per-expert GEMMs and GEMV for lone rows otherwise) against
+the reference and against each other, per-expert and stacked 3-D loading, tensor-parallel
 slices that sum to the whole, and load-time errors that name the field."""
 
 from __future__ import annotations
@@ -63,7 +64,7 @@ def test_reference_matches_hf_experts():
 
 @pytest.mark.skipif(not cpu_ops.available(), reason="native CPU kernels not built here")
 @pytest.mark.parametrize("inter", [32, 40])  # 16-aligned (fused SiLU GEMM) and not
-@pytest.mark.parametrize("n,k", [(1, 2), (2, 1), (5, 2), (37, 3)])
+@pytest.mark.parametrize("n,k", [(1, 2), (2, 1), (5, 2), (37, 3), (300, 2)])  # 300 x 2: experts past 96 rows
 def test_cpu_experts_match_reference(inter, n, k):
     gate, up, down = _experts(inter, seed=inter)
     layer = _layer(inter, gate, up, down, RoutingConfig(top_k=k, renormalize=True))
@@ -133,3 +134,31 @@ def test_missing_expert_tensor_is_reported():
     assert layer.missing_experts() == [(3, "w3")]
     with pytest.raises(ValueError, match="expected"):
         layer.weight_loader(layer.w2_weight, gate[0], "w2", 0)
+
+
+@pytest.mark.skipif(not cpu_ops.available(), reason="native CPU kernels not built here")
+@pytest.mark.parametrize("threads", [1, 2, 3])
+@pytest.mark.parametrize("n,k", [(1, 1), (6, 3), (250, 2)])
+def test_grouped_native_call_gives_the_per_expert_calls_bits(threads, n, k):
+    """cpu_ops.moe_experts (one call per layer) runs each expert's rows through the same packed-GEMM
+    work items as one gemm_packed_silu_mul + gemm_packed per expert: the same bits, at any thread count."""
+    inter = 32
+    gate, up, down = _experts(inter, seed=3)
+    layer = _layer(inter, gate, up, down, RoutingConfig(top_k=k, renormalize=True))
+    layer.prepare_cpu()
+    x, _, w, ids = _route(n, k, seed=n + 7)
+    ce = layer.cpu_experts
+    old = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        got = ce(x, layer.w13_weight, layer.w2_weight, w, ids)
+        expected = torch.zeros_like(x)
+        for t in range(n):  # per token, its slots in order: weight * expert(x_t)
+            for j in range(k):
+                e = int(ids[t, j])
+                h = cpu_ops.gemm_packed_silu_mul(x[t:t + 1], ce.w13_packed[e], inter)
+                y = cpu_ops.gemm_packed(h, ce.w2_packed[e], H) * w[t, j]
+                expected[t] = y[0] if j == 0 else expected[t] + y[0]
+    finally:
+        torch.set_num_threads(old)
+    assert torch.equal(got, expected)

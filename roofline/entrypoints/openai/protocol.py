@@ -105,6 +105,8 @@ class _SamplingFields(OpenAIModel):
     guided_regex: Optional[str] = None
     guided_choice: Optional[list[str]] = None
     guided_grammar: Optional[str] = None
+    # Prefill/decode disaggregation (vLLM's field): do_remote_decode, do_remote_prefill, remote_* ...
+    kv_transfer_params: Optional[dict[str, Any]] = None
 
 
 # --------------------------------------------------------------------------- completions
@@ -140,6 +142,7 @@ class CompletionResponse(BaseModel):
     choices: list[CompletionResponseChoice]
     usage: UsageInfo
     system_fingerprint: Optional[str] = None
+    kv_transfer_params: Optional[dict[str, Any]] = None  # a prefill for another engine: what its decoder needs
 
 
 class CompletionStreamChoice(BaseModel):
@@ -228,6 +231,7 @@ class ChatCompletionResponse(BaseModel):
     choices: list[ChatCompletionResponseChoice]
     usage: UsageInfo
     system_fingerprint: Optional[str] = None
+    kv_transfer_params: Optional[dict[str, Any]] = None  # a prefill for another engine: what its decoder needs
 
 
 class DeltaMessage(BaseModel):

@@ -124,6 +124,30 @@ def _vocab_size(engine: AsyncLLM, tokenizer: Any) -> Optional[int]:
         return None
 
 
+async def run_cancellable(request: Request, coro: Any) -> Any:
+    """Run a non-streaming handler, cancelling it (and so aborting its requests) if the client
+    disconnects before the answer is ready (then a 499 answer, which nobody reads)."""
+    task = asyncio.ensure_future(coro)
+
+    async def disconnected() -> None:
+        while True:
+            message = await request.receive()
+            if message["type"] == "http.disconnect":
+                return
+
+    watcher = asyncio.ensure_future(disconnected())
+    try:
+        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watcher.cancel()
+    if not task.done():
+        task.cancel()
+        with contextlib.suppress(BaseException):
+            await task
+        return Response(status_code=499)
+    return task.result()
+
+
 def build_app(engine: AsyncLLM, config: Optional[ServerConfig] = None, *, shutdown_engine: bool = True) -> FastAPI:
     config = config or ServerConfig()
     names = model_names(engine.model_config, config.served_model_name)
@@ -199,29 +223,6 @@ def build_app(engine: AsyncLLM, config: Optional[ServerConfig] = None, *, shutdo
         if model is not None and model not in names:
             raise APIError(404, f"The model `{model}` does not exist. Available: {model_name}",
                            "invalid_request_error", "model", "model_not_found")
-
-    async def run_cancellable(request: Request, coro: Any) -> Any:
-        """Run a non-streaming handler, cancelling it (and so aborting its requests) if the client
-        disconnects before the answer is ready."""
-        task = asyncio.ensure_future(coro)
-
-        async def disconnected() -> None:
-            while True:
-                message = await request.receive()
-                if message["type"] == "http.disconnect":
-                    return
-
-        watcher = asyncio.ensure_future(disconnected())
-        try:
-            await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            watcher.cancel()
-        if not task.done():
-            task.cancel()
-            with contextlib.suppress(BaseException):
-                await task
-            return Response(status_code=499)
-        return task.result()
 
     def respond(result: Any) -> Response:
         if isinstance(result, Response):
@@ -390,7 +391,9 @@ async def drain(app: FastAPI, timeout: float) -> None:
     """New requests get 503; wait up to `timeout` s for the engine's requests to finish, then abort
     the rest (their streams end with an error event and [DONE]) and give them a moment to flush."""
     app.state.draining = True
-    engine: AsyncLLM = app.state.engine
+    engine: Optional[AsyncLLM] = getattr(app.state, "engine", None)
+    if engine is None:  # an app without an engine (the router): uvicorn's own graceful shutdown
+        return
     deadline = time.monotonic() + timeout
     while engine.num_in_flight() and time.monotonic() < deadline:
         await asyncio.sleep(0.05)

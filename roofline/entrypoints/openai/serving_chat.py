@@ -145,10 +145,12 @@ class OpenAIServingChat:
                     ) -> ChatCompletionResponse:
         choices = [ChoiceState() for _ in range(req.n)]
         cached = 0
+        kv_transfer_params = None
         merged = merge_streams(streams)
         try:
             async for _, ro in merged:
                 cached = max(cached, ro.num_cached_tokens or 0)
+                kv_transfer_params = ro.kv_transfer_params or kv_transfer_params
                 for comp in ro.outputs:
                     check_finish(comp)
                     st = choices[comp.index]
@@ -171,7 +173,8 @@ class OpenAIServingChat:
                 index=idx, message=ChatResponseMessage(role="assistant", content=st.text), logprobs=lp,
                 finish_reason=st.finish_reason, stop_reason=stop_reason_value(st.stop_reason)))
         usage = make_usage([prompt_len], sum(len(c.token_ids) for c in choices), cached)
-        return ChatCompletionResponse(id=request_id, model=self.model_name, choices=out, usage=usage)
+        return ChatCompletionResponse(id=request_id, model=self.model_name, choices=out, usage=usage,
+                                      kv_transfer_params=kv_transfer_params)
 
     async def _stream(self, req: ChatCompletionRequest, request_id: str, prompt_len: int, streams: list,
                       ) -> AsyncIterator[str]:

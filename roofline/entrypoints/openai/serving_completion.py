@@ -81,6 +81,8 @@ class OpenAIServingCompletion:
         if req.best_of is not None and req.best_of != req.n:
             raise bad_request("best_of is not supported (only best_of == n)", param="best_of")
         prompts = await self._prompts(req)
+        if req.kv_transfer_params is not None and len(prompts) != 1:
+            raise bad_request("kv_transfer_params needs a single prompt", param="kv_transfer_params")
         if req.echo and self.tokenizer is None:
             raise bad_request("echo needs a tokenizer, and this model has none", param="echo")
         # echo with max_tokens=0 scores the prompt only (how eval harnesses get prompt logprobs):
@@ -142,10 +144,12 @@ class OpenAIServingCompletion:
         choices = [ChoiceState() for _ in range(len(prompts) * n)]
         finals: dict[int, Any] = {}
         cached = [0] * len(prompts)
+        kv_transfer_params = None
         merged = merge_streams(streams)
         try:
             async for i, ro in merged:
                 cached[i] = max(cached[i], ro.num_cached_tokens or 0)
+                kv_transfer_params = ro.kv_transfer_params or kv_transfer_params
                 if i not in finals:
                     finals[i] = ro
                 if ro.prompt_logprobs is not None:
@@ -179,7 +183,8 @@ class OpenAIServingCompletion:
                 index=idx, text=prefix + text, logprobs=logprobs, finish_reason=st.finish_reason,
                 stop_reason=stop_reason_value(st.stop_reason)))
         usage = make_usage([len(ids) for _, ids in prompts], sum(len(c.token_ids) for c in choices), sum(cached))
-        return CompletionResponse(id=request_id, model=self.model_name, choices=out_choices, usage=usage)
+        return CompletionResponse(id=request_id, model=self.model_name, choices=out_choices, usage=usage,
+                                  kv_transfer_params=kv_transfer_params)
 
     @staticmethod
     def _accumulate(st: ChoiceState, comp: CompletionOutput) -> None:

@@ -258,6 +258,7 @@ def build_sampling_params(req: Any, *, max_tokens: int, logprobs: Optional[int],
         skip_special_tokens=req.skip_special_tokens,
         include_stop_str_in_output=req.include_stop_str_in_output,
         output_kind=RequestOutputKind.DELTA,
+        kv_transfer_params=req.kv_transfer_params,
     )
     try:
         return SamplingParams(**kwargs)

@@ -28,7 +28,8 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-from roofline.model_executor.layers import cpu_ops
+from roofline.model_executor.layers import cpu_ops, gguf_quant
+from roofline.model_executor.layers.gguf_quant import QuantizedTensor
 
 # One row uses the dense weight: the native GEMV streams it from memory faster than a one-row panel tile.
 PACKED_MIN_ROWS = 2
@@ -64,8 +65,11 @@ def _takes_packed(x: torch.Tensor, packed: Optional[torch.Tensor]) -> bool:
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, packed: Optional[torch.Tensor],
-           bias: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """F.linear(x, weight, bias); for fp32 CPU input by the fastest route this batch has."""
+           bias: Optional[torch.Tensor] = None, quant: Optional[QuantizedTensor] = None) -> torch.Tensor:
+    """F.linear(x, weight, bias); for fp32 CPU input by the fastest route this batch has.  With `quant`
+    (the weight kept in GGUF blocks; `weight` then holds no values) the native quantized kernels."""
+    if quant is not None:
+        return gguf_quant.linear(x, quant, bias)
     if _takes_packed(x, packed):
         return cpu_ops.gemm_packed(x, packed, weight.shape[0], bias)
     if x.dtype != torch.float32 or x.device.type != "cpu":
@@ -100,19 +104,20 @@ def relayout(model: torch.nn.Module) -> None:
     for module in model.modules():
         if isinstance(module, (LinearBase, VocabParallelEmbedding)):
             w = module.weight
-            if id(w) not in seen and w.dim() == 2:
+            if id(w) not in seen and w.dim() == 2 and w.device.type != "meta":  # meta: kept in GGUF blocks
                 seen.add(id(w))
                 w.data = w.data.t().contiguous().t()
 
 
 def pack_model(model: torch.nn.Module) -> int:
-    """Pack the fp32 weight of every linear layer and of the LM head; returns how many were packed."""
+    """Pack the fp32 weight of every linear layer (not those kept in GGUF blocks) and of the LM head;
+    returns how many were packed."""
     from roofline.model_executor.layers.linear import LinearBase
     from roofline.model_executor.layers.vocab_embedding import ParallelLMHead
 
     n = 0
     for module in model.modules():
-        if isinstance(module, (LinearBase, ParallelLMHead)):
+        if isinstance(module, (LinearBase, ParallelLMHead)) and getattr(module, "quant", None) is None:
             module.cpu_packed = pack(module.weight)
             n += module.cpu_packed is not None
     return n

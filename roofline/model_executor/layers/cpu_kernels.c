@@ -647,6 +647,52 @@ static inline int64_t k_chunks(int64_t row_blocks, int64_t tiles, int64_t K) {
     return row_blocks == 1 && tiles > 1 ? (K + GEMM_KC_PER_TILE * tiles - 1) / (GEMM_KC_PER_TILE * tiles) : 1;
 }
 
+/* Panel groups of a packed GEMM with np output panels: groups of at most 8 weight panels (4 gate/up
+ * pairs with silu), as many as a multiple of the thread count when there are enough; group gi holds
+ * panels [gi * np / ng, (gi + 1) * np / ng), sizes differing by at most one. */
+static int64_t panel_groups(int64_t np, int silu, int nthreads) {
+    const int64_t gmax = silu ? 4 : 8;
+    int64_t ng = (np + gmax - 1) / gmax;
+    ng = (ng + nthreads - 1) / nthreads * nthreads;
+    return ng > np ? np : ng;
+}
+
+/* One work item of a packed GEMM: panel group gi (of ng) times row block mi (of nmb). */
+static void packed_gemm_item(const float *a, int64_t lda, const float *panels, const float *bias, float *c,
+                             int64_t ldc, int64_t M, int64_t K, int64_t N, int silu, int64_t ng, int64_t nmb,
+                             int64_t gi, int64_t mi) {
+    const int64_t np = (N + GEMM_NR - 1) / GEMM_NR;
+    float part[GEMM_MB * GEMM_NR], part_g[GEMM_MB * GEMM_NR];  /* partial sums between K chunks */
+    const int64_t m_lo = mi * GEMM_MB, m_hi = M < m_lo + GEMM_MB ? M : m_lo + GEMM_MB;
+    const int64_t tiles = (m_hi - m_lo + GEMM_MR - 1) / GEMM_MR;
+    const int64_t nkc = k_chunks(nmb, tiles, K);
+    const int64_t p_hi = (gi + 1) * np / ng;
+    for (int64_t p = gi * np / ng; p < p_hi; p++) {
+        const float *bg = panels + p * K * GEMM_NR, *b = silu ? panels + (p + np) * K * GEMM_NR : bg;
+        const int nxt = mi == 0 && p + 1 < p_hi;  /* the first row block prefetches the next panel(s) */
+        const int64_t n0 = p * GEMM_NR, nn = N - n0 < GEMM_NR ? N - n0 : GEMM_NR;
+        for (int64_t kc = 0; kc < nkc; kc++) {
+            const int64_t c0 = kc * K / nkc, c1 = (kc + 1) * K / nkc, last = kc == nkc - 1;
+            int64_t m0 = m_lo;
+            for (int64_t t = 0; t < tiles; t++) {
+                const int64_t rows = (m_hi - m0 + (tiles - t) - 1) / (tiles - t);
+                /* this tile's share of the prefetch of the next panel's chunk */
+                const int64_t k0 = c0 + t * (c1 - c0) / tiles, k1 = c0 + (t + 1) * (c1 - c0) / tiles;
+                const float *ak = a + m0 * lda + c0;
+                float *pt = part + (m0 - m_lo) * GEMM_NR, *pg = part_g + (m0 - m_lo) * GEMM_NR;
+                if (silu)  /* the gate tile's sums stay in part_g for the up tile's last chunk */
+                    gemm_tile_rows((int)rows, ak, lda, bg + c0 * GEMM_NR, c1 - c0, pg, GEMM_NR, 0, GEMM_NR,
+                                   nxt ? bg + (K + k0) * GEMM_NR : 0, nxt ? k1 - k0 : 0, 0, kc ? pg : 0);
+                gemm_tile_rows((int)rows, ak, lda, b + c0 * GEMM_NR, c1 - c0, last ? c + m0 * ldc + n0 : pt,
+                               last ? ldc : GEMM_NR, last && bias ? bias + n0 : 0, last ? nn : GEMM_NR,
+                               nxt ? b + (K + k0) * GEMM_NR : 0, nxt ? k1 - k0 : 0, silu && last ? pg : 0,
+                               kc ? pt : 0);
+                m0 += rows;
+            }
+        }
+    }
+}
+
 /* The driver of both packed GEMMs.  silu == 0: c [M x N] = a W^T (+ bias).  silu == 1: W holds
  * [W_g; W_u] (2N columns, N a multiple of 16) and c [M x N] = silu(a W_g^T) * (a W_u^T): gate panel p
  * pairs with up panel p + N/16, the gate tile's sums stay in a scratch in L1 and the up tile's
@@ -656,46 +702,11 @@ static void packed_gemm(const float *a, int64_t lda, const float *panels, const 
                         int64_t M, int64_t K, int64_t N, int silu, int nthreads) {
     const int64_t np = (N + GEMM_NR - 1) / GEMM_NR;  /* output panels (gate panels with silu) */
     const int64_t nmb = (M + GEMM_MB - 1) / GEMM_MB;
-    const int64_t gmax = silu ? 4 : 8;  /* weight panels per group: at most 8 */
-    /* panel groups, as many as a multiple of the thread count when there are enough; group gi holds
-     * panels [gi * np / ng, (gi + 1) * np / ng), sizes differing by at most one */
-    int64_t ng = (np + gmax - 1) / gmax;
-    ng = (ng + nthreads - 1) / nthreads * nthreads;
-    if (ng > np) ng = np;
+    const int64_t ng = panel_groups(np, silu, nthreads);
     const int64_t items = ng * nmb;
 #pragma omp parallel for num_threads(nthreads) schedule(static) if (items > 1)
-    for (int64_t it = 0; it < items; it++) {
-        float part[GEMM_MB * GEMM_NR], part_g[GEMM_MB * GEMM_NR];  /* partial sums between K chunks */
-        const int64_t gi = it / nmb, mi = it % nmb;
-        const int64_t m_lo = mi * GEMM_MB, m_hi = M < m_lo + GEMM_MB ? M : m_lo + GEMM_MB;
-        const int64_t tiles = (m_hi - m_lo + GEMM_MR - 1) / GEMM_MR;
-        const int64_t nkc = k_chunks(nmb, tiles, K);
-        const int64_t p_hi = (gi + 1) * np / ng;
-        for (int64_t p = gi * np / ng; p < p_hi; p++) {
-            const float *bg = panels + p * K * GEMM_NR, *b = silu ? panels + (p + np) * K * GEMM_NR : bg;
-            const int nxt = mi == 0 && p + 1 < p_hi;  /* the first row block prefetches the next panel(s) */
-            const int64_t n0 = p * GEMM_NR, nn = N - n0 < GEMM_NR ? N - n0 : GEMM_NR;
-            for (int64_t kc = 0; kc < nkc; kc++) {
-                const int64_t c0 = kc * K / nkc, c1 = (kc + 1) * K / nkc, last = kc == nkc - 1;
-                int64_t m0 = m_lo;
-                for (int64_t t = 0; t < tiles; t++) {
-                    const int64_t rows = (m_hi - m0 + (tiles - t) - 1) / (tiles - t);
-                    /* this tile's share of the prefetch of the next panel's chunk */
-                    const int64_t k0 = c0 + t * (c1 - c0) / tiles, k1 = c0 + (t + 1) * (c1 - c0) / tiles;
-                    const float *ak = a + m0 * lda + c0;
-                    float *pt = part + (m0 - m_lo) * GEMM_NR, *pg = part_g + (m0 - m_lo) * GEMM_NR;
-                    if (silu)  /* the gate tile's sums stay in part_g for the up tile's last chunk */
-                        gemm_tile_rows((int)rows, ak, lda, bg + c0 * GEMM_NR, c1 - c0, pg, GEMM_NR, 0, GEMM_NR,
-                                       nxt ? bg + (K + k0) * GEMM_NR : 0, nxt ? k1 - k0 : 0, 0, kc ? pg : 0);
-                    gemm_tile_rows((int)rows, ak, lda, b + c0 * GEMM_NR, c1 - c0, last ? c + m0 * ldc + n0 : pt,
-                                   last ? ldc : GEMM_NR, last && bias ? bias + n0 : 0, last ? nn : GEMM_NR,
-                                   nxt ? b + (K + k0) * GEMM_NR : 0, nxt ? k1 - k0 : 0, silu && last ? pg : 0,
-                                   kc ? pt : 0);
-                    m0 += rows;
-                }
-            }
-        }
-    }
+    for (int64_t it = 0; it < items; it++)
+        packed_gemm_item(a, lda, panels, bias, c, ldc, M, K, N, silu, ng, nmb, it / nmb, it % nmb);
 }
 
 void gemm_packed_f32(const float *a, int64_t lda, const float *panels, const float *bias, float *c, int64_t ldc,
@@ -707,6 +718,83 @@ void gemm_packed_f32(const float *a, int64_t lda, const float *panels, const flo
 void gemm_packed_silu_mul_f32(const float *a, int64_t lda, const float *panels, float *c, int64_t ldc,
                               int64_t M, int64_t K, int64_t d, int nthreads) {
     packed_gemm(a, lda, panels, 0, c, ldc, M, K, d, 1, nthreads);
+}
+
+/* ---- MoE experts --------------------------------------------------------------------------------
+ * A MoE layer's routed-expert compute in one call: one OpenMP team for the whole layer instead of two
+ * native calls (two team wake-ups, each too small to keep both cores streaming) per active expert.
+ * The N*k (token, slot) pairs are R rows sorted by expert: sorted row r belongs to token row_token[r],
+ * expert e owns sorted rows offsets[e] .. offsets[e+1]; (token t, slot j) sits at sorted row
+ * slot_row[t*k + j] with routing weight slot_weight[t*k + j].  Phases, split by the team's barriers:
+ *   gather   xs[r] = x[row_token[r]]
+ *   gate/up  hs[rows of e] = silu(xs W_g,e^T) * (xs W_u,e^T)   (expert e's packed [2I x H] panels)
+ *   down     ys[rows of e] = hs W_2,e^T                        (expert e's packed [H x I] panels)
+ *   combine  out[t] = sum over j in slot order of slot_weight[t*k + j] * ys[slot_row[t*k + j]]
+ * The GEMM work items -- (expert, block of up to 96 rows, panel group) over every active expert -- are
+ * dealt dynamically, so at decode, where each expert has a few rows, all experts' panels stream
+ * through both cores back to back.  Each item computes exactly what packed_gemm's item does for that
+ * expert alone, so rows get the bits of the per-expert calls.  I must be a multiple of 16. */
+typedef struct { int64_t e, mi, gi; } moe_item_t;
+
+static int64_t moe_items(const int64_t *offsets, int64_t E, int64_t ng, moe_item_t *items) {
+    int64_t n = 0;
+    for (int64_t e = 0; e < E; e++) {
+        const int64_t nmb = (offsets[e + 1] - offsets[e] + GEMM_MB - 1) / GEMM_MB;
+        for (int64_t mi = 0; mi < nmb; mi++)
+            for (int64_t gi = 0; gi < ng; gi++) {
+                if (items) items[n] = (moe_item_t){e, mi, gi};
+                n++;
+            }
+    }
+    return n;
+}
+
+void moe_experts_f32(const float *x, int64_t ldx, int64_t N, int64_t k, const int64_t *row_token,
+                     const int64_t *slot_row, const float *slot_weight, const int64_t *offsets, int64_t E,
+                     const float *w13, const float *w2, int64_t H, int64_t I, float *xs, float *hs, float *ys,
+                     float *out, int nthreads) {
+    const int64_t R = N * k, np2 = (H + GEMM_NR - 1) / GEMM_NR;
+    const int64_t w13_size = 2 * I * H, w2_size = np2 * GEMM_NR * I;  /* floats per expert */
+    const int64_t ng1 = panel_groups(I / GEMM_NR, 1, nthreads), ng2 = panel_groups(np2, 0, nthreads);
+    const int64_t n1 = moe_items(offsets, E, ng1, 0), n2 = moe_items(offsets, E, ng2, 0);
+    moe_item_t *items1 = malloc((size_t)(n1 + n2 + 1) * sizeof(moe_item_t)), *items2 = items1 + n1;
+    if (!items1) return;
+    moe_items(offsets, E, ng1, items1);
+    moe_items(offsets, E, ng2, items2);
+#pragma omp parallel num_threads(nthreads)
+    {
+#pragma omp for schedule(static)
+        for (int64_t r = 0; r < R; r++) memcpy(xs + r * H, x + row_token[r] * ldx, (size_t)H * sizeof(float));
+#pragma omp for schedule(dynamic)
+        for (int64_t it = 0; it < n1; it++) {
+            const moe_item_t m = items1[it];
+            const int64_t o = offsets[m.e], M = offsets[m.e + 1] - o;
+            packed_gemm_item(xs + o * H, H, w13 + m.e * w13_size, 0, hs + o * I, I, M, H, I, 1, ng1,
+                             (M + GEMM_MB - 1) / GEMM_MB, m.gi, m.mi);
+        }
+#pragma omp for schedule(dynamic)
+        for (int64_t it = 0; it < n2; it++) {
+            const moe_item_t m = items2[it];
+            const int64_t o = offsets[m.e], M = offsets[m.e + 1] - o;
+            packed_gemm_item(hs + o * I, I, w2 + m.e * w2_size, 0, ys + o * H, H, M, I, H, 0, ng2,
+                             (M + GEMM_MB - 1) / GEMM_MB, m.gi, m.mi);
+        }
+#pragma omp for schedule(static)
+        for (int64_t t = 0; t < N; t++) {
+            float *o = out + t * H;
+            for (int64_t j = 0; j < k; j++) {
+                const float w = slot_weight[t * k + j], *yr = ys + slot_row[t * k + j] * H;
+                if (j == 0) {
+#pragma omp simd
+                    for (int64_t h = 0; h < H; h++) o[h] = w * yr[h];
+                } else {
+#pragma omp simd
+                    for (int64_t h = 0; h < H; h++) o[h] += w * yr[h];
+                }
+            }
+        }
+    }
+    free(items1);
 }
 
 /* ---- prefill attention ------------------------------------------------------------------------
@@ -1217,15 +1305,27 @@ int64_t greedy_head_f32(const float *h, int64_t ldh, int64_t R, int64_t K, int64
  *   rest prefill chunks (query_start_loc qsl [R+1], seq_lens [R], block tables [R x bt_stride]).
  * Scratch (residual, normed rows, qkv, attention output, MLP rows) is allocated here per call. */
 enum { L_IN_NORM, L_QKV, L_QKV_BIAS, L_Q_NORM, L_K_NORM, L_O, L_O_BIAS, L_POST_NORM, L_GATE_UP, L_DOWN,
-       L_DOWN_BIAS, L_QKV_DENSE, L_O_DENSE, L_GATE_UP_DENSE, L_DOWN_DENSE, L_K_CACHE, L_V_CACHE, STACK_FIELDS };
+       L_DOWN_BIAS, L_QKV_DENSE, L_O_DENSE, L_GATE_UP_DENSE, L_DOWN_DENSE, L_K_CACHE, L_V_CACHE,
+       L_QKV_QUANT, L_O_QUANT, L_GATE_UP_QUANT, L_DOWN_QUANT, L_QUANT_TYPES, STACK_FIELDS };
+/* L_*_QUANT: a projection kept in GGUF blocks (quant_kernels.c; its packed/dense slots are then 0);
+ * L_QUANT_TYPES: not an address but their ggml types, 8 bits each: qkv | o << 8 | gate_up << 16 | down << 24 */
+
+/* quant_kernels.c (the same library) */
+void quant_linear_f32(int qt, const float *a, int64_t lda, const uint8_t *w, int64_t row_bytes, const float *bias,
+                      float *c, int64_t ldc, int64_t M, int64_t K, int64_t N, int nthreads);
+int64_t quant_block_elems(int qt);
+int64_t quant_block_bytes(int qt);
 
 /* c = a W^T (+ bias) for rows a [N x K] (row stride lda) -> c [N x Nout] (row stride ldc): the route
  * cpu_gemm.linear takes for the same rows, so values match the modules' bit for bit.  Batches of 2+
  * rows multiply the packed panels; a single row runs the threaded GEMV over the dense weight stored
  * [in x out]-major (`dense`, 0 where the caller takes no single rows). */
 static void project(const float *a, int64_t lda, const float *packed, const float *dense, const float *bias,
-                    float *c, int64_t ldc, int64_t N, int64_t K, int64_t Nout, int nthreads) {
-    if (N == 1 && dense) gemv_f32(a, dense, bias, c, K, Nout, Nout, nthreads);
+                    float *c, int64_t ldc, int64_t N, int64_t K, int64_t Nout, const uint8_t *quant, int qt,
+                    int nthreads) {
+    if (quant) quant_linear_f32(qt, a, lda, quant, K / quant_block_elems(qt) * quant_block_bytes(qt), bias, c, ldc, N,
+                                K, Nout, nthreads);
+    else if (N == 1 && dense) gemv_f32(a, dense, bias, c, K, Nout, Nout, nthreads);
     else packed_gemm(a, lda, packed, bias, c, ldc, N, K, Nout, 0, nthreads);
 }
 
@@ -1260,13 +1360,19 @@ void llama_stack_f32(const float *x, float *out, int64_t N, const int64_t *layer
     float *qkv = (float *)malloc((size_t)(N * W) * sizeof(float));
     float *att = (float *)malloc((size_t)(N * QD) * sizeof(float));
     float *mid = (float *)malloc((size_t)(N * I) * sizeof(float));
-    float *gate_up = (float *)malloc((size_t)(2 * I) * sizeof(float)); /* a lone row's [gate; up] */
+    /* [gate; up] of a lone row, or of every row where the layers keep gate/up in GGUF blocks */
+    int64_t gu_rows = 1;
+    for (int64_t l = 0; l < nlayers; l++)
+        if (layers[l * STACK_FIELDS + L_GATE_UP_QUANT]) gu_rows = N;
+    float *gate_up = (float *)malloc((size_t)(gu_rows * 2 * I) * sizeof(float));
     memcpy(res, x, (size_t)(N * d) * sizeof(float));
     if (keep && nlayers == 0) {
         keep_rows(res, d, keep, nkeep);
         N = nkeep;
     }
 #define F(l, f) ((const float *)(intptr_t)layers[(l) * STACK_FIELDS + (f)])
+#define Q(l, f) ((const uint8_t *)(intptr_t)layers[(l) * STACK_FIELDS + (f)])
+#define QT(l, i) ((int)((layers[(l) * STACK_FIELDS + L_QUANT_TYPES] >> (8 * (i))) & 0xff))
     for (int64_t l = 0; l < nlayers; l++) {
         float *kc = (float *)(intptr_t)layers[l * STACK_FIELDS + L_K_CACHE];
         float *vc = (float *)(intptr_t)layers[l * STACK_FIELDS + L_V_CACHE];
@@ -1274,7 +1380,8 @@ void llama_stack_f32(const float *x, float *out, int64_t N, const int64_t *layer
         if (l == 0) rms_norm_f32(res, 0, F(l, L_IN_NORM), h, 0, N, d, d, eps, nthreads);
         else rms_norm_f32(y, res, F(l, L_IN_NORM), h, res, N, d, d, eps, nthreads);
         /* attention: qkv = h W_qkv^T (+ b);  q, k normed per head (Qwen3);  rope;  cache write */
-        project(h, d, F(l, L_QKV), F(l, L_QKV_DENSE), F(l, L_QKV_BIAS), qkv, W, N, d, W, nthreads);
+        project(h, d, F(l, L_QKV), F(l, L_QKV_DENSE), F(l, L_QKV_BIAS), qkv, W, N, d, W, Q(l, L_QKV_QUANT), QT(l, 0),
+                nthreads);
         if (F(l, L_Q_NORM)) {
             qk_head_norm(qkv, W, N, H, D, F(l, L_Q_NORM), eps, nthreads);
             qk_head_norm(qkv + QD, W, N, Hk, D, F(l, L_K_NORM), eps, nthreads);
@@ -1292,18 +1399,25 @@ void llama_stack_f32(const float *x, float *out, int64_t N, const int64_t *layer
             keep_rows(res, d, keep, nkeep);
             N = nkeep;
         }
-        project(att, QD, F(l, L_O), F(l, L_O_DENSE), F(l, L_O_BIAS), y, d, N, QD, d, nthreads);
+        project(att, QD, F(l, L_O), F(l, L_O_DENSE), F(l, L_O_BIAS), y, d, N, QD, d, Q(l, L_O_QUANT), QT(l, 1),
+                nthreads);
         /* MLP: h = norm(res + y), res += y;  y = down(silu(gate h) * up h) */
         rms_norm_f32(y, res, F(l, L_POST_NORM), h, res, N, d, d, eps, nthreads);
-        if (N == 1 && F(l, L_GATE_UP_DENSE)) {
+        if (Q(l, L_GATE_UP_QUANT)) {  /* as the modules: the projection, then silu_and_mul_f32 */
+            project(h, d, 0, 0, 0, gate_up, 2 * I, N, d, 2 * I, Q(l, L_GATE_UP_QUANT), QT(l, 2), nthreads);
+            silu_and_mul_f32(gate_up, mid, N, I, nthreads);
+        } else if (N == 1 && F(l, L_GATE_UP_DENSE)) {
             gemv_f32(h, F(l, L_GATE_UP_DENSE), 0, gate_up, d, 2 * I, 2 * I, nthreads);
             silu_and_mul_f32(gate_up, mid, 1, I, nthreads);
         } else {
             packed_gemm(h, d, F(l, L_GATE_UP), 0, mid, I, N, d, I, 1, nthreads);
         }
-        project(mid, I, F(l, L_DOWN), F(l, L_DOWN_DENSE), F(l, L_DOWN_BIAS), y, d, N, I, d, nthreads);
+        project(mid, I, F(l, L_DOWN), F(l, L_DOWN_DENSE), F(l, L_DOWN_BIAS), y, d, N, I, d, Q(l, L_DOWN_QUANT),
+                QT(l, 3), nthreads);
     }
 #undef F
+#undef Q
+#undef QT
     if (nlayers > 0) rms_norm_f32(y, res, final_norm, out, res, N, d, d, eps, nthreads);
     else rms_norm_f32(res, 0, final_norm, out, 0, N, d, d, eps, nthreads);
     free(res);

@@ -5,7 +5,8 @@ whose dispatch cost rivals the weight reads; at large batches decode attention d
 not a matmul, because the torch path must gather K/V through the block tables before SDPA.  These
 kernels do each of those in one call and read K/V straight from the paged cache.
 
-The C file is compiled on first use with the system C compiler (`cc`, or $CC) into
+The C files (cpu_kernels.c, and quant_kernels.c for GGUF block-quantized weights: gguf_quant.py)
+are compiled together, into one library, on first use with the system C compiler (`cc`, or $CC) into
 $XDG_CACHE_HOME/roofline (default ~/.cache/roofline), keyed by the source's hash and the CPU's
 flags; that takes well under a second and happens once per machine.  Without a compiler (or with
 ROOFLINE_CPU_KERNELS=0) `available()` is False and every caller keeps its torch code, which stays
@@ -47,6 +48,7 @@ logger = logging.getLogger(__name__)
 
 ENV_VAR = "ROOFLINE_CPU_KERNELS"
 SOURCE = Path(__file__).with_name("cpu_kernels.c")
+SOURCES = (SOURCE, Path(__file__).with_name("quant_kernels.c"))  # one library: the quantized GEMM uses the packed one
 
 SWITCH = Switch(ENV_VAR)
 PANEL = 16  # output columns per packed panel (GEMM_NR in cpu_kernels.c); head sizes prefill takes
@@ -71,6 +73,7 @@ _SIGNATURES = {
     "pack_panels_f32": [_P, _I, _I, _I, _P],
     "gemm_packed_f32": [_P, _I, _P, _P, _P, _I, _I, _I, _I, ctypes.c_int],
     "gemm_packed_silu_mul_f32": [_P, _I, _P, _P, _I, _I, _I, _I, ctypes.c_int],
+    "moe_experts_f32": [_P, _I, _I, _I, _P, _P, _P, _P, _I, _P, _P, _I, _I, _P, _P, _P, _P, ctypes.c_int],
     "greedy_head_f32": [_P, _I, _I, _I, _I, _P, _P, _P, _P, _F, ctypes.c_int32, _P, _P, _I, _I, _P, _P, _P,
                         ctypes.c_int],
     "route_logits_f32": [_P, _I, _P, _I, _P, _P, _I, _I, _P],
@@ -91,7 +94,7 @@ def _cpu_flags() -> str:
     return platform.processor()
 
 
-def _compile(src: Path, out: Path) -> None:
+def _compile(sources: tuple[Path, ...], out: Path) -> None:
     cc = env_flag("CC") or shutil.which("cc") or shutil.which("gcc") or shutil.which("clang")
     if cc is None:
         raise RuntimeError("no C compiler found (cc, gcc or clang; or set CC)")
@@ -102,12 +105,12 @@ def _compile(src: Path, out: Path) -> None:
     errors = []
     try:
         for arch in (["-march=native"], []):  # -march=native for AVX2/AVX-512 code; plain as a fallback
-            r = subprocess.run(base + arch + [str(src), "-o", tmp, "-lm"], capture_output=True, text=True)
+            r = subprocess.run(base + arch + [str(s) for s in sources] + ["-o", tmp, "-lm"], capture_output=True, text=True)
             if r.returncode == 0:
                 os.replace(tmp, out)  # atomic: concurrent processes never load a half-written file
                 return
             errors.append(r.stderr.strip()[-500:])
-        raise RuntimeError("compiling cpu_kernels.c failed: " + " | ".join(errors))
+        raise RuntimeError("compiling the native CPU kernels failed: " + " | ".join(errors))
     finally:
         if os.path.exists(tmp):
             os.unlink(tmp)
@@ -120,11 +123,11 @@ def _load() -> Optional[ctypes.CDLL]:
             return _lib
         _tried = True
         try:
-            source = SOURCE.read_bytes()
+            source = b"".join(src.read_bytes() for src in SOURCES)
             key = hashlib.sha256(source + _cpu_flags().encode() + platform.machine().encode()).hexdigest()[:16]
             path = cache_dir() / f"cpu_kernels-{key}.so"
             if not path.exists():
-                _compile(SOURCE, path)
+                _compile(SOURCES, path)
             torch.get_num_threads()  # torch (and its libgomp) is loaded first: one OpenMP runtime
             lib = ctypes.CDLL(str(path))
             for name, argtypes in _SIGNATURES.items():
@@ -135,6 +138,23 @@ def _load() -> Optional[ctypes.CDLL]:
             logger.warning("native CPU kernels unavailable, using torch ops (%s)", e)
             _lib = None
         return _lib
+
+
+def declare(name: str, argtypes: list, restype=None) -> None:
+    """Register the ctypes signature of a kernel another module wraps (gguf_quant.py): applied when the
+    library loads, or at once when it is loaded already."""
+    _SIGNATURES[name] = argtypes
+    if restype is not None:
+        _RESTYPES[name] = restype
+    with _lock:
+        if _lib is not None:
+            fn = getattr(_lib, name)
+            fn.argtypes, fn.restype = argtypes, restype
+
+
+def library() -> ctypes.CDLL:
+    """The loaded kernels (for modules that wrap their own, after declare()); raises when unavailable."""
+    return _need()
 
 
 def available() -> bool:
@@ -361,6 +381,38 @@ def gemm_packed_silu_mul(x: torch.Tensor, panels: torch.Tensor, d: int) -> torch
     _need().gemm_packed_silu_mul_f32(x.data_ptr(), x.stride(0), panels.data_ptr(), y.data_ptr(), d, m, k, d,
                                      torch.get_num_threads())
     return y
+
+
+def moe_experts(x: torch.Tensor, row_token: torch.Tensor, slot_row: torch.Tensor, slot_weight: torch.Tensor,
+                offsets: torch.Tensor, w13_packed: torch.Tensor, w2_packed: torch.Tensor, inter: int) -> torch.Tensor:
+    """A MoE layer's routed experts in one native call (cpu_kernels.c moe_experts_f32): x [N, H]; the N*k
+    (token, slot) rows sorted by expert, sorted row r from token row_token[r] (int64 [N*k]); expert e's
+    rows offsets[e]..offsets[e+1] (int64 [E+1]); (token t, slot j) at sorted row slot_row[t*k+j] with
+    weight slot_weight[t*k+j] (fp32); w13_packed [E, 2*inter*H] and w2_packed [E, ceil(H/16)*16*inter],
+    each expert's pack_panels of its [2*inter, H] gate/up and [H, inter] down weights; inter a multiple
+    of 16.  Returns out [N, H] = sum over k of weight * expert(x)."""
+    n, h = x.shape
+    e = offsets.numel() - 1
+    r = row_token.numel()
+    if inter % PANEL or w13_packed.shape != (e, 2 * inter * h) or w2_packed.shape != (e, -(-h // PANEL) * PANEL * inter):
+        raise ValueError(f"expert panels {tuple(w13_packed.shape)} / {tuple(w2_packed.shape)} do not fit {e} experts "
+                         f"of [{2 * inter} x {h}] / [{h} x {inter}] with {inter} a multiple of {PANEL}")
+    if n and r % n or slot_row.numel() != r or slot_weight.numel() != r:
+        raise ValueError("row_token, slot_row and slot_weight must hold N*k entries each")
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    for t, dtype in ((row_token, torch.int64), (slot_row, torch.int64), (offsets, torch.int64),
+                     (slot_weight, torch.float32), (w13_packed, torch.float32), (w2_packed, torch.float32)):
+        if t.dtype != dtype or not t.is_contiguous():
+            raise ValueError(f"moe_experts: expected a contiguous {dtype} tensor, got {t.dtype}")
+    xs, ys = torch.empty((r, h), dtype=torch.float32), torch.empty((r, h), dtype=torch.float32)
+    hs = torch.empty((r, inter), dtype=torch.float32)
+    out = torch.empty((n, h), dtype=torch.float32)
+    _need().moe_experts_f32(x.data_ptr(), x.stride(0), n, r // n if n else 0, row_token.data_ptr(),
+                            slot_row.data_ptr(), slot_weight.data_ptr(), offsets.data_ptr(), e,
+                            w13_packed.data_ptr(), w2_packed.data_ptr(), h, inter, xs.data_ptr(), hs.data_ptr(),
+                            ys.data_ptr(), out.data_ptr(), torch.get_num_threads())
+    return out
 
 
 def greedy_head(hidden: torch.Tensor, screen, fp32_panels: Optional[torch.Tensor], dense: torch.Tensor,

@@ -3,6 +3,10 @@
 Column-parallel: the output dimension is split; each rank holds weight rows [rank*n/tp, (rank+1)*n/tp).
 Row-parallel: the input dimension is split; partial products are summed by one all-reduce.
 QKV-parallel: Q heads split on head boundaries, KV heads split too or replicated when tp > num_kv_heads.
+
+A GGUF weight may stay in its block format (`load_weight`, tensor_parallel_size 1): the layer then
+holds `quant` (gguf_quant.QuantizedTensor), its `weight` becomes a meta tensor (shape and dtype only:
+nothing reads fp32 values that are not there) and forward computes on the blocks natively.
 """
 
 from __future__ import annotations
@@ -14,6 +18,7 @@ from torch import nn
 
 from roofline.distributed.parallel_state import get_tp_rank, get_tp_size, tp_all_reduce
 from roofline.model_executor.layers import cpu_gemm
+from roofline.model_executor.layers.gguf_quant import QuantizedTensor
 
 
 def _divide(n: int, d: int, what: str) -> int:
@@ -28,9 +33,39 @@ class LinearBase(nn.Module):
         self.weight = nn.Parameter(torch.empty(out_features, in_features, dtype=dtype), requires_grad=False)
         self.bias = nn.Parameter(torch.empty(out_features, dtype=dtype), requires_grad=False) if bias else None
         self.cpu_packed: Optional[torch.Tensor] = None  # set by cpu_gemm.pack_model after loading (CPU)
+        self.quant: Optional[QuantizedTensor] = None  # the weight in GGUF blocks (load_weight)
+        self._dense_loaded = False  # a dense shard went into `weight`: blocks are no longer kept
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return cpu_gemm.linear(x, self.weight, self.cpu_packed, self.bias)
+        return cpu_gemm.linear(x, self.weight, self.cpu_packed, self.bias, self.quant)
+
+    def takes_quantized(self) -> bool:
+        """Whether GGUF blocks can stay here: a CPU layer of one rank (a shard of the input dimension
+        would cut blocks; the native kernels run on the CPU)."""
+        return getattr(self, "tp_size", 1) == 1 and self.weight.device.type in ("cpu", "meta")
+
+    def load_weight(self, loaded, shard_id=None) -> None:
+        """weight_loader for the weight that keeps a GGUF tensor's blocks (gguf_quant.QuantizedTensor)
+        where takes_quantized(): its rows go where weight_loader puts fp32 rows (at tp 1 the loaders move
+        whole rows only).  A shard in another format than the ones before it (community files mix Q4_K
+        and Q6_K within a layer), or a dense one, turns the layer back into fp32, and it stays fp32."""
+        quantized = isinstance(loaded, QuantizedTensor)
+        if quantized and self.quant is None and not self._dense_loaded and self.takes_quantized():
+            self.quant = QuantizedTensor.empty(self.weight.shape[0], self.weight.shape[1], loaded.qtype)
+            self.weight = nn.Parameter(torch.empty(self.weight.shape, dtype=self.weight.dtype, device="meta"),
+                                       requires_grad=False)
+        if quantized and self.quant is not None and self.quant.qtype == loaded.qtype:
+            self.weight_loader(self.quant.data, loaded.data, shard_id)
+            return
+        if self.quant is not None:  # rows not loaded yet dequantize to 0 and are overwritten later
+            self.weight = nn.Parameter(self.quant.dequantize().to(self.weight.dtype), requires_grad=False)
+            self.quant = None
+        self._dense_loaded = True
+        self.weight_loader(self.weight, (loaded.dequantize() if quantized else loaded).to(self.weight.dtype), shard_id)
+
+    def weight_bytes(self) -> int:
+        """Bytes this layer's weight occupies as computed on (blocks, or the dense tensor)."""
+        return self.quant.nbytes if self.quant is not None else self.weight.numel() * self.weight.element_size()
 
 
 class ReplicatedLinear(LinearBase):
@@ -114,7 +149,7 @@ class RowParallelLinear(LinearBase):
         param.data.copy_(loaded.narrow(1, self.tp_rank * n, n))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = cpu_gemm.linear(x, self.weight, self.cpu_packed)
+        y = cpu_gemm.linear(x, self.weight, self.cpu_packed, quant=self.quant)
         if self.reduce_results:
             y = tp_all_reduce(y)
         if self.bias is not None:

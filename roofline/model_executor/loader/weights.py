@@ -1,6 +1,9 @@
-"""Weight iterators: safetensors shards, GGUF (dequantized with the gguf package), random (dummy).
+"""Weight iterators: safetensors shards, GGUF (dequantized with the gguf package, or 2-D weights kept in
+their block format), random (dummy).
 
-Each yields (HF parameter name, tensor) so a model's load_weights reads one naming scheme.
+Each yields (HF parameter name, tensor) so a model's load_weights reads one naming scheme; with
+keep_quantized, a GGUF weight in a format the native kernels take comes as a
+gguf_quant.QuantizedTensor (its rows still permuted like an fp32 weight's).
 """
 
 from __future__ import annotations
@@ -13,6 +16,9 @@ from typing import Iterator
 import numpy as np
 import torch
 from tqdm import tqdm
+
+from roofline.model_executor.layers import gguf_quant
+from roofline.model_executor.layers.gguf_quant import QuantizedTensor
 
 
 def safetensors_weights(path: str, show_progress: bool = True) -> Iterator[tuple[str, torch.Tensor]]:
@@ -69,7 +75,11 @@ def _unpermute(w: torch.Tensor, n_head: int) -> torch.Tensor:
     return w.reshape(n_head, out // n_head // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def gguf_weights(file: str, hf_config, show_progress: bool = True) -> Iterator[tuple[str, torch.Tensor]]:
+def gguf_weights(file: str, hf_config, show_progress: bool = True,
+                 keep_quantized: bool = False) -> Iterator[tuple[str, torch.Tensor | QuantizedTensor]]:
+    """The file's tensors under HF names, dequantized to fp32; with keep_quantized, the 2-D weights of the
+    decoder layers in a format gguf_quant takes stay in their blocks (the embedding, read by rows, and
+    the LM head are dequantized)."""
     import gguf
 
     reader = gguf.GGUFReader(file)
@@ -77,18 +87,30 @@ def gguf_weights(file: str, hf_config, show_progress: bool = True) -> Iterator[t
     permute_qk = arch in ("llama", "mistral")
     n_head = hf_config.num_attention_heads
     n_kv = getattr(hf_config, "num_key_value_heads", None) or n_head
-    for t in tqdm(reader.tensors, desc="Dequantizing GGUF tensors", disable=not show_progress):
+    for t in tqdm(reader.tensors, desc="Reading GGUF tensors", disable=not show_progress):
         name = gguf_name_to_hf(t.name)
         if name is None:
             continue
-        arr = gguf.quants.dequantize(t.data, t.tensor_type)
         shape = tuple(int(d) for d in reversed(t.shape))  # ggml lists the fastest dim first
+        if (keep_quantized and len(shape) == 2 and gguf_quant.supported(int(t.tensor_type))
+                and name.startswith("model.layers.") and name.endswith(".weight")):
+            raw = torch.from_numpy(np.array(t.data, dtype=np.uint8).reshape(shape[0], -1))
+            w = QuantizedTensor(_permuted_rows(raw, name, permute_qk, n_head, n_kv), int(t.tensor_type), shape[1])
+            yield name, w
+            continue
+        arr = gguf.quants.dequantize(t.data, t.tensor_type)
         w = torch.from_numpy(np.array(arr, dtype=np.float32).reshape(shape))
-        if permute_qk and name.endswith("q_proj.weight"):
-            w = _unpermute(w, n_head)
-        elif permute_qk and name.endswith("k_proj.weight"):
-            w = _unpermute(w, n_kv)
-        yield name, w
+        yield name, _permuted_rows(w, name, permute_qk, n_head, n_kv)
+
+
+def _permuted_rows(w: torch.Tensor, name: str, permute_qk: bool, n_head: int, n_kv: int) -> torch.Tensor:
+    """Q/K weights of llama.cpp's llama/mistral files back in HF's row order; rows of blocks
+    move as rows of values do."""
+    if permute_qk and name.endswith("q_proj.weight"):
+        return _unpermute(w, n_head).contiguous()
+    if permute_qk and name.endswith("k_proj.weight"):
+        return _unpermute(w, n_kv).contiguous()
+    return w
 
 
 def init_dummy_weights(model: torch.nn.Module, seed: int = 0) -> None:

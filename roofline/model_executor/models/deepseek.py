@@ -33,7 +33,7 @@ from torch import nn
 from roofline.attention import kv_spec
 from roofline.attention.backend import AttentionBackend, AttentionMetadata
 from roofline.attention.mla import MLAWeights, get_mla_backend
-from roofline.distributed.parallel_state import get_tp_size, tp_all_reduce
+from roofline.distributed.parallel_state import get_pp_group, get_tp_size, tp_all_reduce
 from roofline.model_executor.layers.moe import FusedMoE
 from roofline.model_executor.layers.moe.router import routing_from_hf_config
 from roofline.model_executor.layers.linear import ColumnParallelLinear, ReplicatedLinear, RowParallelLinear
@@ -178,13 +178,23 @@ class DeepseekDecoderLayer(nn.Module):
 class DeepseekModel(nn.Module):
     def __init__(self, config, backend: AttentionBackend, v3: bool):
         super().__init__()
+        if get_pp_group().world_size > 1:
+            raise ValueError("pipeline parallelism does not split DeepSeek models yet (pipeline_parallel_size must be 1)")
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(DeepseekDecoderLayer(config, i, backend, v3)
                                     for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        # one stage holds everything (the names LlamaForCausalLM's loader and KV specs read)
+        self.start_layer, self.end_layer = 0, config.num_hidden_layers
+        self.is_first_stage = self.is_last_stage = True
+
+    @property
+    def stage_layers(self) -> list[nn.Module]:
+        return list(self.layers)
 
     def forward(self, input_ids, positions, kv_caches, meta: AttentionMetadata,
-                output_rows: Optional[torch.Tensor] = None):
+                output_rows: Optional[torch.Tensor] = None, intermediate=None):
+        """intermediate: unused (one pipeline stage holds the whole model)."""
         x = self.embed_tokens(input_ids)
         residual = None
         cos_sin = self.layers[0].self_attn.rotary.cos_sin(positions, x.dtype) if self.layers else None
@@ -198,6 +208,7 @@ class DeepseekV2ForCausalLM(LlamaForCausalLM):
     """DeepSeek-V2 (and V2-Lite / Coder-V2); load_weights, logits and the KV specs are Llama's."""
 
     is_v3 = False
+    keeps_quantized_weights = False  # expert stacks load dense tensors: GGUF blocks are dequantized
     # checkpoint name fragment -> (our parameter fragment, shard id); experts are mapped in load_weights
     stacked_params = [(".gate_proj", ".gate_up_proj", 0), (".up_proj", ".gate_up_proj", 1)]
     _EXPERT_SHARDS = {"gate_proj": "w1", "up_proj": "w3", "down_proj": "w2"}

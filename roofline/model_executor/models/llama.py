@@ -9,9 +9,16 @@ Qwen3 (per-head q/k RMSNorm).  One flat batch of N tokens from many requests goe
 The last layer drops the rows nobody reads once its attention has written and read the cache: a
 prefill chunk needs the hidden state of its last row only (unless prompt logprobs are asked for), so
 its O projection, MLP and final norm run on the wanted rows alone (`output_rows`).
+
+Pipeline parallelism (distributed/pipeline.py): a stage builds only its layers [start, end) (the
+others are MissingLayer), the first stage the embedding, the last the final norm and LM head; a stage
+other than the first starts from the previous stage's (hidden, residual), one other than the last
+returns them instead of the normed hidden states.
 """
 
 from __future__ import annotations
+
+import re
 
 from typing import Callable, Iterable, Optional
 
@@ -20,9 +27,12 @@ from torch import nn
 
 from roofline.attention import kv_spec
 from roofline.attention.backend import AttentionBackend, AttentionMetadata
+from roofline.distributed import pipeline
 from roofline.model_executor.layers import cpu_gemm
 from roofline.model_executor.layers.activation import SiluAndMul
+from roofline.model_executor.layers.gguf_quant import QuantizedTensor
 from roofline.model_executor.layers.linear import (
+    LinearBase,
     MergedColumnParallelLinear,
     QKVParallelLinear,
     RowParallelLinear,
@@ -127,38 +137,61 @@ class LlamaModel(nn.Module):
                  make_mlp: Callable[[object, int], nn.Module]):
         """make_mlp(config, layer_idx): each layer's feed-forward block."""
         super().__init__()
-        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
+        self.start_layer, self.end_layer = pipeline.stage_layers(config.num_hidden_layers)
+        self.is_first_stage, self.is_last_stage = pipeline.is_first_stage(), pipeline.is_last_stage()
+        self.embed_tokens = (VocabParallelEmbedding(config.vocab_size, config.hidden_size) if self.is_first_stage
+                             else pipeline.MissingLayer())
         self.layers = nn.ModuleList(
             LlamaDecoderLayer(config, i, backend, qk_norm, qkv_bias, o_bias, make_mlp)
+            if self.start_layer <= i < self.end_layer else pipeline.MissingLayer()
             for i in range(config.num_hidden_layers)
         )
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps) if self.is_last_stage else pipeline.MissingLayer()
         self.cpu_stack = None  # llama_cpu_stack.CpuLayerStack where it applies (set after loading, CPU)
 
+    @property
+    def stage_layers(self) -> list["LlamaDecoderLayer"]:
+        """This pipeline stage's layers, in order (every layer without pipeline parallelism)."""
+        return list(self.layers[self.start_layer : self.end_layer])
+
     def forward(self, input_ids, positions, kv_caches: list[torch.Tensor], meta: AttentionMetadata,
-                output_rows: Optional[torch.Tensor] = None):
+                output_rows: Optional[torch.Tensor] = None,
+                intermediate: Optional[tuple[torch.Tensor, torch.Tensor]] = None):
         """-> [N, d] final hidden states, or [K, d] for output_rows (K increasing row indices) alone:
-        rows nobody reads (a prefill chunk's, but the last) leave the last layer after its attention."""
-        x = self.embed_tokens(input_ids)
-        residual = None
-        keep = output_rows
+        rows nobody reads (a prefill chunk's, but the last) leave the last layer after its attention.
+        Pipeline stages: `intermediate` is the previous stage's (hidden, residual) [N, d] each (not on
+        the first stage); a stage other than the last returns its (hidden, residual)."""
+        if self.is_first_stage:
+            x, residual = self.embed_tokens(input_ids), None
+        else:
+            x, residual = intermediate
+        keep = output_rows if self.is_last_stage else None
         if keep is not None and x.is_cpu and not cpu_gemm.routes_alike(x.shape[0], keep.shape[0]):
             keep = None  # a lone row would take the GEMV route, not its batch's: taken after the norm instead
+        layers = self.stage_layers
         # every layer shares one rope table: look it up once per step, not once per layer
-        cos_sin = self.layers[0].self_attn.rotary.cos_sin(positions, x.dtype) if self.layers else None
+        cos_sin = layers[0].self_attn.rotary.cos_sin(positions, x.dtype) if layers else None
         if self.cpu_stack is not None and self.cpu_stack.takes(x):
             x = self.cpu_stack(x, cos_sin, kv_caches, meta, keep)  # the same kernels, called from C
         else:
-            last = len(self.layers) - 1
-            for i, (layer, kv_cache) in enumerate(zip(self.layers, kv_caches)):
+            last = len(layers) - 1
+            for i, (layer, kv_cache) in enumerate(zip(layers, kv_caches)):
                 x, residual = layer(positions, x, residual, kv_cache, meta, cos_sin, keep if i == last else None)
-            if keep is not None and not self.layers:
+            if not self.is_last_stage:
+                return x, residual
+            if keep is not None and not layers:
                 x = x[keep]
             x, _ = self.norm(x, residual)
         return x if output_rows is None or keep is not None else x[output_rows]
 
 
+def _dense(tensor) -> torch.Tensor:
+    """A checkpoint tensor as a dense tensor (GGUF blocks dequantized)."""
+    return tensor.dequantize() if isinstance(tensor, QuantizedTensor) else tensor
+
+
 class LlamaForCausalLM(nn.Module):
+    keeps_quantized_weights = True  # load_weights takes gguf_quant.QuantizedTensor (linear layers keep blocks)
     qk_norm = False
     qkv_bias_default = False
     o_bias_follows_qkv = True  # Llama/Qwen3: o_proj has a bias iff attention_bias; Qwen2: never
@@ -180,9 +213,11 @@ class LlamaForCausalLM(nn.Module):
         self.attention_backend = backend
         self.model = LlamaModel(config, backend, self.qk_norm, qkv_bias, o_bias, self.make_mlp)
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
-        self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size)
-        if self.tie_word_embeddings:
-            self.lm_head.weight = self.model.embed_tokens.weight
+        inner = self.model
+        self.lm_head = (ParallelLMHead(config.vocab_size, config.hidden_size) if inner.is_last_stage
+                        else pipeline.MissingLayer())
+        if self.tie_word_embeddings and inner.is_first_stage and inner.is_last_stage:
+            self.lm_head.weight = inner.embed_tokens.weight
 
     def qkv_bias(self, config) -> bool:
         return bool(getattr(config, "attention_bias", self.qkv_bias_default))
@@ -191,12 +226,26 @@ class LlamaForCausalLM(nn.Module):
         """Layer layer_idx's feed-forward block (mixture-of-experts models override this)."""
         return LlamaMLP(config)
 
-    def forward(self, input_ids, positions, kv_caches, meta, output_rows: Optional[torch.Tensor] = None) -> torch.Tensor:
-        return self.model(input_ids, positions, kv_caches, meta, output_rows)
+    def forward(self, input_ids, positions, kv_caches, meta, output_rows: Optional[torch.Tensor] = None,
+                intermediate: Optional[tuple[torch.Tensor, torch.Tensor]] = None):
+        return self.model(input_ids, positions, kv_caches, meta, output_rows, intermediate)
 
     def kv_cache_specs(self) -> list[kv_spec.KVCacheSpec]:
-        """What each layer caches, in layer order (the worker sizes and allocates the pool from it)."""
-        return [layer.self_attn.kv_cache_spec() for layer in self.model.layers]
+        """What each of this stage's layers caches, in layer order (the worker sizes and allocates the
+        pool from it)."""
+        return [layer.self_attn.kv_cache_spec() for layer in self.model.stage_layers]
+
+    def holds_tensor(self, name: str) -> bool:
+        """Whether checkpoint tensor `name` belongs to this pipeline stage."""
+        inner = self.model
+        m = _LAYER_NAME.match(name)
+        if m is not None:
+            return inner.start_layer <= int(m[1]) < inner.end_layer
+        if name.startswith("model.embed_tokens."):
+            return inner.is_first_stage
+        if name.startswith(("model.norm.", "lm_head.")):
+            return inner.is_last_stage
+        return True
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head.compute_logits(hidden)
@@ -209,11 +258,17 @@ class LlamaForCausalLM(nn.Module):
         """Load checkpoint tensors named as in HF; returns the parameters that were filled."""
         params = dict(self.named_parameters(remove_duplicate=False))
         loaded: set[str] = set()
+        inner = self.model
         for name, tensor in weights:
             if "rotary_emb.inv_freq" in name:
                 continue
             if self.tie_word_embeddings and name.startswith("lm_head."):
                 continue  # tied to the embedding
+            if self.tie_word_embeddings and inner.is_last_stage and not inner.is_first_stage \
+                    and name == "model.embed_tokens.weight":
+                name = "lm_head.weight"  # the last stage holds the tied LM head without the embedding
+            elif not self.holds_tensor(name):
+                continue  # another pipeline stage's
             target = self._load_tensor(name, tensor, params)
             if target is not None:
                 loaded.add(target)
@@ -222,19 +277,29 @@ class LlamaForCausalLM(nn.Module):
         return loaded
 
     def _load_tensor(self, name: str, tensor: torch.Tensor, params: dict[str, nn.Parameter]) -> Optional[str]:
-        """Copy one checkpoint tensor into its parameter (this rank's slice); returns the parameter's name."""
+        """Copy one checkpoint tensor into its parameter (this rank's slice); returns the parameter's name.
+        A GGUF tensor kept in blocks (gguf_quant.QuantizedTensor: keeps_quantized_weights) goes to its
+        linear layer's load_weight; anywhere else it is dequantized."""
         for frag, ours, shard in self.stacked_params:
             if frag in name:
                 target = name.replace(frag, ours)
                 if target not in params:
                     return None
-                p = params[target]
-                self._owner(target).weight_loader(p, tensor.to(p.dtype), shard)
+                owner = self._owner(target)
+                if isinstance(owner, LinearBase) and target.endswith(".weight"):
+                    owner.load_weight(tensor, shard)
+                else:
+                    p = params[target]
+                    owner.weight_loader(p, _dense(tensor).to(p.dtype), shard)
                 return target
         if name not in params:
             raise ValueError(f"checkpoint tensor {name!r} has no matching parameter in {type(self).__name__}")
-        p = params[name]
         owner = self._owner(name)
+        if isinstance(owner, LinearBase) and name.endswith(".weight"):
+            owner.load_weight(tensor)
+            return name
+        tensor = _dense(tensor)
+        p = params[name]
         if hasattr(owner, "weight_loader"):
             owner.weight_loader(p, tensor.to(p.dtype))
         else:
@@ -243,6 +308,9 @@ class LlamaForCausalLM(nn.Module):
 
     def _owner(self, param_name: str) -> nn.Module:
         return self.get_submodule(param_name.rsplit(".", 1)[0])
+
+
+_LAYER_NAME = re.compile(r"model\.layers\.(\d+)\.")
 
 
 class Qwen2ForCausalLM(LlamaForCausalLM):

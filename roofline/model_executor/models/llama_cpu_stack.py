@@ -10,7 +10,9 @@ kernels in the same order with the same arguments: its hidden states are bit-ide
 path (tested), only the interpreter is gone.
 
 It applies (`attach` sets `model.model.cpu_stack`) to an fp32 model on the CPU with the native kernels
-loaded, tensor_parallel_size 1, the 'cpu' attention backend, every projection packed, a gate/up
+loaded, tensor_parallel_size 1, the 'cpu' attention backend, every projection packed or kept in GGUF
+blocks (then quant_kernels.c multiplies it, and a gate/up projection runs before silu_and_mul, as in the
+modules), a gate/up
 projection without bias whose halves are 16-aligned and a head size that is a multiple of 16; and
 per step (`takes`) to batches of 2 or more rows and to single rows (one stream decoding), which go
 through the native GEMV over the dense [in x out]-major weights there as in the modules.
@@ -33,13 +35,19 @@ SWITCH = Switch("ROOFLINE_CPU_LAYER_STACK")
 
 # per-layer address slots, in the order of the enum in cpu_kernels.c
 (IN_NORM, QKV, QKV_BIAS, Q_NORM, K_NORM, O, O_BIAS, POST_NORM, GATE_UP, DOWN, DOWN_BIAS,
- QKV_DENSE, O_DENSE, GATE_UP_DENSE, DOWN_DENSE, K_CACHE, V_CACHE) = range(17)
-FIELDS = 17
+ QKV_DENSE, O_DENSE, GATE_UP_DENSE, DOWN_DENSE, K_CACHE, V_CACHE,
+ QKV_QUANT, O_QUANT, GATE_UP_QUANT, DOWN_QUANT, QUANT_TYPES) = range(22)
+FIELDS = 22
 
 
 def _gemv_layout(weight: torch.Tensor) -> bool:
     """A dense weight [out, in] stored [in x out]-major, as cpu_ops.gemv reads it (cpu_gemm.relayout)."""
     return weight.dim() == 2 and weight.stride(0) == 1 and weight.stride(1) == weight.shape[0]
+
+
+def _projections(layer) -> tuple:
+    """A decoder layer's four projections, in the order of their table slots."""
+    return (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj)
 
 
 def _shared(layers, value):
@@ -72,17 +80,22 @@ class CpuLayerStack:
         self.table = torch.zeros((len(layers), FIELDS), dtype=torch.int64)
         self._keep = []  # every addressed tensor, alive as long as the table
         # a single row takes the modules' GEMV route over the dense weights where they have its layout
-        self.single_rows = all(_gemv_layout(lin.weight) for layer in layers for lin in
-                               (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj,
-                                layer.mlp.down_proj))
+        # (a projection kept in GGUF blocks takes the quantized kernels' GEMV, as in the module)
+        self.single_rows = all(lin.quant is not None or _gemv_layout(lin.weight) for layer in layers
+                               for lin in _projections(layer))
         for i, layer in enumerate(layers):
             a, m = layer.self_attn, layer.mlp
-            if self.single_rows:
-                for slot, lin in ((QKV_DENSE, a.qkv_proj), (O_DENSE, a.o_proj), (GATE_UP_DENSE, m.gate_up_proj),
-                                  (DOWN_DENSE, m.down_proj)):
+            slots = ((QKV_DENSE, QKV_QUANT, a.qkv_proj), (O_DENSE, O_QUANT, a.o_proj),
+                     (GATE_UP_DENSE, GATE_UP_QUANT, m.gate_up_proj), (DOWN_DENSE, DOWN_QUANT, m.down_proj))
+            for j, (dense_slot, quant_slot, lin) in enumerate(slots):
+                if lin.quant is not None:
+                    self._keep.append(lin.quant.data)
+                    self.table[i, quant_slot] = lin.quant.data.data_ptr()
+                    self.table[i, QUANT_TYPES] |= lin.quant.qtype << (8 * j)
+                elif self.single_rows:
                     w = lin.weight.detach()
                     self._keep.append(w)
-                    self.table[i, slot] = w.data_ptr()
+                    self.table[i, dense_slot] = w.data_ptr()
             row = {
                 IN_NORM: layer.input_layernorm.weight, QKV: a.qkv_proj.cpu_packed, QKV_BIAS: a.qkv_proj.bias,
                 Q_NORM: a.q_norm.weight if a.q_norm is not None else None,
@@ -105,6 +118,8 @@ class CpuLayerStack:
         from roofline.attention.cpu_backend import CpuAttentionBackend
 
         inner = getattr(model, "model", None)
+        if not (getattr(inner, "is_first_stage", True) and getattr(inner, "is_last_stage", True)):
+            return "pipeline parallel (a stage holds part of the layers)"
         layers = list(getattr(inner, "layers", []))
         if not layers:
             return "no decoder layers"
@@ -123,9 +138,9 @@ class CpuLayerStack:
                 return f"attention backend {a.backend.name!r}, not 'cpu'"
             if a.o_proj.tp_size != 1 or a.qkv_proj.tp_size != 1:
                 return "tensor parallel"
-            linears = (a.qkv_proj, a.o_proj, m.gate_up_proj, m.down_proj)
-            if any(lin.cpu_packed is None or lin.weight.dtype != torch.float32 for lin in linears):
-                return f"layer {i}: a projection is not a packed fp32 weight"
+            if any(lin.quant is None and (lin.cpu_packed is None or lin.weight.dtype != torch.float32)
+                   for lin in _projections(layer)):
+                return f"layer {i}: a projection is neither a packed fp32 weight nor kept in GGUF blocks"
             if m.gate_up_proj.bias is not None or (m.gate_up_proj.weight.shape[0] // 2) % cpu_ops.PANEL:
                 return "gate/up projection with a bias or halves not 16-aligned"
             if specs[i].head_size % cpu_ops.PANEL or a.num_heads % specs[i].num_kv_heads:

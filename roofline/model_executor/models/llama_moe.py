@@ -50,6 +50,7 @@ class SparseMoeBlock(nn.Module):
 
 
 class LlamaMoeForCausalLM(LlamaForCausalLM):
+    keeps_quantized_weights = False  # expert stacks load dense tensors: GGUF blocks are dequantized
     # checkpoint name fragment -> ours, applied before anything else (Mixtral's "block_sparse_moe")
     renamed_modules: dict[str, str] = {}
 

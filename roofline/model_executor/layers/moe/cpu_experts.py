@@ -1,11 +1,12 @@
 """The expert compute of a MoE layer on the CPU in fp32, on the native kernels of cpu_ops.py.
 
-Tokens are grouped by expert with one stable argsort of the chosen ids (no Python loop over tokens);
-each ACTIVE expert then runs its rows through one native call per projection: the packed GEMM with
-the SiLU-and-mul fused into the gate/up pass (cpu_ops.gemm_packed_silu_mul; gemm_packed + silu_and_mul
-when the expert width is not 16-aligned) and the packed down GEMM, or for a single row the threaded
-GEMV over the dense weight.  The rows' outputs are scaled by their routing weights, put back in
-(token, slot) order (index_copy_) and summed over each token's k slots.
+Tokens are grouped by expert with one stable argsort of the chosen ids (no Python loop over tokens).
+Where the expert width is a multiple of 16 (every W6/DeepSeek/Qwen/Mixtral shape), the whole layer is
+then ONE native call (cpu_ops.moe_experts): gather the rows, every active expert's gate/up GEMM with
+the SiLU-and-mul fused in and its down GEMM on the packed panels -- the (expert, row block, panel
+group) work items of all experts dealt to one thread team -- and the routing-weighted sum back per
+token.  Other widths run one native call per projection of each ACTIVE expert (the packed GEMM, or
+the threaded GEMV for a single row) and combine in torch.
 
 `CpuExperts.build` makes, once after loading (cpu_gemm.prepare_model), a packed copy of every
 expert's two weights (cpu_ops.pack_panels) and lays the dense stacks out [in x out]-major per expert
@@ -57,7 +58,7 @@ class CpuExperts:
                 and cpu_ops.available())
 
     def _expert(self, rows: torch.Tensor, e: int, w13: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
-        """rows [c, H] through expert e -> [c, H]."""
+        """rows [c, H] through expert e -> [c, H] (widths that are not a multiple of 16)."""
         if rows.shape[0] == 1 and cpu_ops.can_gemv(rows, w13[e]):
             h = cpu_ops.silu_and_mul(cpu_ops.gemv(rows, w13[e]))
             if cpu_ops.can_gemv(h, w2[e]):
@@ -75,6 +76,12 @@ class CpuExperts:
         n, k = ids.shape
         order, counts = grouped_by_expert(ids, w13.shape[0])
         tokens = order // k
+        if self.inter % cpu_ops.PANEL == 0:
+            offsets = torch.zeros(counts.numel() + 1, dtype=torch.int64)
+            torch.cumsum(counts, 0, out=offsets[1:])
+            slot_row = torch.empty_like(order).index_copy_(0, order, torch.arange(order.numel()))
+            return cpu_ops.moe_experts(x, tokens, slot_row, weights.reshape(-1).to(torch.float32).contiguous(),
+                                       offsets, self.w13_packed, self.w2_packed, self.inter)
         x_sorted = x.index_select(0, tokens)  # [N*k, H], rows of one expert together
         y_sorted = torch.empty_like(x_sorted)
         start = 0

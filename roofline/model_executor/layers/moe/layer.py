@@ -7,6 +7,13 @@ dimension I split (I/tp gate rows, I/tp up rows, I/tp down columns), so a rank's
 sum; `reduce_results=True` all-reduces it here, `False` leaves it to the model, which adds its shared
 experts' partial output first and does ONE all-reduce per MoE layer.
 
+Under expert parallelism (distributed/layout.py's EP group, size > 1) a rank instead holds
+`per_rank` whole experts (w13_weight [per_rank, 2I, H]); expert_parallel.py places them and moves each
+token to its experts' ranks and back.  The tensor-parallel ranks of one batch each send their own
+share of its tokens, so the layer's output is again a partial sum over the TP group (rows of the
+other TP ranks' shares are zero) and the same one all-reduce completes it.  `expert_load` counts the
+tokens routed to each logical expert (from this rank's share) for EPLB (eplb/state.py).
+
 Expert compute by where the tensors live:
     CPU, fp32, native kernels loaded  cpu_experts.CpuExperts (packed per-expert GEMMs, set by prepare_cpu)
     CUDA                              triton_moe.triton_experts (grouped GEMM over expert-sorted rows)
@@ -20,8 +27,10 @@ from typing import Optional
 import torch
 from torch import nn
 
-from roofline.distributed.parallel_state import get_tp_rank, get_tp_size, tp_all_reduce
+from roofline.distributed.parallel_state import get_ep_group, get_layout, get_tp_group, tp_all_reduce
+from roofline.eplb.algorithm import initial_placement
 from roofline.model_executor.layers.moe.cpu_experts import CpuExperts
+from roofline.model_executor.layers.moe.expert_parallel import EXCHANGES, ExpertMap
 from roofline.model_executor.layers.moe.router import RoutingConfig, select_experts
 from roofline.model_executor.layers.moe.torch_experts import torch_experts
 
@@ -34,7 +43,16 @@ class FusedMoE(nn.Module):
         """width_field: the config field intermediate_size came from (named when tp does not divide it)."""
         super().__init__()
         routing.validate(num_experts)
-        self.tp_size, self.tp_rank = get_tp_size(), get_tp_rank()
+        tp, ep, layout = get_tp_group(), get_ep_group(), get_layout()
+        self.tp_group, self.ep_group = tp, ep
+        self.expert_map: Optional[ExpertMap] = None
+        if ep.world_size > 1:  # whole experts on each rank; the intermediate dimension is not split
+            self.expert_map = ExpertMap(initial_placement(num_experts, ep.world_size, layout.num_redundant_experts),
+                                        ep.rank_in_group)
+            self.exchange = EXCHANGES[layout.all2all_backend]
+            self.tp_size, self.tp_rank = 1, 0
+        else:
+            self.tp_size, self.tp_rank = tp.world_size, tp.rank_in_group
         if intermediate_size % self.tp_size:
             raise ValueError(f"{width_field} ({intermediate_size}) is not divisible by tensor_parallel_size "
                              f"({self.tp_size})")
@@ -43,9 +61,10 @@ class FusedMoE(nn.Module):
         self.inter_local = intermediate_size // self.tp_size
         self.routing = routing
         self.reduce_results = reduce_results
-        self.w13_weight = nn.Parameter(torch.empty(num_experts, 2 * self.inter_local, hidden_size),
-                                       requires_grad=False)
-        self.w2_weight = nn.Parameter(torch.empty(num_experts, hidden_size, self.inter_local), requires_grad=False)
+        slots = num_experts if self.expert_map is None else self.expert_map.per_rank
+        self.w13_weight = nn.Parameter(torch.empty(slots, 2 * self.inter_local, hidden_size), requires_grad=False)
+        self.w2_weight = nn.Parameter(torch.empty(slots, hidden_size, self.inter_local), requires_grad=False)
+        self.expert_load: Optional[torch.Tensor] = None  # [num_experts] token counts, set by eplb.state
         self.cpu_experts: Optional[CpuExperts] = None  # set by prepare_cpu after loading
         self._loaded: set[tuple[int, str]] = set()
 
@@ -63,12 +82,19 @@ class FusedMoE(nn.Module):
         if tuple(loaded.shape) != want:
             raise ValueError(f"expert {expert_id} {shard_id}: checkpoint shape {tuple(loaded.shape)}, expected {want}")
         loaded = loaded.to(param.dtype)
-        if shard_id == "w2":
-            param.data[expert_id].copy_(loaded.narrow(1, start, n))
-        else:
-            offset = 0 if shard_id == "w1" else n
-            param.data[expert_id].narrow(0, offset, n).copy_(loaded.narrow(0, start, n))
+        for slot in self.local_slots(expert_id):
+            if shard_id == "w2":
+                param.data[slot].copy_(loaded.narrow(1, start, n))
+            else:
+                offset = 0 if shard_id == "w1" else n
+                param.data[slot].narrow(0, offset, n).copy_(loaded.narrow(0, start, n))
         self._loaded.add((expert_id, shard_id))
+
+    def local_slots(self, expert_id: int) -> list[int]:
+        """The slots of this rank's w13/w2 stacks that hold logical expert `expert_id` (none: another rank's)."""
+        if self.expert_map is None:
+            return [expert_id]
+        return [s for s, e in enumerate(self.expert_map.local_logical) if e == expert_id]
 
     def load_stacked(self, kind: str, loaded: torch.Tensor) -> None:
         """A stacked 3-D checkpoint tensor holding every expert: "gate_up_proj" [E, 2I, H] (gate rows then
@@ -107,9 +133,40 @@ class FusedMoE(nn.Module):
             return triton_experts(x, self.w13_weight, self.w2_weight, weights, ids)
         return torch_experts(x, self.w13_weight, self.w2_weight, weights, ids)
 
+    def _local_experts(self, rows: torch.Tensor, slots: torch.Tensor, weights: Optional[torch.Tensor]) -> torch.Tensor:
+        """rows [M, H] through this rank's expert slots [M], scaled by weights [M] (None: 1) -> [M, H]."""
+        if rows.shape[0] == 0:
+            return torch.zeros_like(rows)
+        if weights is None:
+            weights = torch.ones(rows.shape[0], dtype=torch.float32, device=rows.device)
+        return self.experts(rows, weights[:, None], slots[:, None])
+
     def forward(self, x: torch.Tensor, router_logits: torch.Tensor,
                 correction_bias: Optional[torch.Tensor] = None) -> torch.Tensor:
         """x [N, H], router_logits [N, E] -> [N, H]."""
         weights, ids = select_experts(router_logits, self.routing, correction_bias)
-        y = self.experts(x, weights, ids)
+        if self.expert_map is None:
+            if self.expert_load is not None:
+                self.expert_load += torch.bincount(ids.reshape(-1), minlength=self.num_experts)
+            y = self.experts(x, weights, ids)
+        else:
+            y = self._expert_parallel(x, weights, ids)
         return tp_all_reduce(y) if self.reduce_results else y
+
+    def _expert_parallel(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """This TP rank's share of the tokens through the EP exchange; other shares' rows stay zero."""
+        tp = self.tp_group
+        bounds = [len(c) for c in torch.arange(x.shape[0]).tensor_split(tp.world_size)]
+        start = sum(bounds[:tp.rank_in_group])
+        n = bounds[tp.rank_in_group]
+        ids_mine = ids[start:start + n]
+        if self.expert_load is not None:
+            self.expert_load += torch.bincount(ids_mine.reshape(-1), minlength=self.num_experts)
+        physical = self.expert_map.choose(ids_mine, offset=start)
+        y_mine = self.exchange(x[start:start + n], weights[start:start + n], physical, self.expert_map.per_rank,
+                               self.ep_group, self._local_experts)
+        if tp.world_size == 1:
+            return y_mine
+        y = torch.zeros_like(x)
+        y[start:start + n] = y_mine
+        return y

@@ -1,0 +1,147 @@
+"""GGUF block-quantized weights kept in their file format and multiplied natively on the CPU.
+
+A `QuantizedTensor` is a 2-D weight [rows x cols] as a GGUF file stores it: each row cols/QK blocks of
+one format (Q4_0, Q4_1, Q8_0, Q4_K, Q5_K, Q6_K), held as uint8 [rows x row_bytes].  Rows are whole
+block runs, so the loaders' row operations (llama.cpp's Q/K row permutation undone, shards of a fused
+QKV or gate/up projection placed at their row offsets) apply to the bytes as to fp32 rows.
+
+`linear(x, weight, bias)` computes F.linear(x, dequantize(weight), bias) with quant_kernels.c, which
+expands blocks in registers to exactly gguf.quants.dequantize's values and accumulates in fp32: a single
+row by a GEMV that reads each block once; more rows through the packed GEMM of cpu_kernels.c over
+panels expanded on the fly (bit-identical to cpu_ops.gemm_packed over the dequantized weight).
+
+Which formats and why: the default model's file is Q4_1 with a Q8_0 embedding; Q4_0 is the other
+legacy 4-bit format; community "Q4_K_M" / "Q5_K_M" files mix Q4_K, Q5_K and Q6_K.  Other formats are
+dequantized to fp32 by the loader, as before.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from dataclasses import dataclass
+from typing import Optional
+
+import numpy as np
+import torch
+
+from roofline.model_executor.layers import cpu_ops
+
+# ggml type id -> (name, values per block, bytes per block), as in ggml.h / gguf.constants
+FORMATS = {
+    2: ("Q4_0", 32, 18),
+    3: ("Q4_1", 32, 20),
+    8: ("Q8_0", 32, 34),
+    12: ("Q4_K", 256, 144),
+    13: ("Q5_K", 256, 176),
+    14: ("Q6_K", 256, 210),
+}
+
+_P, _I = ctypes.c_void_p, ctypes.c_int64
+cpu_ops.declare("quant_block_elems", [ctypes.c_int], _I)
+cpu_ops.declare("quant_block_bytes", [ctypes.c_int], _I)
+cpu_ops.declare("quant_dequantize_f32", [ctypes.c_int, _P, _I, _I, _I, _P, ctypes.c_int])
+cpu_ops.declare("quant_linear_f32", [ctypes.c_int, _P, _I, _P, _I, _P, _P, _I, _I, _I, _I, ctypes.c_int])
+
+
+def format_name(qtype: int) -> str:
+    return FORMATS[qtype][0] if qtype in FORMATS else f"ggml type {qtype}"
+
+
+def supported(qtype: int) -> bool:
+    """Whether the native kernels compute on this ggml type (else the loader dequantizes it)."""
+    return qtype in FORMATS
+
+
+@dataclass
+class QuantizedTensor:
+    """A [rows x cols] weight in GGUF blocks: data uint8 [rows x row_bytes] (contiguous), qtype a ggml id."""
+
+    data: torch.Tensor
+    qtype: int
+    cols: int
+
+    def __post_init__(self) -> None:
+        if self.qtype not in FORMATS:
+            raise ValueError(f"{format_name(self.qtype)} is not a format the native kernels take")
+        _, qk, bb = FORMATS[self.qtype]
+        if self.cols % qk or self.data.dtype != torch.uint8 or self.data.dim() != 2 \
+                or self.data.shape[1] != self.cols // qk * bb:
+            raise ValueError(f"a {format_name(self.qtype)} tensor of {self.cols} columns needs uint8 rows of "
+                             f"{self.cols // qk * bb} bytes, got {self.data.dtype} {tuple(self.data.shape)}")
+
+    @classmethod
+    def empty(cls, rows: int, cols: int, qtype: int) -> "QuantizedTensor":
+        """Zeroed blocks (every value 0) for a loader to fill row ranges of."""
+        return cls(torch.zeros((rows, row_bytes(qtype, cols)), dtype=torch.uint8), qtype, cols)
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return (self.data.shape[0], self.cols)
+
+    @property
+    def nbytes(self) -> int:
+        return self.data.numel()
+
+    @property
+    def format(self) -> str:
+        return format_name(self.qtype)
+
+    def dequantize(self) -> torch.Tensor:
+        """fp32 [rows x cols] by gguf's own dequantization (the reference, and the fallback)."""
+        import gguf
+
+        arr = gguf.quants.dequantize(self.data.numpy(), gguf.GGMLQuantizationType(self.qtype))
+        return torch.from_numpy(np.ascontiguousarray(arr, dtype=np.float32).reshape(self.shape))
+
+
+def row_bytes(qtype: int, cols: int) -> int:
+    _, qk, bb = FORMATS[qtype]
+    if cols % qk:
+        raise ValueError(f"{format_name(qtype)} rows hold a multiple of {qk} values, not {cols}")
+    return cols // qk * bb
+
+
+def dequantize_native(weight: QuantizedTensor) -> torch.Tensor:
+    """fp32 [rows x cols] by the kernels' own expansion (tests compare it with QuantizedTensor.dequantize)."""
+    rows, cols = weight.shape
+    out = torch.empty((rows, cols), dtype=torch.float32)
+    cpu_ops.library().quant_dequantize_f32(weight.qtype, weight.data.data_ptr(), weight.data.shape[1], rows, cols,
+                                           out.data_ptr(), torch.get_num_threads())
+    return out
+
+
+def linear(x: torch.Tensor, weight: QuantizedTensor, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """F.linear(x, weight.dequantize(), bias) for fp32 CPU x [M x cols] (see the module doc)."""
+    if not cpu_ops.accepts(x) or x.dim() != 2 or x.shape[1] != weight.cols:
+        raise ValueError(f"quantized linear takes fp32 CPU rows [M x {weight.cols}] with unit stride, got "
+                         f"{x.dtype} {tuple(x.shape)} on {x.device}")
+    m = x.shape[0]
+    n = weight.data.shape[0]
+    y = torch.empty((m, n), dtype=torch.float32)
+    if m == 0:
+        return y
+    if m == 1 and not x.is_contiguous():
+        x = x.contiguous()
+    b = None if bias is None else bias.contiguous()
+    cpu_ops.library().quant_linear_f32(weight.qtype, x.data_ptr(), x.stride(0), weight.data.data_ptr(),
+                                       weight.data.shape[1], None if b is None else b.data_ptr(), y.data_ptr(), n,
+                                       m, weight.cols, n, torch.get_num_threads())
+    return y
+
+
+def weight_bytes_by_format(model: torch.nn.Module) -> dict[str, int]:
+    """The bytes a model's weights occupy as its layers compute on them, by format ("Q4_1", "float32",
+    ...): blocks where a layer keeps them (a module's `quant`), every other parameter once (tied ones
+    once); packed copies and caches not counted."""
+    out: dict[str, int] = {}
+    seen: set[int] = set()
+    for module in model.modules():
+        q = getattr(module, "quant", None)
+        if isinstance(q, QuantizedTensor):
+            out[q.format] = out.get(q.format, 0) + q.nbytes
+    for p in model.parameters():  # unique parameters (tied ones once); meta ones hold nothing
+        if p.device.type != "meta" and id(p) not in seen:
+            seen.add(id(p))
+            name = str(p.dtype).replace("torch.", "")
+            out[name] = out.get(name, 0) + p.numel() * p.element_size()
+    return out

@@ -1,0 +1,127 @@
+"""Weights kept in GGUF blocks (--gguf-weights native): the engine computes on them natively and is
+the same function as HF transformers over the dequantized values -- every format, batched and single
+stream, with the layer stack -- and the default model runs on its Q4_1 blocks by default."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from roofline import LLM, SamplingParams
+from roofline.model_executor.layers import cpu_ops
+from roofline.model_executor.layers.gguf_quant import FORMATS
+from roofline.model_executor.models import llama_cpu_stack
+from tests.reference.hf_models import build_tiny_model, hf_greedy, hf_logprobs, random_prompts
+from tests.reference.quantized import quantized_layer_weights, serve_blocks
+
+pytestmark = pytest.mark.skipif(not cpu_ops.available(), reason="native CPU kernels not built here")
+
+# 256-wide layers: the K-quants' super-blocks are 256 values
+WIDE = dict(hidden_size=256, intermediate_size=512, num_attention_heads=4, num_key_value_heads=2)
+
+
+@pytest.fixture(scope="module")
+def wide_llama(tmp_path_factory):
+    path = str(tmp_path_factory.mktemp("wide-llama"))
+    return path, build_tiny_model("llama", path, seed=2, **WIDE)
+
+
+def _generate(llm, prompts, max_tokens=16):
+    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True, logprobs=3)
+    return llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+
+
+def _assert_matches_hf(outs, prompts, hf_model):
+    for p, out in zip(prompts, outs):
+        ours = out.outputs[0].token_ids
+        assert ours == hf_greedy(hf_model, p, len(ours))
+        ref_lp = hf_logprobs(hf_model, p + ours[:-1])[len(p) - 1:]
+        for pos, lp in enumerate(out.outputs[0].logprobs):
+            for tid, entry in lp.items():
+                assert abs(entry.logprob - ref_lp[pos, tid].item()) < 1e-3
+
+
+@pytest.mark.parametrize("qtype", sorted(FORMATS))
+def test_every_format_matches_hf_on_the_dequantized_weights(qtype, wide_llama, monkeypatch):
+    path, hf_model = wide_llama
+    blocks = quantized_layer_weights(hf_model, qtype)  # hf_model now holds the blocks' values
+    serve_blocks(monkeypatch, blocks)
+    llm = LLM(path, dtype="float32", device="cpu", num_kv_blocks=256, max_num_batched_tokens=32,
+              show_progress=False)
+    worker = llm.llm_engine.executor.worker
+    layer = worker.model.model.layers[0]
+    for lin in (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj):
+        assert lin.quant is not None and lin.quant.format == FORMATS[qtype][0]
+        assert lin.weight.device.type == "meta" and lin.cpu_packed is None  # no fp32 copy kept
+    assert isinstance(worker.model.model.cpu_stack, llama_cpu_stack.CpuLayerStack)
+    assert worker.weight_bytes[FORMATS[qtype][0]] == sum(b.nbytes for b in blocks.values())
+
+    vocab = hf_model.config.vocab_size
+    prompts = random_prompts(5, vocab, 3, 50, seed=qtype)  # chunked prefills beside decodes
+    _assert_matches_hf(_generate(llm, prompts), prompts, hf_model)
+    _assert_matches_hf(_generate(llm, prompts[:1]), prompts[:1], hf_model)  # one stream: the GEMV route
+    stats = llm.llm_engine.get_stats()
+    assert stats.num_free_blocks == stats.num_total_blocks  # every block back in the pool
+
+
+def _record_forwards(llm):
+    model = llm.llm_engine.executor.worker.model
+    seen, inner = [], model.forward
+
+    def forward(*args, **kwargs):
+        out = inner(*args, **kwargs)
+        seen.append(out.clone())
+        return out
+
+    model.forward = forward
+    return seen
+
+
+@pytest.mark.parametrize("qtype", [3, 12, 14])
+def test_the_layer_stack_gives_the_module_paths_bits_on_blocks(qtype, wide_llama, monkeypatch):
+    path, hf_model = wide_llama
+    serve_blocks(monkeypatch, quantized_layer_weights(hf_model, qtype))
+    llm, ref = [LLM(path, dtype="float32", device="cpu", num_kv_blocks=256, max_num_batched_tokens=24,
+                    show_progress=False) for _ in range(2)]
+    prompts = random_prompts(4, hf_model.config.vocab_size, 3, 40, seed=1)
+    hidden_stack, hidden_modules = _record_forwards(llm), _record_forwards(ref)
+    calls = []
+    real = cpu_ops.llama_stack
+    monkeypatch.setattr(cpu_ops, "llama_stack", lambda *a, **k: (calls.append(a[0].shape[0]), real(*a, **k)))
+    for batch in (prompts, prompts[:1]):  # batched steps, then a single stream (1-row steps)
+        with llama_cpu_stack.SWITCH.forced(True):
+            a = _generate(llm, batch, 8)
+        n = len(calls)
+        with llama_cpu_stack.SWITCH.forced(False):
+            b = _generate(ref, batch, 8)
+        assert len(calls) == n and n > 0
+        assert [o.outputs[0].token_ids for o in a] == [o.outputs[0].token_ids for o in b]
+    assert 1 in calls and max(calls) > 1
+    assert len(hidden_stack) == len(hidden_modules) > 10
+    for x, y in zip(hidden_stack, hidden_modules):
+        assert torch.equal(x, y)
+
+
+def test_default_model_runs_on_its_blocks(default_llm):
+    """The default model (a Q4_1 file with a Q8_0 embedding) keeps its layers' Q4_1 blocks by default:
+    the HF-parity and feature-invariance tests on it run the native quantized kernels."""
+    worker = default_llm.llm_engine.executor.worker
+    assert default_llm.llm_engine.config.model_config.gguf_weights == "native"
+    lin = worker.model.model.layers[0].self_attn.qkv_proj
+    assert lin.quant is not None and lin.quant.format == "Q4_1"
+    # 30 layers x (q, k, v, o: 576 x (576 + 192 + 192 + 576); gate, up, down: 3 x 576 x 1536) at 20 bytes / 32
+    assert worker.weight_bytes["Q4_1"] == 30 * 576 * (576 + 192 + 192 + 576 + 3 * 1536) * 20 // 32
+    assert worker.weight_bytes["float32"] < 120e6  # embedding (tied LM head) and norms
+    assert default_llm.llm_engine.get_stats().weight_bytes == worker.weight_bytes  # what /metrics exports
+
+
+def test_dequantize_mode_keeps_fp32():
+    llm = LLM(gguf_weights="dequantize", show_progress=False, num_kv_blocks=16)
+    worker = llm.llm_engine.executor.worker
+    assert worker.model.model.layers[0].self_attn.qkv_proj.quant is None
+    assert set(worker.weight_bytes) == {"float32"}
+
+
+def test_bad_gguf_weights_value_is_refused():
+    with pytest.raises(ValueError, match="gguf_weights"):
+        LLM(gguf_weights="int4", show_progress=False)

@@ -1,0 +1,206 @@
+"""P2pConnector: the decode engine pulls a prompt's KV blocks from the prefill engine's pool over TCP.
+Greedy output through the router equals HF's; the decoder fetches only the blocks its own prefix cache
+lacks; and the faults end in a recompute or a clear error with every KV block back in both pools:
+the prefill engine gone before or during the pull, a pull that never gets an answer, the decode engine
+gone (the prefill's held blocks time out), and a client that leaves mid-answer."""
+
+from __future__ import annotations
+
+import socket
+import struct
+import threading
+import time
+
+import httpx
+import pytest
+
+from roofline.kv_transfer.p2p import LayerHeader, Pull, PullReply, recv_msg, send_msg
+from roofline.metrics.prometheus import metric_value
+from tests.reference.hf_models import hf_greedy
+from tests.router.cluster import (BLOCK, assert_kv_idle, completion, free_port, metrics, start_engine, start_router,
+                                  stop)
+
+MAX_TOKENS = 8
+
+
+def p2p(role: str, port: int = 0, policy: str = "recompute", **extra) -> dict:
+    return {"kv_connector": "P2pConnector", "kv_role": role, "kv_ip": "127.0.0.1", "kv_port": port,
+            "kv_load_failure_policy": policy, "kv_connector_extra_config": extra}
+
+
+def prompt(n: int, salt: int = 0) -> list[int]:
+    return [(13 * i + 7 * n + salt) % 370 + 7 for i in range(n)]
+
+
+@pytest.fixture(scope="module")
+def tiny(tiny_models):
+    return tiny_models["llama"]
+
+
+@pytest.fixture(scope="module")
+def pd(tiny):
+    path, _ = tiny
+    prefill = start_engine(path, p2p("kv_producer", free_port(), send_timeout_s=2.0))
+    decode = start_engine(path, p2p("kv_consumer", transfer_timeout_s=5.0))
+    router = start_router(prefill=[prefill.url], decode=[decode.url])
+    yield prefill, decode, router
+    stop(router, prefill, decode)
+
+
+def received(server) -> float:
+    return metric_value(metrics(server.url), "roofline:kv_transfer_received_bytes_total")
+
+
+def block_bytes(server) -> int:
+    return server.engine.core.executor.block_bytes()
+
+
+def test_pd_p2p_through_router_matches_hf(tiny, pd):
+    _, hf = tiny
+    prefill, decode, router = pd
+    before = received(decode)
+    lens = (3, 8, 9, 30, 41)
+    for n in lens:
+        p = prompt(n)
+        expected = hf_greedy(hf, p, MAX_TOKENS)
+        assert completion(router.url, p, MAX_TOKENS) == expected
+        assert completion(router.url, p, MAX_TOKENS, stream=True) == expected
+    assert_kv_idle(prefill, decode)
+    # the first time a prompt comes, all its loadable blocks travel; the second time (same prompt)
+    # the decoder's prefix cache has them and it only releases the producer's copy
+    assert received(decode) - before == sum((n - 1) // BLOCK for n in lens) * block_bytes(decode)
+    sent = metric_value(metrics(prefill.url), "roofline:kv_transfer_sent_bytes_total")
+    assert sent >= received(decode) - before
+
+
+def test_decoder_fetches_only_blocks_it_lacks(tiny, pd):
+    _, hf = tiny
+    prefill, decode, router = pd
+    base = prompt(40, salt=3)
+    assert completion(router.url, base, MAX_TOKENS) == hf_greedy(hf, base, MAX_TOKENS)
+    before = received(decode)
+    other = base[:24] + prompt(16, salt=9)  # shares 3 blocks with base; 4 loadable: 1 to pull
+    out = completion(router.url, other, MAX_TOKENS)
+    assert out == hf_greedy(hf, other, MAX_TOKENS)
+    assert received(decode) - before == 1 * block_bytes(decode)
+    assert_kv_idle(prefill, decode)
+
+
+def prefill_only(prefill_url: str, p: list[int]) -> dict:
+    r = httpx.post(prefill_url + "/v1/completions", timeout=30,
+                   json=dict(prompt=p, max_tokens=1, temperature=0.0, kv_transfer_params={"do_remote_decode": True}))
+    assert r.status_code == 200, r.text
+    return r.json()["kv_transfer_params"]
+
+
+@pytest.mark.parametrize("policy", ["recompute", "fail"])
+def test_prefill_engine_gone_before_the_pull(tiny, policy):
+    path, hf = tiny
+    prefill = start_engine(path, p2p("kv_producer", free_port()))
+    decode = start_engine(path, p2p("kv_consumer", policy=policy, transfer_timeout_s=2.0))
+    try:
+        p = prompt(33)
+        params = prefill_only(prefill.url, p)
+        assert params["do_remote_prefill"] and len(params["remote_block_ids"]) == 4
+        stop(prefill)
+        body = dict(prompt=p, max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True, logprobs=0,
+                    kv_transfer_params=params)
+        r = httpx.post(decode.url + "/v1/completions", json=body, timeout=30)
+        if policy == "recompute":
+            assert r.status_code == 200, r.text
+            toks = [int(t.split(":")[1]) for t in r.json()["choices"][0]["logprobs"]["tokens"]]
+            assert toks == hf_greedy(hf, p, MAX_TOKENS)
+        else:
+            assert r.status_code >= 500 and "KV transfer failed" in r.text, r.text
+        assert_kv_idle(decode)
+    finally:
+        stop(decode)
+
+
+class FakeProducer:
+    """A producer that answers a pull in a broken way: never (hang), or dying halfway through a layer."""
+
+    def __init__(self, mode: str) -> None:
+        self.mode = mode
+        self.sock = socket.create_server(("127.0.0.1", 0))
+        self.port = self.sock.getsockname()[1]
+        self.pulls = 0
+        self.conns = []
+        threading.Thread(target=self._run, daemon=True).start()
+
+    def _run(self) -> None:
+        while True:
+            try:
+                conn, _ = self.sock.accept()
+            except OSError:
+                return
+            self.conns.append(conn)
+            pull = recv_msg(conn, Pull)
+            self.pulls += 1
+            if self.mode == "die_mid_layer":
+                send_msg(conn, PullReply(True, num_layers=2))
+                send_msg(conn, LayerHeader(0, 1 << 20))
+                conn.sendall(b"\0" * 1000)
+                conn.close()
+            # "hang": read the pull, say nothing
+
+    def close(self) -> None:
+        self.sock.close()
+        for c in self.conns:
+            c.close()
+
+
+@pytest.mark.parametrize("mode", ["hang", "die_mid_layer"])
+def test_transfer_that_never_completes_is_recomputed(tiny, mode):
+    path, hf = tiny
+    fake = FakeProducer(mode)
+    decode = start_engine(path, p2p("kv_consumer", transfer_timeout_s=1.0))
+    try:
+        p = prompt(25)
+        params = {"do_remote_prefill": True, "remote_engine_id": "fake", "remote_request_id": "cmpl-x",
+                  "remote_block_ids": [5, 6, 7], "remote_host": "127.0.0.1", "remote_port": fake.port}
+        t0 = time.monotonic()
+        assert completion(decode.url, p, MAX_TOKENS, kv_transfer_params=params) == hf_greedy(hf, p, MAX_TOKENS)
+        assert fake.pulls == 1
+        if mode == "hang":
+            assert time.monotonic() - t0 >= 1.0  # it waited for the transfer timeout, then recomputed
+        assert_kv_idle(decode)
+    finally:
+        fake.close()
+        stop(decode)
+
+
+def test_decode_engine_gone_frees_the_held_prefill(tiny):
+    path, _ = tiny
+    prefill = start_engine(path, p2p("kv_producer", free_port(), send_timeout_s=1.0))
+    router = start_router(prefill=[prefill.url], decode=[f"http://127.0.0.1:{free_port()}"])
+    try:
+        r = httpx.post(router.url + "/v1/completions", timeout=30,
+                       json=dict(prompt=prompt(30), max_tokens=MAX_TOKENS, temperature=0.0))
+        assert r.status_code == 503 and "no healthy decode engine" in r.json()["error"]["message"]
+        m = metrics(prefill.url)
+        assert metric_value(m, "roofline:kv_cache_usage_perc") > 0  # held for a decoder that never comes...
+        assert_kv_idle(prefill, timeout=10)  # ...until send_timeout_s
+    finally:
+        stop(router, prefill)
+
+
+def aborts(server) -> float:
+    return metric_value(metrics(server.url), "roofline:request_success_total", finish_reason="abort")
+
+
+def test_client_leaving_mid_stream_aborts_on_both_engines(tiny, pd):
+    prefill, decode, router = pd
+    before = aborts(decode)
+    body = dict(prompt=prompt(30, salt=5), max_tokens=450, temperature=0.0, ignore_eos=True, stream=True)
+    with httpx.Client(timeout=30) as c:
+        with c.stream("POST", router.url + "/v1/completions", json=body) as r:
+            assert r.status_code == 200
+            for line in r.iter_lines():
+                if line.startswith("data: "):
+                    break  # one token, then the client is gone
+    deadline = time.monotonic() + 30
+    while aborts(decode) < before + 1 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert aborts(decode) == before + 1
+    assert_kv_idle(prefill, decode)

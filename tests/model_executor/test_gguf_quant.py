@@ -1,0 +1,141 @@
+"""GGUF block-quantized weights computed natively (gguf_quant, quant_kernels.c): every format's values
+exactly gguf's dequantization, and its GEMV / GEMM the fp32 products over those values."""
+
+import gguf
+import pytest
+import torch
+import torch.nn.functional as F
+
+from roofline.model_executor.layers import cpu_gemm, cpu_ops, gguf_quant
+from roofline.model_executor.layers.gguf_quant import FORMATS, QuantizedTensor
+from tests.reference.quantized import random_blocks
+
+pytestmark = pytest.mark.skipif(not cpu_ops.available(), reason="native CPU kernels unavailable (no C compiler)")
+
+def reference(x, w, b=None):
+    return F.linear(x.double(), w.double(), None if b is None else b.double()).float()
+
+
+def test_format_table_matches_gguf_and_the_kernels():
+    lib = cpu_ops.library()
+    for qtype, (name, qk, bb) in FORMATS.items():
+        assert gguf.GGMLQuantizationType(qtype).name == name
+        assert gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType(qtype)] == (qk, bb)
+        assert (lib.quant_block_elems(qtype), lib.quant_block_bytes(qtype)) == (qk, bb)
+    assert lib.quant_block_bytes(1) == 0  # F16: not a block format the kernels take
+
+
+@pytest.mark.parametrize("qtype", sorted(FORMATS))
+def test_expansion_is_exactly_gguf_dequantize(qtype):
+    w = random_blocks(qtype, 37, 512, seed=qtype)
+    want = w.dequantize()
+    got = gguf_quant.dequantize_native(w)
+    assert torch.equal(got.view(torch.int32), want.view(torch.int32))  # bit for bit, signed zeros included
+
+
+@pytest.mark.parametrize("qtype", sorted(FORMATS))
+@pytest.mark.parametrize("threads", [1, 2, 3])
+def test_gemv_expands_exact_values(qtype, threads):
+    """One-hot rows pick single columns out of the GEMV's own expansion: x . w with one nonzero 1.0 is
+    exactly that weight value, so any rounding difference in the fused expansion shows."""
+    cols = 512
+    w = random_blocks(qtype, 45, cols, seed=100 + qtype)
+    want = w.dequantize()
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        for k in (0, 1, 15, 16, 31, 33, 255, 256, 300, cols - 1):
+            x = torch.zeros(1, cols)
+            x[0, k] = 1.0
+            got = gguf_quant.linear(x, w)
+            assert torch.equal(got[0], want[:, k]), f"column {k}"
+    finally:
+        torch.set_num_threads(before)
+
+
+# cols: one block, several blocks (and for the 256-value formats one and three super-blocks);
+# rows (outputs): a panel, a zero-padded last panel, an odd count
+@pytest.mark.parametrize("qtype", sorted(FORMATS))
+@pytest.mark.parametrize("rows,cols", [(16, 256), (7, 768), (53, 512)])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_gemv_matches_fp32_matmul(qtype, rows, cols, with_bias):
+    g = torch.Generator().manual_seed(rows + cols + qtype)
+    w = random_blocks(qtype, rows, cols, seed=rows * cols + qtype)
+    x = torch.randn(1, cols, generator=g)
+    b = torch.randn(rows, generator=g) if with_bias else None
+    torch.testing.assert_close(gguf_quant.linear(x, w, b), reference(x, w.dequantize(), b), atol=5e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("threads", [1, 2, 3])
+def test_gemv_result_does_not_depend_on_the_thread_count(threads):
+    w = random_blocks(3, 100, 1024, seed=5)
+    x = torch.randn(1, 1024, generator=torch.Generator().manual_seed(5))
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = gguf_quant.linear(x, w)
+        torch.set_num_threads(threads)
+        assert torch.equal(gguf_quant.linear(x, w), one)
+    finally:
+        torch.set_num_threads(before)
+
+
+# M: 2..6 (one partial tile), uneven tiles, one row block, one more (the whole-weight route), many
+@pytest.mark.parametrize("qtype", sorted(FORMATS))
+@pytest.mark.parametrize("m", [2, 5, 13, 96, 97, 300])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_gemm_is_the_packed_gemm_over_the_dequantized_weight(qtype, m, threads):
+    """More rows: bit-identical to cpu_ops.gemm_packed over gguf's dequantized weight, any M."""
+    rows, cols = 53, 512  # 53 outputs: four panels, the last zero padded
+    g = torch.Generator().manual_seed(m * 10 + qtype)
+    w = random_blocks(qtype, rows, cols, seed=m + qtype)
+    x = torch.randn(m, cols, generator=g)
+    b = torch.randn(rows, generator=g)
+    dense = w.dequantize()
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        got = gguf_quant.linear(x, w, b)
+        want = cpu_ops.gemm_packed(x, cpu_gemm.pack(dense), rows, b)
+    finally:
+        torch.set_num_threads(before)
+    assert torch.equal(got, want)
+    torch.testing.assert_close(got, reference(x, dense, b), atol=5e-4, rtol=1e-4)
+
+
+def test_gemm_reads_strided_rows():
+    w = random_blocks(3, 40, 256, seed=9)
+    x = torch.randn(9, 300, generator=torch.Generator().manual_seed(9))[:, 20:276]  # rows 300 floats apart
+    torch.testing.assert_close(gguf_quant.linear(x, w), reference(x, w.dequantize()), atol=5e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("qtype", sorted(FORMATS))
+def test_portable_build_gives_the_same_values(portable_kernels, qtype):
+    """The plain C build (no AVX2: other CPUs, aarch64): the same exact expansion and fp32 products."""
+    rows, cols = 21, 512
+    w = random_blocks(qtype, rows, cols, seed=200 + qtype)
+    want = w.dequantize()
+    out = torch.empty(rows, cols)
+    portable_kernels.quant_dequantize_f32(qtype, w.data.data_ptr(), w.data.shape[1], rows, cols, out.data_ptr(), 2)
+    assert torch.equal(out.view(torch.int32), want.view(torch.int32))
+    for m in (1, 4, 100):
+        x = torch.randn(m, cols, generator=torch.Generator().manual_seed(m))
+        y = torch.empty(m, rows)
+        portable_kernels.quant_linear_f32(qtype, x.data_ptr(), cols, w.data.data_ptr(), w.data.shape[1], None,
+                                          y.data_ptr(), rows, m, cols, rows, 2)
+        torch.testing.assert_close(y, reference(x, want), atol=5e-4, rtol=1e-4)
+
+
+def test_bad_shapes_are_refused():
+    with pytest.raises(ValueError, match="multiple of 32"):
+        gguf_quant.row_bytes(3, 40)
+    with pytest.raises(ValueError, match="bytes"):
+        QuantizedTensor(torch.zeros(4, 19, dtype=torch.uint8), 3, 32)
+    with pytest.raises(ValueError, match="not a format"):
+        QuantizedTensor(torch.zeros(4, 19, dtype=torch.uint8), 1, 32)
+    w = random_blocks(3, 8, 64, seed=0)
+    with pytest.raises(ValueError, match="fp32 CPU rows"):
+        gguf_quant.linear(torch.randn(2, 32), w)
+    with pytest.raises(ValueError, match="fp32 CPU rows"):
+        gguf_quant.linear(torch.randn(2, 64, dtype=torch.float64), w)
+
