@@ -206,3 +206,40 @@ def test_tp3_greedy_matches_tp1(default_llm, method, tmp_path):
             assert stats.spec_decode.num_accepted_tokens > 0
     finally:
         llm.llm_engine.shutdown()
+
+
+def test_served_engine_core_process_speculates_and_reports(tiny):
+    """The server's path: AsyncLLM over an engine core in its own process; same tokens as HF, and the
+    speculative counters come back with the core's stats."""
+    import asyncio
+    import time
+
+    from roofline.config import EngineArgs
+    from roofline.engine.async_llm import AsyncLLM
+
+    path, prompts, reference = tiny
+    engine = AsyncLLM.from_engine_args(EngineArgs(model=path, device="cpu", dtype="float32", num_kv_blocks=128,
+                                                  engine_core_process=True, speculative_config=NGRAM))
+
+    async def one(i, p):
+        last = None
+        async for out in engine.generate(p, GREEDY, f"r{i}"):
+            last = out
+        return last
+
+    async def all_of_them():
+        return await asyncio.gather(*(one(i, p) for i, p in enumerate(prompts)))
+
+    try:
+        outs = asyncio.run(all_of_them())
+        assert [o.outputs[0].token_ids for o in outs] == reference
+        deadline = time.monotonic() + 10
+        while True:
+            stats = engine.get_stats()
+            if (stats.num_running == 0 and stats.spec_decode is not None) or time.monotonic() > deadline:
+                break
+            time.sleep(0.02)
+        assert stats.num_free_blocks == stats.num_total_blocks
+        assert stats.spec_decode.num_accepted_tokens > 0
+    finally:
+        engine.shutdown()
