@@ -129,6 +129,7 @@ class ObservabilityConfig:
 
 
 SPECULATIVE_METHODS = ("ngram", "draft_model", "mtp")
+UNIMPLEMENTED_SPECULATIVE_METHODS = ("mtp",)  # DeepSeek-V3 MTP layers: a Proposer beside draft_model.py
 MAX_SPECULATIVE_TOKENS = 16
 SPECULATIVE_KEYS = ("method", "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max", "model",
                     "draft_tensor_parallel_size", "adaptive")
@@ -159,6 +160,9 @@ class SpeculativeConfig:
             method = "draft_model"
         if method not in SPECULATIVE_METHODS:
             raise ValueError(f"speculative_config.method must be one of {list(SPECULATIVE_METHODS)}, got {method!r}")
+        if method in UNIMPLEMENTED_SPECULATIVE_METHODS:
+            raise ValueError(f"speculative_config.method {method!r} is not implemented yet; use one of "
+                             f"{[m for m in SPECULATIVE_METHODS if m not in UNIMPLEMENTED_SPECULATIVE_METHODS]}")
         k = d.get("num_speculative_tokens")
         if not _is_int(k) or not 1 <= k <= MAX_SPECULATIVE_TOKENS:
             raise ValueError(f"speculative_config.num_speculative_tokens must be an integer in "
