@@ -84,6 +84,8 @@ def test_refusals_come_back_with_the_cores_error_type(llama):
         assert stats.num_free_blocks == stats.num_total_blocks
         # the waiting queue limit is the core's: one request runs (max_num_seqs=1), one waits
         client.add_request("b", [5, 6, 7], SamplingParams(temperature=0, max_tokens=300, ignore_eos=True))
+        while not any(o.request_id == "b" for o in client.step()):  # b is running (it has a token), not waiting
+            pass
         client.add_request("w1", [5, 6], SamplingParams(max_tokens=2))
         with pytest.raises(EngineOverloadedError):
             client.add_request("w2", [5, 6], SamplingParams(max_tokens=2))

@@ -22,7 +22,8 @@ def _check_every_pruned_forward(llm):
     model = llm.llm_engine.executor.worker.model
     inner, checked = model.forward, []
 
-    def forward(input_ids, positions, kv_caches, meta, output_rows=None):
+    def forward(input_ids, positions, kv_caches, meta, output_rows=None, intermediate=None):
+        assert intermediate is None  # one process: no pipeline stage hands anything in
         out = inner(input_ids, positions, kv_caches, meta, output_rows)
         if output_rows is not None:
             full = inner(input_ids, positions, kv_caches, meta)
