@@ -479,12 +479,15 @@ def w7(args) -> dict:
     tpots: dict[str, list[float]] = {"on": [], "off": []}
     same = True
     before = _spec_counts(on)
-    for prompt in w7_prompts():  # interleaved: each prompt off, then on
-        a = off.generate([prompt], sp, use_tqdm=False)[0]
-        b = on.generate([prompt], sp, use_tqdm=False)[0]
-        tpots["off"].append(_tpot(a))
-        tpots["on"].append(_tpot(b))
-        same = same and a.outputs[0].token_ids == b.outputs[0].token_ids
+    # interleaved, args.rounds times over the prompts, the order flipping each round (a shared machine's
+    # slow spells then hit both sides alike)
+    for r in range(args.rounds):
+        for prompt in w7_prompts():
+            pair = {}
+            for side in (("off", "on") if r % 2 == 0 else ("on", "off")):
+                pair[side] = (off if side == "off" else on).generate([prompt], sp, use_tqdm=False)[0]
+                tpots[side].append(_tpot(pair[side]))
+            same = same and pair["off"].outputs[0].token_ids == pair["on"].outputs[0].token_ids
     off_ms, on_ms = 1000 * statistics.median(tpots["off"]), 1000 * statistics.median(tpots["on"])
     return {"workload": "W7", "speculative_config": json.dumps(spec_config),
             "tpot_ms_off_median": off_ms, "tpot_ms_on_median": on_ms, "speedup": off_ms / on_ms,
@@ -549,6 +552,7 @@ def register(bench_subparsers) -> None:
                         "JSON schema, and time the schema's compile (cold, cached)")
     p.add_argument("--num-requests", type=int, default=64,
                    help="W1: requests (64 in BENCHMARKS.md; fewer for a scaled-down run, same generator)")
+    p.add_argument("--rounds", type=int, default=1, help="W7: passes over the 4 prompts (order flips each pass)")
     p.add_argument("--json", action="store_true")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
     add_engine_args(p)
