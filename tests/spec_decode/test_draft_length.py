@@ -68,3 +68,12 @@ def test_unmeasured_sizes_are_tried_then_priced():
             if k:
                 p.observe(k, max(k - 1, 0))
         assert (p.choose(1, 0) > 0) == expect_speculation
+
+
+def test_proposals_are_probed_while_k_is_zero():
+    from roofline.spec_decode.draft_length import PROBE_EVERY
+
+    p = DraftLengthPolicy(4, roofline())
+    asked = [p.num_to_propose(0) for _ in range(2 * PROBE_EVERY)]
+    assert asked.count(4) == 2 and asked.count(0) == 2 * PROBE_EVERY - 2
+    assert p.num_to_propose(3) == 3
