@@ -94,11 +94,8 @@ class DraftLengthPolicy:
 
 class StepTimeModel:
     """T(n) = ratio(n) * bound(n): the cost model's bound for n tokens times the measured ratio of real
-    step time to bound, kept per power-of-two bucket of n (an EMA).  A bucket not yet seen is estimated
-    optimistically, as the time of the nearest seen bucket below (a step as cheap as a smaller one): the
-    policy then tries that size and measures it, instead of never trying (the start-up probes behind
-    the bound can be far off on a CPU).  With no bucket below: the nearest one above's ratio; before any
-    step: the bound itself."""
+    step time to bound, kept per power-of-two bucket of n (an EMA); a bucket not yet seen borrows the
+    ratio of the nearest seen bucket below (above when none is below), 1 before any step."""
 
     def __init__(self, bound: Callable[[int], float], decay: float = 0.9) -> None:
         self.bound = bound
@@ -117,15 +114,17 @@ class StepTimeModel:
         old = self.ratios.get(b)
         self.ratios[b] = r if old is None else old * self.decay + r * (1.0 - self.decay)
 
-    def __call__(self, n: int) -> float:
+    def ratio(self, n: int) -> float:
         b = self.bucket(n)
         if b in self.ratios:
-            return self.ratios[b] * self.bound(n)
+            return self.ratios[b]
         below = [k for k in self.ratios if k < b]
         if below:
-            k = max(below)
-            return self.ratios[k] * self.bound(1 << (k - 1))  # the smallest step of that bucket
-        return (self.ratios[min(self.ratios)] if self.ratios else 1.0) * self.bound(n)
+            return self.ratios[max(below)]
+        return self.ratios[min(self.ratios)] if self.ratios else 1.0
+
+    def __call__(self, n: int) -> float:
+        return self.ratio(n) * self.bound(n)
 
 
 TYPICAL_CONTEXT = 512  # positions each decode attends to, for the estimate (the KV term is minor at small b)
