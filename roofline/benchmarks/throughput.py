@@ -193,7 +193,9 @@ def w1(args) -> dict:
            "gguf_weights": llm.llm_engine.config.model_config.gguf_weights, "roofline": res,
            "prefill": prefill_throughput(llm, reqs)}
     if args.speculative_config is not None:  # the same requests with speculation off, same greedy tokens
-        base_llm = _make_llm(args, speculative_config=None)
+        del llm  # one engine at a time
+        gc.collect()
+        llm = base_llm = _make_llm(args, speculative_config=None)
         _warmup(base_llm)
         off = _run_offline(base_llm, reqs)
         off_outs = off.pop("outputs")
@@ -201,7 +203,6 @@ def w1(args) -> dict:
         out["speculation_off"] = off
         out["ratio_spec_on_off_tok_s"] = res["output_tok_s"] / off["output_tok_s"]
         del base_llm
-        gc.collect()
     if args.structured_fraction > 0:
         from roofline.structured_output.params import StructuredOutputsParams
 
@@ -536,12 +537,15 @@ def w7(args) -> dict:
     tpots: dict[str, list[float]] = {"on": [], "off": []}
     same = True
     before = _spec_counts(on)
-    for prompt in w7_prompts():  # interleaved: each prompt off, then on
-        a = off.generate([prompt], sp, use_tqdm=False)[0]
-        b = on.generate([prompt], sp, use_tqdm=False)[0]
-        tpots["off"].append(_tpot(a))
-        tpots["on"].append(_tpot(b))
-        same = same and a.outputs[0].token_ids == b.outputs[0].token_ids
+    # interleaved, args.rounds times over the prompts, the order flipping each round (a shared machine's
+    # slow spells then hit both sides alike)
+    for r in range(args.rounds):
+        for prompt in w7_prompts():
+            pair = {}
+            for side in (("off", "on") if r % 2 == 0 else ("on", "off")):
+                pair[side] = (off if side == "off" else on).generate([prompt], sp, use_tqdm=False)[0]
+                tpots[side].append(_tpot(pair[side]))
+            same = same and pair["off"].outputs[0].token_ids == pair["on"].outputs[0].token_ids
     off_ms, on_ms = 1000 * statistics.median(tpots["off"]), 1000 * statistics.median(tpots["on"])
     return {"workload": "W7", "speculative_config": json.dumps(spec_config),
             "tpot_ms_off_median": off_ms, "tpot_ms_on_median": on_ms, "speedup": off_ms / on_ms,
@@ -609,6 +613,7 @@ def register(bench_subparsers) -> None:
                         "has llama-cpp-python installed (a benchmark peer, not a dependency)")
     p.add_argument("--num-requests", type=int, default=64,
                    help="W1: requests (64 in BENCHMARKS.md; fewer for a scaled-down run, same generator)")
+    p.add_argument("--rounds", type=int, default=1, help="W7: passes over the 4 prompts (order flips each pass)")
     p.add_argument("--json", action="store_true")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
     add_engine_args(p)

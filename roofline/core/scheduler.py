@@ -406,7 +406,8 @@ class Scheduler:
             blocks_to_copy=self.kv.take_pending_copies(),
             blocks_to_swap_out=swap_out,
             blocks_to_swap_in=swap_in,
-            num_tokens_to_propose=self.step_draft_len,
+            num_tokens_to_propose=(self.draft_length_policy.num_to_propose(self.step_draft_len)
+                                   if self.draft_length_policy is not None else 0),
             kv_connector_metadata=self.kv_transfer.build_meta() if self.kv_transfer is not None else None,
         )
 

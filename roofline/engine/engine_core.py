@@ -103,6 +103,7 @@ class EngineCore:
         self.model_config = mc
         self.vocab_size = int(mc.hf_config.vocab_size)
         self.eos_token_id = self._eos_token_id()
+        self._check_draft_model()
         self.executor = create_executor(config, self.source, show_progress)
         self.weight_bytes = self.executor.weight_bytes()
         num_blocks = self.executor.determine_num_blocks()
@@ -137,6 +138,20 @@ class EngineCore:
         self.last_parallel: Optional[StepParallelStats] = None
         logger.info("engine ready in %.1f s: %s, max_model_len=%d, %d KV blocks",
                     time.monotonic() - t0, mc.served_model_name, mc.max_model_len, num_blocks)
+
+    def _check_draft_model(self) -> None:
+        """A draft model must share the target's vocabulary (its token ids are the target's)."""
+        spec = self.config.speculative_config
+        if spec is None or spec.method != "draft_model":
+            return
+        try:
+            draft_config = load_hf_config(resolve_source(spec.model, "auto"))
+        except Exception as e:
+            raise ValueError(f"speculative_config.model {spec.model!r} cannot be loaded: {e}") from None
+        draft_vocab = int(draft_config.vocab_size)
+        if draft_vocab != self.vocab_size:
+            raise ValueError(f"speculative_config.model: the draft's vocabulary ({draft_vocab} tokens) differs "
+                             f"from the target's ({self.vocab_size})")
 
     def _speculation(self):
         """Speculative decoding: the scheduler's DraftLengthPolicy (adaptive: the roofline's step-time
@@ -180,10 +195,12 @@ class EngineCore:
             raise ValueError(
                 f"the prompt ({n} tokens) plus max_tokens ({params.max_tokens}) exceeds max_model_len ({max_len})"
             )
-        if n + params.max_tokens > self.kv_capacity_tokens:
+        lookahead = self.scheduler.num_lookahead_slots  # a draft model's slots past the last token
+        if n + params.max_tokens + lookahead > self.kv_capacity_tokens:
             raise ValueError(
-                f"the prompt ({n} tokens) plus max_tokens ({params.max_tokens}) exceeds the KV cache capacity "
-                f"({self.kv_capacity_tokens} tokens)"
+                f"the prompt ({n} tokens) plus max_tokens ({params.max_tokens})"
+                + (f" plus the draft model's {lookahead} lookahead slots" if lookahead else "")
+                + f" exceeds the KV cache capacity ({self.kv_capacity_tokens} tokens)"
             )
         if params.structured_outputs is not None and self.tokenizer is None:
             raise ValueError("structured_outputs need the model's tokenizer, and this model has none")

@@ -130,6 +130,9 @@ class StepRooflineModel:
             if c == 1:
                 decode_tokens += 1
                 attn_decode += end
+            elif c - getattr(s, "num_draft_tokens", 0) == 1:  # a decode verifying drafts (speculative decoding)
+                decode_tokens += c
+                attn_decode += c * start + c * (c + 1) / 2
             else:
                 prefill_tokens += c
                 attn_prefill += c * start + c * (c + 1) / 2  # token j attends to j + 1 positions

@@ -164,3 +164,32 @@ def test_collectives_and_expert_balancedness_are_exported():
     assert metric_value(m, "roofline:eplb_rebalances_total") == 1
     assert metric_value(m, "roofline:expert_balancedness", layer="0") == 0.95
     assert metric_value(m, "roofline:expert_balancedness", layer="1") == 0.9
+
+
+def test_spec_decode_counters_follow_the_engine_totals():
+    from roofline.spec_decode.stats import SpecDecodeStats
+
+    spec = SpecDecodeStats(3)
+    spec.observe(3, 2)
+    spec.observe(3, 3)
+    p = PrometheusStatLogger("m")
+    snap = Snap()
+    snap.spec_decode = spec.copy()
+    p.record(IterationStats(timestamp=1.0, engine=snap))
+    spec.observe(2, 0)
+    snap.spec_decode = spec.copy()
+    p.record(IterationStats(timestamp=2.0, engine=snap))
+    m = parse_metrics(p.render().decode())
+    assert metric_value(m, "roofline:spec_decode_num_drafts_total") == 3
+    assert metric_value(m, "roofline:spec_decode_num_draft_tokens_total") == 8
+    assert metric_value(m, "roofline:spec_decode_num_accepted_tokens_total") == 5
+    per_pos = [metric_value(m, "roofline:spec_decode_num_accepted_tokens_per_pos_total", position=str(i))
+               for i in range(3)]
+    assert per_pos == [2, 2, 1]
+
+
+def test_no_spec_decode_counters_without_speculation():
+    p = PrometheusStatLogger("m")
+    p.record(IterationStats(timestamp=1.0, engine=Snap()))
+    m = parse_metrics(p.render().decode())
+    assert metric_value(m, "roofline:spec_decode_num_drafts_total") == 0
