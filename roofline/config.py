@@ -13,6 +13,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal, Optional
 
+from roofline.kv_transfer.config import KVTransferConfig
+
 GiB = 1 << 30
 GGUF_WEIGHTS = ("native", "dequantize")  # how a GGUF file's quantized layers are computed
 
@@ -129,6 +131,7 @@ class ObservabilityConfig:
 
 
 SPECULATIVE_METHODS = ("ngram", "draft_model", "mtp")
+UNIMPLEMENTED_SPECULATIVE_METHODS = ("mtp",)  # DeepSeek-V3 MTP layers: a Proposer beside draft_model.py
 MAX_SPECULATIVE_TOKENS = 16
 SPECULATIVE_KEYS = ("method", "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max", "model",
                     "draft_tensor_parallel_size", "adaptive")
@@ -143,7 +146,7 @@ class SpeculativeConfig:
     prompt_lookup_min: int = 2  # ngram: shortest suffix n-gram matched
     prompt_lookup_max: int = 5  # ngram: longest suffix n-gram matched (tried first)
     model: Optional[str] = None  # draft_model: the draft checkpoint
-    draft_tensor_parallel_size: int = 1
+    draft_tensor_parallel_size: Optional[int] = None  # the draft runs on the target's ranks, split the same way
     adaptive: bool = True  # pick k per step from the cost model and the running acceptance rate
 
     @classmethod
@@ -159,6 +162,9 @@ class SpeculativeConfig:
             method = "draft_model"
         if method not in SPECULATIVE_METHODS:
             raise ValueError(f"speculative_config.method must be one of {list(SPECULATIVE_METHODS)}, got {method!r}")
+        if method in UNIMPLEMENTED_SPECULATIVE_METHODS:
+            raise ValueError(f"speculative_config.method {method!r} is not implemented yet; use one of "
+                             f"{[m for m in SPECULATIVE_METHODS if m not in UNIMPLEMENTED_SPECULATIVE_METHODS]}")
         k = d.get("num_speculative_tokens")
         if not _is_int(k) or not 1 <= k <= MAX_SPECULATIVE_TOKENS:
             raise ValueError(f"speculative_config.num_speculative_tokens must be an integer in "
@@ -180,8 +186,8 @@ class SpeculativeConfig:
             raise ValueError("speculative_config.model is required for method 'draft_model'")
         if method != "draft_model" and model is not None:
             raise ValueError(f"speculative_config.model applies to method 'draft_model' only, not {method!r}")
-        dtp = d.get("draft_tensor_parallel_size", 1)
-        if not _is_int(dtp) or dtp < 1:
+        dtp = d.get("draft_tensor_parallel_size")
+        if dtp is not None and (not _is_int(dtp) or dtp < 1):
             raise ValueError(f"speculative_config.draft_tensor_parallel_size must be an integer >= 1, got {dtp!r}")
         adaptive = d.get("adaptive", True)
         if not isinstance(adaptive, bool):
@@ -202,7 +208,7 @@ class EngineConfig:
     device_config: DeviceConfig
     observability_config: ObservabilityConfig = field(default_factory=ObservabilityConfig)
     speculative_config: Optional[SpeculativeConfig] = None
-    kv_transfer_config: Optional[Any] = None  # kv_transfer.config.KVTransferConfig: a KV connector, if any
+    kv_transfer_config: Optional[KVTransferConfig] = None  # a KV connector (kv_transfer/), if any
     # the server runs EngineCore in a process of its own (engine/core_process.py), apart from HTTP and
     # tokenization; offline LLM(...) always runs it in-process.  On by default: W2 at saturation on
     # the default model (CPU) gave 1.8x the output tokens/s of the engine thread sharing the server's GIL
@@ -340,16 +346,17 @@ class EngineArgs:
                 errors.append(str(e))
             else:
                 tp = self.tensor_parallel_size
-                if speculative.draft_tensor_parallel_size not in (1, tp):
-                    errors.append(f"speculative_config.draft_tensor_parallel_size must be 1 or "
-                                  f"tensor_parallel_size ({tp}), got {speculative.draft_tensor_parallel_size}")
+                if speculative.draft_tensor_parallel_size is None:
+                    speculative.draft_tensor_parallel_size = tp
+                elif speculative.draft_tensor_parallel_size != tp:
+                    errors.append(f"speculative_config.draft_tensor_parallel_size must equal tensor_parallel_size "
+                                  f"({tp}): the draft runs on the target's ranks; got "
+                                  f"{speculative.draft_tensor_parallel_size}")
                 if self.pipeline_parallel_size > 1 or self.data_parallel_size > 1:
                     errors.append("speculative_config needs pipeline_parallel_size 1 and data_parallel_size 1 "
                                   "(the draft runs beside one tensor-parallel group)")
         kv_transfer = None
         if self.kv_transfer_config is not None:
-            from roofline.kv_transfer.config import KVTransferConfig
-
             try:
                 kv_transfer = (KVTransferConfig(**self.kv_transfer_config) if isinstance(self.kv_transfer_config, dict)
                                else KVTransferConfig.from_json(self.kv_transfer_config))

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from roofline.benchmarks import serve, throughput
+from roofline.benchmarks import pd_interference, serve, throughput
 
 
 def register(subparsers) -> None:
@@ -10,3 +10,4 @@ def register(subparsers) -> None:
     sub = p.add_subparsers(dest="bench_command", required=True)
     throughput.register(sub)
     serve.register(sub)
+    pd_interference.register(sub)

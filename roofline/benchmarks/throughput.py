@@ -1,12 +1,13 @@
 """`roofline bench throughput`: the offline workloads of BENCHMARKS.md.
 
-W1  offline throughput (mixed lengths), optionally against HF transformers' static batches of 16, or
-    with a fraction of the requests constrained by a JSON schema (--structured-fraction) against none,
+W1  offline throughput (mixed lengths) and the prefill tokens/s of its prompts, optionally against HF
+    transformers' static batches of 16, or with a fraction of the requests constrained by a JSON schema (--structured-fraction) against none,
     plus the schema's compile time, cold and cached
 W3  shared prefix: throughput, mean TTFT and hit rate with prefix caching on and off
 W4  long-prompt interference: ITL of 16 decoding requests while a 2048-token prompt is prefilled,
     with max_num_batched_tokens=256 and with chunking effectively off
-W5  single-stream TPOT against the bandwidth bound weight_bytes / measured memory bandwidth
+W5  single-stream TPOT against the bandwidth bound (the weight bytes a greedy token streams / measured
+    memory bandwidth), optionally against llama.cpp's batch-1 decode of the same GGUF file
 W7  input-grounded single stream: median TPOT with and without speculative decoding, interleaved in
     one run, with the acceptance rate and mean acceptance length (--speculative-config, default ngram k=5)
 W6  MoE + MLA (DeepSeek-V3 shape, small): W1's requests against HF static batches of 16, single-stream
@@ -188,9 +189,13 @@ def w1(args) -> dict:
     _warmup(llm)
     res = _run_offline(llm, reqs)
     outs = res.pop("outputs")
-    out = {"workload": "W1", "num_requests": args.num_requests, "roofline": res}
+    out = {"workload": "W1", "num_requests": args.num_requests,
+           "gguf_weights": llm.llm_engine.config.model_config.gguf_weights, "roofline": res,
+           "prefill": prefill_throughput(llm, reqs)}
     if args.speculative_config is not None:  # the same requests with speculation off, same greedy tokens
-        base_llm = _make_llm(args, speculative_config=None)
+        del llm  # one engine at a time
+        gc.collect()
+        llm = base_llm = _make_llm(args, speculative_config=None)
         _warmup(base_llm)
         off = _run_offline(base_llm, reqs)
         off_outs = off.pop("outputs")
@@ -198,7 +203,6 @@ def w1(args) -> dict:
         out["speculation_off"] = off
         out["ratio_spec_on_off_tok_s"] = res["output_tok_s"] / off["output_tok_s"]
         del base_llm
-        gc.collect()
     if args.structured_fraction > 0:
         from roofline.structured_output.params import StructuredOutputsParams
 
@@ -222,6 +226,20 @@ def w1(args) -> dict:
         out["hf_static_batch16"] = hf
         out["ratio_output_tok_s"] = res["output_tok_s"] / hf["output_tok_s"]
     return out
+
+
+def prefill_throughput(llm, reqs) -> dict:
+    """The same prompts prefilled alone (one output token each, the prefix cache emptied first): prompt
+    tokens/s of the engine's prefill steps."""
+    from roofline import SamplingParams
+
+    llm.llm_engine.scheduler.kv.pool.reset_prefix_cache()
+    t0 = time.monotonic()
+    llm.generate([{"prompt_token_ids": r.prompt} for r in reqs], SamplingParams(temperature=0, max_tokens=1),
+                 use_tqdm=False)
+    dt = time.monotonic() - t0
+    n_in = sum(len(r.prompt) for r in reqs)
+    return {"seconds": dt, "prompt_tokens": n_in, "prompt_tok_s": n_in / dt}
 
 
 # ---- W3 ---------------------------------------------------------------------------------------
@@ -304,11 +322,22 @@ def w4(args) -> dict:
 
 # ---- W5 ---------------------------------------------------------------------------------------
 def weight_bytes(model) -> int:
-    seen, total = set(), 0
-    for p in model.parameters():
-        if id(p) not in seen:
-            seen.add(id(p))
-            total += p.numel() * p.element_size()
+    """The model's weight bytes as its layers compute on them (GGUF blocks where kept; tied ones once)."""
+    from roofline.model_executor.layers.gguf_quant import weight_bytes_by_format
+
+    return sum(weight_bytes_by_format(model).values())
+
+
+def token_bytes(model) -> int:
+    """Weight bytes one greedy single-stream decode token streams (W5's bound): weight_bytes, with the LM
+    head read through its int8 screen where greedy rows use one (greedy_head.py)."""
+    total = weight_bytes(model)
+    head = getattr(model, "lm_head", None)
+    screen = getattr(head, "cpu_greedy", None)
+    if screen is not None:
+        total += sum(t.numel() * t.element_size() for t in (screen.panels, screen.scales, screen.bound_w,
+                                                             screen.bound_q))
+        total -= head.weight.numel() * head.weight.element_size()
     return total
 
 
@@ -325,13 +354,43 @@ def w5(args) -> dict:
     m = out.metrics
     tpot = (m.finished_time - m.first_token_time) / (len(out.outputs[0].token_ids) - 1)
     steps = _step_records(llm)
-    model = llm.llm_engine.executor.worker.model
-    wb = weight_bytes(model)
-    bw = measure_bandwidth(str(llm.llm_engine.executor.worker.device))  # same run, same machine
-    bound = wb / bw
-    live = _live_roofline(steps)
-    return {"workload": "W5", "tpot_ms": 1000 * tpot, "weight_bytes": wb, "bandwidth_gb_s": bw / 1e9,
-            "bound_ms": 1000 * bound, "ratio": tpot / bound, "live_roofline": live}
+    worker = llm.llm_engine.executor.worker
+    tb = token_bytes(worker.model)
+    bw = measure_bandwidth(str(worker.device))  # same run, same machine
+    bound = tb / bw
+    res = {"workload": "W5", "gguf_weights": llm.llm_engine.config.model_config.gguf_weights,
+           "tpot_ms": 1000 * tpot, "decode_tok_s": 1 / tpot,
+           "prefill_tok_s": len(req.prompt) / (m.first_token_time - m.first_scheduled_time),
+           "weight_bytes": dict(worker.weight_bytes), "token_bytes": tb,
+           "bandwidth_gb_s": bw / 1e9, "bound_ms": 1000 * bound, "ratio": tpot / bound,
+           "live_roofline": _live_roofline(steps)}
+    if args.compare_llamacpp:
+        res["llamacpp"] = llamacpp_peer(args, req.prompt, 256)
+        res["ratio_decode_tok_s_vs_llamacpp"] = res["decode_tok_s"] / res["llamacpp"]["decode_tok_s"]
+        res["ratio_decode_tok_s_vs_llamacpp_eval_only"] = res["decode_tok_s"] / res["llamacpp"]["eval_only_tok_s"]
+    return res
+
+
+def llamacpp_peer(args, prompt: list[int], n_out: int) -> dict:
+    """llama.cpp on the same GGUF file, prompt and thread count (llamacpp_peer.py, run by the
+    --compare-llamacpp interpreter, where llama-cpp-python is installed)."""
+    import os
+    import subprocess
+
+    import torch
+
+    from roofline.model_executor.loader.source import resolve_source
+
+    src = resolve_source(args.model, args.load_format)
+    if src.fmt != "gguf":
+        raise SystemExit("--compare-llamacpp needs a GGUF model (the default one is)")
+    script = os.path.join(os.path.dirname(__file__), "llamacpp_peer.py")
+    r = subprocess.run([args.compare_llamacpp, script, os.path.join(src.path, src.gguf_file),
+                        str(torch.get_num_threads()), str(n_out), json.dumps(prompt)],
+                       capture_output=True, text=True, timeout=600)
+    if r.returncode != 0:
+        raise SystemExit(f"the llama.cpp peer failed: {r.stderr.strip()[-2000:]}")
+    return json.loads(r.stdout.strip().splitlines()[-1])
 
 
 # ---- W6 ---------------------------------------------------------------------------------------
@@ -478,12 +537,15 @@ def w7(args) -> dict:
     tpots: dict[str, list[float]] = {"on": [], "off": []}
     same = True
     before = _spec_counts(on)
-    for prompt in w7_prompts():  # interleaved: each prompt off, then on
-        a = off.generate([prompt], sp, use_tqdm=False)[0]
-        b = on.generate([prompt], sp, use_tqdm=False)[0]
-        tpots["off"].append(_tpot(a))
-        tpots["on"].append(_tpot(b))
-        same = same and a.outputs[0].token_ids == b.outputs[0].token_ids
+    # interleaved, args.rounds times over the prompts, the order flipping each round (a shared machine's
+    # slow spells then hit both sides alike)
+    for r in range(args.rounds):
+        for prompt in w7_prompts():
+            pair = {}
+            for side in (("off", "on") if r % 2 == 0 else ("on", "off")):
+                pair[side] = (off if side == "off" else on).generate([prompt], sp, use_tqdm=False)[0]
+                tpots[side].append(_tpot(pair[side]))
+            same = same and pair["off"].outputs[0].token_ids == pair["on"].outputs[0].token_ids
     off_ms, on_ms = 1000 * statistics.median(tpots["off"]), 1000 * statistics.median(tpots["on"])
     return {"workload": "W7", "speculative_config": json.dumps(spec_config),
             "tpot_ms_off_median": off_ms, "tpot_ms_on_median": on_ms, "speedup": off_ms / on_ms,
@@ -546,8 +608,12 @@ def register(bench_subparsers) -> None:
     p.add_argument("--structured-fraction", type=float, default=0.0,
                    help="W1: also run with this fraction of the requests (every round(1/f)-th) constrained by a "
                         "JSON schema, and time the schema's compile (cold, cached)")
+    p.add_argument("--compare-llamacpp", metavar="PYTHON", default=None,
+                   help="W5: also run llama.cpp on the same GGUF file and threads through this interpreter, which "
+                        "has llama-cpp-python installed (a benchmark peer, not a dependency)")
     p.add_argument("--num-requests", type=int, default=64,
                    help="W1: requests (64 in BENCHMARKS.md; fewer for a scaled-down run, same generator)")
+    p.add_argument("--rounds", type=int, default=1, help="W7: passes over the 4 prompts (order flips each pass)")
     p.add_argument("--json", action="store_true")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
     add_engine_args(p)

@@ -300,6 +300,8 @@ class Scheduler:
             req = self.swapped[0]
             n = self._num_new_tokens(req, budget)
             if self.kv.blocks_needed(req, self._slots(req, n)) > self.kv.pool.num_free_blocks:  # swapped incl.
+                if self._release_waiting_holder(req):  # a forked sibling that never ran holds blocks: it yields
+                    continue
                 break
             pairs = self.kv.swap_in(req)
             assert pairs is not None
@@ -404,7 +406,8 @@ class Scheduler:
             blocks_to_copy=self.kv.take_pending_copies(),
             blocks_to_swap_out=swap_out,
             blocks_to_swap_in=swap_in,
-            num_tokens_to_propose=self.step_draft_len,
+            num_tokens_to_propose=(self.draft_length_policy.num_to_propose(self.step_draft_len)
+                                   if self.draft_length_policy is not None else 0),
             kv_connector_metadata=self.kv_transfer.build_meta() if self.kv_transfer is not None else None,
         )
 

@@ -77,6 +77,14 @@ class PositionLogprobs(msgspec.Struct, array_like=True):
     ranks: list[int]
 
 
+class StepParallelStats(msgspec.Struct, array_like=True):
+    """What a distributed step cost in communication, and how evenly the experts were loaded (rank 0's view)."""
+
+    collectives: dict[str, list[int]] = {}  # "<group>.<op>" -> [calls, bytes] issued this step
+    expert_balancedness: list[float] = []  # per MoE layer after the last EPLB rebalance (empty: none yet)
+    eplb_rebalances: int = 0  # rebalances so far
+
+
 class ModelRunnerOutput(msgspec.Struct, array_like=True):
     req_ids: list[str]  # requests that sampled this step
     # per sampled request: one token, or with speculation the accepted drafts and then the target's token
@@ -86,6 +94,7 @@ class ModelRunnerOutput(msgspec.Struct, array_like=True):
     # Requests that failed on the worker (e.g. their sampling state could not be set up): req_id -> error.
     # The engine fails them alone; they sampled nothing this step.
     failed: dict[str, str] = {}
+    parallel: Optional[StepParallelStats] = None  # distributed runs only
     # speculative decoding: per sampled request (req_ids order), the tokens proposed for its next step
     draft_token_ids: list[list[int]] = []
     kv_connector_output: Optional[KVConnectorOutput] = None  # finished / failed KV transfers (kv_transfer/)
@@ -100,6 +109,15 @@ def merge_runner_outputs(parts: list[ModelRunnerOutput]) -> ModelRunnerOutput:
         out.logprobs += p.logprobs
         out.prompt_logprobs.update(p.prompt_logprobs)
         out.failed.update(p.failed)
+        if p.parallel is not None:
+            if out.parallel is None:
+                out.parallel = StepParallelStats()
+            for name, (calls, nbytes) in p.parallel.collectives.items():
+                c = out.parallel.collectives.setdefault(name, [0, 0])
+                c[0] += calls
+                c[1] += nbytes
+            out.parallel.expert_balancedness = p.parallel.expert_balancedness
+            out.parallel.eplb_rebalances = p.parallel.eplb_rebalances
         out.draft_token_ids += p.draft_token_ids or [[] for _ in p.req_ids]
     out.kv_connector_output = merge_connector_outputs([p.kv_connector_output for p in parts])
     return out

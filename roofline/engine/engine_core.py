@@ -28,7 +28,12 @@ from typing import Iterable, Optional
 from roofline.config import EngineArgs, EngineConfig, GiB, finalize_lengths
 from roofline.core.request import Request, RequestStatus
 from roofline.core.scheduler import Scheduler
-from roofline.core.scheduler_output import ModelRunnerOutput, SchedulerOutput, merge_runner_outputs
+from roofline.core.scheduler_output import (
+    ModelRunnerOutput,
+    SchedulerOutput,
+    StepParallelStats,
+    merge_runner_outputs,
+)
 from roofline.engine.output_processor import OutputProcessor
 from roofline.executor.base import ExecutorDeadError, create_executor
 from roofline.kv_transfer import create_scheduler_connector, request_params
@@ -65,6 +70,12 @@ class EngineStats:
     weight_bytes: dict[str, int] = field(default_factory=dict)
     # live roofline: the steps since the previous snapshot (oldest first; empty when switched off)
     step_roofline: list[StepRoofline] = field(default_factory=list)
+    # distributed runs: "<group>.<op>" -> [calls, bytes] since start (rank 0's), steps they cover,
+    # per-layer expert balancedness after the last EPLB rebalance, rebalances so far
+    collectives: dict[str, list[int]] = field(default_factory=dict)
+    parallel_steps: int = 0
+    expert_balancedness: list[float] = field(default_factory=list)
+    eplb_rebalances: int = 0
     spec_decode: Optional[SpecDecodeStats] = None  # speculative decoding counters (cumulative), when on
     # KV transfer (kv_transfer/): bytes of KV loaded from / handed to other engines or the storage
     kv_transfer_bytes_received: int = 0
@@ -92,6 +103,7 @@ class EngineCore:
         self.model_config = mc
         self.vocab_size = int(mc.hf_config.vocab_size)
         self.eos_token_id = self._eos_token_id()
+        self._check_draft_model()
         self.executor = create_executor(config, self.source, show_progress)
         self.weight_bytes = self.executor.weight_bytes()
         num_blocks = self.executor.determine_num_blocks()
@@ -107,6 +119,8 @@ class EngineCore:
             self.step_roofline = model_for_engine(mc.hf_config, dev, dtype, cc.kv_cache_dtype,
                                                   config.parallel_config.tensor_parallel_size,
                                                   config.observability_config.roofline_hardware)
+            if set(self.weight_bytes) - {dtype}:  # layers kept in GGUF blocks: the bytes they really hold
+                self.step_roofline.use_weight_bytes(sum(self.weight_bytes.values()))
         policy, lookahead = self._speculation()
         self.scheduler = Scheduler(sc, cc, num_blocks, num_swap, seed=mc.seed, draft_length_policy=policy,
                                    num_lookahead_slots=lookahead, kv_connector=create_scheduler_connector(config))
@@ -119,8 +133,25 @@ class EngineCore:
         self.generation_tokens = 0
         self._step_records: deque[StepRoofline] = deque(maxlen=STEP_RECORDS_KEPT)
         self._in_flight: deque[tuple[SchedulerOutput, float]] = deque()  # submitted, not collected (oldest first)
+        self.collectives: dict[str, list[int]] = {}
+        self.parallel_steps = 0
+        self.last_parallel: Optional[StepParallelStats] = None
         logger.info("engine ready in %.1f s: %s, max_model_len=%d, %d KV blocks",
                     time.monotonic() - t0, mc.served_model_name, mc.max_model_len, num_blocks)
+
+    def _check_draft_model(self) -> None:
+        """A draft model must share the target's vocabulary (its token ids are the target's)."""
+        spec = self.config.speculative_config
+        if spec is None or spec.method != "draft_model":
+            return
+        try:
+            draft_config = load_hf_config(resolve_source(spec.model, "auto"))
+        except Exception as e:
+            raise ValueError(f"speculative_config.model {spec.model!r} cannot be loaded: {e}") from None
+        draft_vocab = int(draft_config.vocab_size)
+        if draft_vocab != self.vocab_size:
+            raise ValueError(f"speculative_config.model: the draft's vocabulary ({draft_vocab} tokens) differs "
+                             f"from the target's ({self.vocab_size})")
 
     def _speculation(self):
         """Speculative decoding: the scheduler's DraftLengthPolicy (adaptive: the roofline's step-time
@@ -164,10 +195,12 @@ class EngineCore:
             raise ValueError(
                 f"the prompt ({n} tokens) plus max_tokens ({params.max_tokens}) exceeds max_model_len ({max_len})"
             )
-        if n + params.max_tokens > self.kv_capacity_tokens:
+        lookahead = self.scheduler.num_lookahead_slots  # a draft model's slots past the last token
+        if n + params.max_tokens + lookahead > self.kv_capacity_tokens:
             raise ValueError(
-                f"the prompt ({n} tokens) plus max_tokens ({params.max_tokens}) exceeds the KV cache capacity "
-                f"({self.kv_capacity_tokens} tokens)"
+                f"the prompt ({n} tokens) plus max_tokens ({params.max_tokens})"
+                + (f" plus the draft model's {lookahead} lookahead slots" if lookahead else "")
+                + f" exceeds the KV cache capacity ({self.kv_capacity_tokens} tokens)"
             )
         if params.structured_outputs is not None and self.tokenizer is None:
             raise ValueError("structured_outputs need the model's tokenizer, and this model has none")
@@ -304,6 +337,8 @@ class EngineCore:
 
     def _finish_step(self, sched_out: SchedulerOutput, result: ModelRunnerOutput, t_start: float) -> list[RequestOutput]:
         """The step's results into the scheduler, the output processor and RequestOutputs."""
+        if result.parallel is not None:
+            self._record_parallel(result.parallel)
         if result.failed:
             self._fail_requests(result.failed)
         touched = self.scheduler.update_from_output(sched_out, result)
@@ -361,6 +396,14 @@ class EngineCore:
                 sched_out.scheduled, time.perf_counter() - t_start, now, self.scheduler.kv.pool.usage()))
         return outputs
 
+    def _record_parallel(self, p: StepParallelStats) -> None:
+        self.parallel_steps += 1
+        self.last_parallel = p
+        for name, (calls, nbytes) in p.collectives.items():
+            c = self.collectives.setdefault(name, [0, 0])
+            c[0] += calls
+            c[1] += nbytes
+
     def _execute_isolating(self, out: SchedulerOutput) -> ModelRunnerOutput:
         """executor.execute(out); if it raises (other than ExecutorDeadError), the step's requests run
         again in halves until every failing request has run alone: those fail, the rest get their tokens."""
@@ -405,6 +448,9 @@ class EngineCore:
             spec_decode=s.spec_decode.copy() if s.spec_decode is not None else None,
             kv_transfer_bytes_received=self.scheduler.kv_transfer.bytes_received if self.scheduler.kv_transfer else 0,
             kv_transfer_bytes_sent=self.scheduler.kv_transfer.bytes_sent if self.scheduler.kv_transfer else 0,
+            collectives={k: list(v) for k, v in self.collectives.items()}, parallel_steps=self.parallel_steps,
+            expert_balancedness=list(self.last_parallel.expert_balancedness) if self.last_parallel else [],
+            eplb_rebalances=self.last_parallel.eplb_rebalances if self.last_parallel else 0,
         )
 
     def _drain_step_records(self) -> list[StepRoofline]:

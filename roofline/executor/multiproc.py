@@ -283,6 +283,9 @@ class MultiprocExecutor(Executor):
 
     def reset_stage_busy(self) -> None:
         self._call("reset_stage_busy")
+    def expert_placements(self) -> list[list[list[int]]]:
+        """Per rank, per expert-parallel MoE layer: the logical expert each local slot holds."""
+        return self._call("expert_placements")
 
     def rank_info(self) -> list[list[Any]]:
         """[[rank, host, pid] per rank], all nodes."""

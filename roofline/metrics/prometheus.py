@@ -87,7 +87,39 @@ class PrometheusStatLogger:
         # Cumulative engine counters already exported, so each record() adds only the difference.
         self._last: dict[str, float] = {}
         self._init_step_roofline(reg)
+        self._init_parallel(reg)
         self._init_spec_decode(reg)
+
+    def _init_parallel(self, reg: CollectorRegistry) -> None:
+        """Distributed runs: collectives per group and op (rank 0's), expert balance under EPLB."""
+        coll = ["model_name", "group", "op"]
+        self.collective_calls = Counter(PREFIX + "collective_calls", "Collectives the model issued on rank 0, by "
+                                        "process group (tp, pp, dp, ep) and operation.", coll, registry=reg)
+        self.collective_bytes = Counter(PREFIX + "collective_bytes", "Bytes rank 0 handed to collectives (to the "
+                                        "other ranks, for all-to-all), by process group and operation.", coll,
+                                        registry=reg)
+        self.parallel_steps = Counter(PREFIX + "parallel_steps", "Engine steps of a distributed world (divide the "
+                                      "collective counters by it for per-step figures).", ["model_name"],
+                                      registry=reg).labels(self.model_name)
+        self.expert_balancedness = Gauge(PREFIX + "expert_balancedness", "Mean / max tokens per expert-parallel "
+                                         "rank over the EPLB window, per MoE layer, after the last rebalance.",
+                                         ["model_name", "layer"], registry=reg)
+        self.eplb_rebalances = Counter(PREFIX + "eplb_rebalances", "EPLB rebalances (expert weights moved).",
+                                       ["model_name"], registry=reg).labels(self.model_name)
+
+    def _record_parallel(self, e: Any) -> None:
+        for name, (calls, nbytes) in (getattr(e, "collectives", None) or {}).items():
+            group, _, op = name.partition(".")
+            for counter, value, key in ((self.collective_calls, calls, f"calls:{name}"),
+                                        (self.collective_bytes, nbytes, f"bytes:{name}")):
+                delta = value - self._last.get(key, 0)
+                if delta > 0:
+                    counter.labels(self.model_name, group, op).inc(delta)
+                self._last[key] = value
+        self._inc_from_cumulative(self.parallel_steps, e, "parallel_steps")
+        self._inc_from_cumulative(self.eplb_rebalances, e, "eplb_rebalances")
+        for layer, value in enumerate(getattr(e, "expert_balancedness", None) or []):
+            self.expert_balancedness.labels(self.model_name, str(layer)).set(value)
 
     def _init_spec_decode(self, reg: CollectorRegistry) -> None:
         """Speculative decoding counters (vLLM's names): drafts verified, draft tokens, accepted tokens, and
@@ -210,6 +242,7 @@ class PrometheusStatLogger:
         self._inc_from_cumulative(self.kv_received, e, "kv_transfer_bytes_received")
         self._inc_from_cumulative(self.kv_sent, e, "kv_transfer_bytes_sent")
         self._record_steps(getattr(e, "step_roofline", None))
+        self._record_parallel(e)
         self._record_spec_decode(getattr(e, "spec_decode", None))
 
     def render(self) -> bytes:

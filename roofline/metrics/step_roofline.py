@@ -101,6 +101,12 @@ class StepRooflineModel:
         self.attn_flops_per_position = {ph: spec.attention_flops_per_token(1.0, ph) for ph in ("decode", "prefill")}
         self._dense_weight_bytes = None if spec.is_moe else decode_weight_bytes_read(self.plan, 1)
 
+    def use_weight_bytes(self, nbytes: float) -> None:
+        """The weights as loaded read `nbytes` a step instead of params x dtype size (a dense model whose
+        layers stay in GGUF blocks: --gguf-weights native); MoE models keep the planner's count."""
+        if self._dense_weight_bytes is not None:
+            self._dense_weight_bytes = float(nbytes)
+
     def weight_bytes_read(self, num_tokens: int) -> float:
         if self._dense_weight_bytes is not None:
             return self._dense_weight_bytes
@@ -124,6 +130,9 @@ class StepRooflineModel:
             if c == 1:
                 decode_tokens += 1
                 attn_decode += end
+            elif c - getattr(s, "num_draft_tokens", 0) == 1:  # a decode verifying drafts (speculative decoding)
+                decode_tokens += c
+                attn_decode += c * start + c * (c + 1) / 2
             else:
                 prefill_tokens += c
                 attn_prefill += c * start + c * (c + 1) / 2  # token j attends to j + 1 positions

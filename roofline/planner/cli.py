@@ -27,6 +27,10 @@ def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     p.add_argument("--pp-layer-partition", default=None, help="layers per stage, e.g. 16,14 (default: even split)")
     p.add_argument("--microbatches", type=int, default=None,
                    help="batches in the pipeline at once, for the bubble (default: --pp)")
+    p.add_argument("--dp", type=int, default=1, help="data-parallel degree (expert parallelism spans dp x tp)")
+    p.add_argument("--enable-expert-parallel", action="store_true",
+                   help="MoE: whole experts over the dp x tp ranks (weights per GPU, all-to-all bytes per step)")
+    p.add_argument("--num-redundant-experts", type=int, default=0, help="EPLB replicas per MoE layer")
     p.add_argument("--weight-dtype", choices=DTYPES, default=None, help="default: the checkpoint's dtype")
     p.add_argument("--kv-dtype", choices=DTYPES, default=None, help="default: the weight dtype (bf16 with fp8 weights)")
     mem = p.add_mutually_exclusive_group()
@@ -42,6 +46,16 @@ def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     p.add_argument("--memory-gib", type=float, default=None, help="override device memory (GiB)")
     p.add_argument("--max-num-batched-tokens", type=int, default=2048,
                    help="prefill chunk size used for the activation-memory estimate")
+    d = p.add_argument_group("--disagg (prefill/decode engine ratio for a workload)")
+    d.add_argument("--disagg", action="store_true",
+                   help="size separate prefill and decode engines for the workload below (planner/disagg.py)")
+    d.add_argument("--input-len", type=int, default=1024, help="prompt tokens per request (default 1024)")
+    d.add_argument("--output-len", type=int, default=256, help="output tokens per request (default 256)")
+    d.add_argument("--request-rate", type=float, default=10.0, help="requests per second (default 10)")
+    d.add_argument("--ttft-slo", type=float, default=1.0, help="mean time-to-first-token SLO, seconds (default 1)")
+    d.add_argument("--tpot-slo", type=float, default=0.05, help="time-per-output-token SLO, seconds (default 0.05)")
+    d.add_argument("--kv-link-gbs", type=float, default=50.0,
+                   help="prefill -> decode KV link bandwidth, GB/s (default 50: InfiniBand HDR)")
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
     p.add_argument("--plot", default=None, metavar="OUT.png", help="plot decode throughput/step time vs batch")
     m = p.add_argument_group("--measure (run the engine here and compare)")
@@ -100,7 +114,9 @@ def run_plan(args) -> int:
         hw = _hardware(args)
         p = PlanInputs(
             model=spec, hardware=hw, tp=args.tp, pp=args.pp, microbatches=args.microbatches,
-            pp_layer_partition=parse_partition(args.pp_layer_partition, args.pp), weight_dtype=args.weight_dtype, kv_dtype=args.kv_dtype,
+            pp_layer_partition=parse_partition(args.pp_layer_partition, args.pp), dp=args.dp,
+            expert_parallel=args.enable_expert_parallel, num_redundant_experts=args.num_redundant_experts,
+            weight_dtype=args.weight_dtype, kv_dtype=args.kv_dtype,
             gpu_memory_utilization=args.gpu_memory_utilization,
             kv_budget_bytes=None if args.kv_budget_gib is None else args.kv_budget_gib * GiB,
             block_size=args.block_size, context=args.context, avg_context=args.avg_context, batch=args.batch,
@@ -109,6 +125,8 @@ def run_plan(args) -> int:
     except (ValueError, FileNotFoundError) as e:
         print(f"roofline plan: {e}", file=sys.stderr)
         return 2
+    if args.disagg:
+        return run_disagg(args, p)
     plan = make_plan(p)
     if args.plot:
         plot_batch_sweep(p, plan, args.plot)
@@ -121,6 +139,21 @@ def run_plan(args) -> int:
         print(render_table(plan))
         if args.plot:
             print(f"\nplot written to {args.plot}")
+    return 0
+
+
+def run_disagg(args, p) -> int:
+    from roofline.planner.disagg import DisaggWorkload, plan_disagg, render_disagg
+    from roofline.planner.report import to_json
+
+    try:
+        w = DisaggWorkload(args.input_len, args.output_len, args.request_rate, args.ttft_slo, args.tpot_slo,
+                           args.kv_link_gbs * 1e9)
+    except ValueError as e:
+        print(f"roofline plan: {e}", file=sys.stderr)
+        return 2
+    d = plan_disagg(p, w)
+    print(to_json(d) if args.json else render_disagg(d, p.model.name, p.hardware.name))
     return 0
 
 

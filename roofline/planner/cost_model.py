@@ -56,6 +56,9 @@ class PlanInputs:
     model: ModelSpec
     hardware: HardwareSpec
     tp: int = 1
+    dp: int = 1  # data-parallel replicas (expert parallelism spans dp x tp)
+    expert_parallel: bool = False  # routed experts spread whole over the dp x tp ranks
+    num_redundant_experts: int = 0  # EPLB's extra replicas per MoE layer
     weight_dtype: Optional[str] = None  # default: the checkpoint's native dtype
     kv_dtype: Optional[str] = None  # default: the weights' dtype (bf16 for fp8 weights)
     gpu_memory_utilization: float = 0.9
@@ -78,6 +81,13 @@ class PlanInputs:
         self.kv_dtype = normalize_dtype(self.kv_dtype)
         if self.avg_context is None:
             self.avg_context = self.context
+        if self.dp < 1 or self.num_redundant_experts < 0:
+            raise ValueError("dp must be >= 1 and num_redundant_experts >= 0")
+        if self.expert_parallel and self.model.is_moe:
+            ep = self.dp * self.tp
+            if (self.model.num_experts + self.num_redundant_experts) % ep:
+                raise ValueError(f"{self.model.num_experts} experts + {self.num_redundant_experts} redundant do not "
+                                 f"split evenly over {ep} expert-parallel ranks (dp x tp)")
         if self.tp < 1 or self.block_size < 1 or self.batch < 1 or self.context < 1 or self.avg_context < 1:
             raise ValueError("tp, block size, batch, context and avg context must all be >= 1")
         if self.microbatches is None:
@@ -162,11 +172,44 @@ def activation_reserve_bytes(p: PlanInputs) -> float:
     return p.max_num_batched_tokens * per_token * act_bytes + logits
 
 
+def routed_expert_params(p: PlanInputs) -> int:
+    """Every MoE layer's routed experts (without redundant replicas)."""
+    m = p.model
+    return m.num_moe_layers * m.num_experts * m.expert_params() if m.is_moe else 0
+
+
 def weight_bytes_per_gpu(p: PlanInputs) -> float:
-    """The whole model's share per GPU; with pipeline stages, the heaviest stage's."""
+    """Under expert parallelism each rank holds (experts + redundant) / (dp x tp) whole experts per MoE
+    layer and 1/tp of everything else; with pipeline stages, the heaviest stage's share; otherwise 1/tp
+    of every weight."""
     if p.pp > 1:
         return max(s["weight_bytes"] for s in pipeline_stages(p))
-    return p.model.total_params() * p.weight_bytes / p.tp
+    if not (p.expert_parallel and p.model.is_moe):
+        return p.model.total_params() * p.weight_bytes / p.tp
+    m, ep = p.model, p.dp * p.tp
+    rest = (m.total_params() - routed_expert_params(p)) / p.tp
+    experts = m.num_moe_layers * (m.num_experts + p.num_redundant_experts) / ep * m.expert_params()
+    return (rest + experts) * p.weight_bytes
+
+
+def expert_parallel_traffic(p: PlanInputs, batch: Optional[float] = None) -> Dict[str, float]:
+    """One step's all-to-all traffic per rank under expert parallelism (the all_to_all backend), as the
+    engine counts it (roofline:collective_bytes{group="ep",op="all_to_all"}: bytes sent to the OTHER ranks):
+    per MoE layer the split counts (8 B per peer), then for each (token, expert) pair whose expert lives
+    elsewhere its expert slot (8 B) and hidden row out, and the same number of rows back.  The batch of
+    `batch` tokens (default p.batch, decode: one token per sequence) is spread over the dp x tp ranks; routing
+    is taken as uniform, so a pair's expert is on another rank with probability (ep - 1) / ep."""
+    m = p.model
+    if not (p.expert_parallel and m.is_moe):
+        return {"ep_size": 1, "all_to_all_bytes_per_step": 0.0, "redundant_expert_bytes_per_gpu": 0.0}
+    ep = p.dp * p.tp
+    tokens = (p.batch if batch is None else batch) / ep
+    act = 4 if p.weight_dtype == "fp32" else 2
+    remote_pairs = tokens * m.num_experts_per_tok * (ep - 1) / ep
+    per_layer = 8 * (ep - 1) + remote_pairs * (8 + m.hidden_size * act) + remote_pairs * m.hidden_size * act
+    redundant = m.num_moe_layers * p.num_redundant_experts / ep * m.expert_params() * p.weight_bytes
+    return {"ep_size": ep, "all_to_all_bytes_per_step": per_layer * m.num_moe_layers,
+            "redundant_expert_bytes_per_gpu": redundant}
 
 
 def pp_bubble_fraction(pp: int, microbatches: int) -> float:
@@ -356,8 +399,11 @@ def make_plan(p: PlanInputs) -> Plan:
                  max_seqs_at_context=paged_capacity(pipe["kv_blocks"], p.context, p.block_size),
                  paged_max_seqs=paged_capacity(pipe["kv_blocks"], p.avg_context, p.block_size),
                  kv_fits_at_batch=needed_blocks <= pipe["kv_blocks"])
+    if p.expert_parallel and m.is_moe:
+        r.update(expert_parallel_traffic(p))
     inputs = {
-        "tp": p.tp, "pp": p.pp, "weight_dtype": p.weight_dtype, "kv_dtype": p.kv_dtype,
+        "tp": p.tp, "pp": p.pp, "dp": p.dp, "expert_parallel": p.expert_parallel,
+        "num_redundant_experts": p.num_redundant_experts, "weight_dtype": p.weight_dtype, "kv_dtype": p.kv_dtype,
         "gpu_memory_utilization": p.gpu_memory_utilization, "kv_budget_bytes": p.kv_budget_bytes,
         "block_size": p.block_size, "context": p.context, "avg_context": p.avg_context, "batch": p.batch,
         "step_overhead_s": p.step_overhead_s, "kv_budget_source": budget["kv_budget_source"],

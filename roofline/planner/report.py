@@ -74,6 +74,11 @@ def render_table(plan: Plan) -> str:
     rows = [
         ("", "Memory (per GPU)", ""),
         ("weight_bytes_per_gpu", fmt_bytes(r["weight_bytes_per_gpu"]), "fits" if r["weights_fit"] else "DOES NOT FIT"),
+        *([("  ep_size", f"{r['ep_size']}", f"experts whole over DP={i['dp']} x TP={i['tp']} ranks"),
+           ("  redundant_experts", fmt_bytes(r["redundant_expert_bytes_per_gpu"]),
+            f"{i['num_redundant_experts']} EPLB replicas per MoE layer, this GPU's share"),
+           ("  all_to_all_per_step", fmt_bytes(r["all_to_all_bytes_per_step"]),
+            f"sent to other ranks per decode step (batch {i['batch']}, uniform routing)")] if "ep_size" in r else []),
         ("kv_bytes_per_token", fmt_bytes(r["kv_bytes_per_token"]), f"{r['kv_bytes_per_token']:,.0f} B, all layers"),
         ("kv_budget", fmt_bytes(r["kv_budget_bytes"]), i["kv_budget_source"]),
         ("kv_blocks", f"{r['kv_blocks']:,}", f"{fmt_bytes(r['kv_block_bytes'])} per block"),

@@ -37,6 +37,14 @@ class Proposals:
 class Proposer(ABC):
     #: slots past a sampling request's step its proposals' KV needs (a model-based proposer: k)
     num_lookahead_slots: int = 0
+    #: wants ProposalBatch.target (draft_model.TargetStep): the step's flat batch and block tables
+    needs_target_step: bool = False
+    #: a model-based proposer's KV cache tensors: the runner moves their blocks with the target's
+    kv_caches: list = []
+
+    def follow_target(self, input_ids: torch.Tensor, positions: torch.Tensor, meta) -> None:
+        """Called every step with the target's flat batch (needs_target_step proposers): e.g. a draft
+        model writes its own K/V for the same tokens."""
 
     @abstractmethod
     def propose(self, batch: ProposalBatch) -> Proposals: ...
@@ -45,10 +53,15 @@ class Proposer(ABC):
 MODEL_BASED_METHODS = ("draft_model", "mtp")  # proposers with a KV cache of their own (lookahead slots)
 
 
-def create_proposer(spec_config) -> Proposer:
-    """The proposer for a SpeculativeConfig (roofline/config.py)."""
+def create_proposer(spec_config, draft_model=None, draft_kv_caches=None, max_positions: int = 0) -> Proposer:
+    """The proposer for a SpeculativeConfig (roofline/config.py); a model-based one gets its model and KV
+    cache from the Worker, which loads them."""
     if spec_config.method == "ngram":
         from roofline.spec_decode.ngram import NgramProposer
 
         return NgramProposer(spec_config.prompt_lookup_min, spec_config.prompt_lookup_max)
+    if spec_config.method == "draft_model":
+        from roofline.spec_decode.draft_model import DraftModelProposer
+
+        return DraftModelProposer(draft_model, draft_kv_caches, spec_config.num_speculative_tokens, max_positions)
     raise ValueError(f"speculative_config.method {spec_config.method!r} is not available in this build")

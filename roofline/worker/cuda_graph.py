@@ -180,10 +180,12 @@ def graphs_unsupported_reason(model, device, enforce_eager: bool, tp_size: int =
         return "not a CUDA device"
     if tp_size != 1:
         return "tensor parallelism (collectives in graphs not validated)"
-    from roofline.distributed.parallel_state import get_pp_group
+    from roofline.distributed.parallel_state import get_ep_group, get_pp_group
 
     if get_pp_group().world_size != 1:
         return "pipeline parallelism (a stage's step ends in a send, not logits)"
+    if get_ep_group().world_size != 1:
+        return "expert parallelism (the all-to-all's split sizes are read on the host every step)"
     layers = getattr(getattr(model, "model", None), "layers", None)
     if not layers:
         return "model has no decoder layers"

@@ -67,20 +67,22 @@ class ModelRunner:
 
     # ---- block movement ----------------------------------------------------------------------
     def _move_blocks(self, out: SchedulerOutput) -> None:
+        """Swaps and copy-on-write copies, in the target's pool and a draft model's (same block ids)."""
+        caches = self.kv_caches + (self.proposer.kv_caches if self.proposer is not None else [])
         if out.blocks_to_swap_out:
             src = torch.tensor([d for d, _ in out.blocks_to_swap_out], device=self.device)
             dst = torch.tensor([c for _, c in out.blocks_to_swap_out])
-            for cache, swap in zip(self.kv_caches, self.swap_caches):
+            for cache, swap in zip(caches, self.swap_caches):
                 swap[:, dst] = cache[:, src].to("cpu")
         if out.blocks_to_swap_in:
             src = torch.tensor([c for c, _ in out.blocks_to_swap_in])
             dst = torch.tensor([d for _, d in out.blocks_to_swap_in], device=self.device)
-            for cache, swap in zip(self.kv_caches, self.swap_caches):
+            for cache, swap in zip(caches, self.swap_caches):
                 cache[:, dst] = swap[:, src].to(self.device)
         if out.blocks_to_copy:
             src = torch.tensor([s for s, _ in out.blocks_to_copy], device=self.device)
             dst = torch.tensor([d for _, d in out.blocks_to_copy], device=self.device)
-            for cache in self.kv_caches:
+            for cache in caches:
                 cache[:, dst] = cache[:, src]
 
     def _update_states(self, out: SchedulerOutput) -> dict[str, str]:
@@ -204,6 +206,19 @@ class ModelRunner:
         probs = [q[: len(d)] if q is not None else None for q, d in zip(probs, drafts)]
         return self.rejection_sampler(logits, states, drafts, probs if any(q is not None for q in probs) else None)
 
+    def _target_step(self, items: list[ScheduledRequest], req_ids: list[str], emitted: list[list[int]]):
+        """A model-based proposer's view of the step's sampled requests (draft_model.TargetStep)."""
+        from roofline.spec_decode.draft_model import TargetStep
+
+        by_id = {s.req_id: s for s in items}
+        next_position = {}
+        for rid, toks in zip(req_ids, emitted):
+            s = by_id[rid]
+            # known tokens fed + accepted drafts are in the KV; the newest token is not yet
+            next_position[rid] = s.num_computed_tokens + len(s.token_ids) - s.num_draft_tokens + len(toks) - 1
+        return TargetStep(next_position, {r: by_id[r].block_ids for r in req_ids},
+                          {r: self.states[r] for r in req_ids}, self._prepare)
+
     def _propose(self, req_ids: list[str], k: int, target) -> list[list[int]]:
         """The next step's drafts of each sampled request (none for grammar-constrained ones)."""
         asked = [i for i, rid in enumerate(req_ids) if not self.states[rid].spec.structured]
@@ -255,12 +270,13 @@ class ModelRunner:
                 sample_drafts.append(s.token_ids[len(s.token_ids) - k :] if k else [])
 
         graph_out = self.graph_runner.run(items) if self.graph_runner is not None else None
+        prepared = None
         if graph_out is not None:  # decode-only batch replayed in a CUDA graph, logits included
             hidden = graph_out.hidden
         else:
             # only the rows read below leave the model (a chunk's earlier rows skip its last layer's MLP)
             wanted = sorted(set().union(*sample_rows, *(range(j[1], j[1] + j[2]) for j in prompt_lp_jobs)))
-            input_ids, positions, meta = self._prepare(items)
+            prepared = input_ids, positions, meta = self._prepare(items)
             stage_input = {}
             if self.receives_hidden:  # [N, d] hidden and residual from the previous pipeline stage
                 t0 = time.perf_counter()
@@ -278,6 +294,8 @@ class ModelRunner:
             if not self.samples:  # a pipeline stage before the last: hand on (hidden, residual), done
                 pipeline.send_to_next_stage(*hidden)
                 return result
+        if self.proposer is not None and self.proposer.needs_target_step:  # every step: its K/V follows ours
+            self.proposer.follow_target(*(prepared if prepared is not None else self._prepare(items)))
         for rid, row0, count, next_tokens, k in prompt_lp_jobs:
             logits = self.model.compute_logits(hidden[row0 : row0 + count])
             result.prompt_logprobs[rid] = self.prompt_logprobs_rows(logits, next_tokens, k)
@@ -311,5 +329,7 @@ class ModelRunner:
             result.sampled_token_ids = emitted
             result.logprobs = emitted_lps
             if self.proposer is not None and out.num_tokens_to_propose > 0:
-                result.draft_token_ids = self._propose(sample_reqs, out.num_tokens_to_propose, None)
+                target = (self._target_step(items, sample_reqs, emitted)
+                          if self.proposer.needs_target_step else None)
+                result.draft_token_ids = self._propose(sample_reqs, out.num_tokens_to_propose, target)
         return result

@@ -16,7 +16,8 @@ import torch
 from roofline.attention import kv_spec
 from roofline.attention.backend import get_attention_backend
 from roofline.config import GiB, EngineConfig, Switch
-from roofline.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
+from roofline.core.scheduler_output import ModelRunnerOutput, SchedulerOutput, StepParallelStats
+from roofline.distributed.parallel_state import collective_stats, get_layout
 from roofline.model_executor.layers import cpu_gemm, cpu_ops, gguf_quant
 from roofline.model_executor.loader.source import ModelSource
 from roofline.model_executor.loader.weights import gguf_weights, init_dummy_weights, safetensors_weights
@@ -106,27 +107,48 @@ class Worker:
             reuse_freed_cpu_memory()
         t0 = time.monotonic()
         self.model = self._load_model(source, show_progress and rank == 0)
+        self.draft_model = self._load_draft_model(show_progress and rank == 0)
         self.load_time = time.monotonic() - t0
         self.num_blocks = 0
         self.runner: Optional[ModelRunner] = None
+        self.eplb = None
+        pc = config.parallel_config
+        if pc.enable_eplb:
+            from roofline.distributed.parallel_state import get_ep_group
+            from roofline.eplb.state import EplbState
+
+            self.eplb = EplbState(self.model, pc.eplb, get_ep_group(), num_nodes=pc.nnodes)
+        self._collectives_seen: dict[str, list[int]] = {}
         self.kv_connector = None  # the worker half of a KV connector (kv_transfer/), set with the pool
 
-    def _load_model(self, source: ModelSource, show_progress: bool) -> torch.nn.Module:
-        arch, cls = resolve_architecture(self.hf_config)
+    def _load_draft_model(self, show_progress: bool) -> Optional[torch.nn.Module]:
+        """Speculative decoding with a draft model: load it like the target (any format we load)."""
+        spec = self.config.speculative_config
+        if spec is None or spec.method != "draft_model":
+            return None
+        from roofline.model_executor.loader.source import load_hf_config, resolve_source
+
+        source = resolve_source(spec.model, "auto")
+        return self._load_model(source, show_progress, load_hf_config(source))
+
+    def _load_model(self, source: ModelSource, show_progress: bool, model_hf_config=None) -> torch.nn.Module:
+        """The target model, or with model_hf_config another one (a draft model) on the same device."""
+        hf_config = self.hf_config if model_hf_config is None else model_hf_config
+        arch, cls = resolve_architecture(hf_config)
         backend = get_attention_backend(self.config.device_config.attention_backend, self.config.device_config.device)
         torch.manual_seed(self.config.model_config.seed)
         prev = torch.get_default_dtype()
         torch.set_default_dtype(self.dtype)  # parameters in the target dtype; rope tables stay fp32
         try:
             with torch.device(self.device):
-                model = cls(self.hf_config, backend)
+                model = cls(hf_config, backend)
         finally:
             torch.set_default_dtype(prev)
         if source.fmt == "dummy":
             init_dummy_weights(model, self.config.model_config.seed)
         else:
             if source.fmt == "gguf":
-                weights = gguf_weights(os.path.join(source.path, source.gguf_file), self.hf_config, show_progress,
+                weights = gguf_weights(os.path.join(source.path, source.gguf_file), hf_config, show_progress,
                                        keep_quantized=self._keeps_gguf_blocks(cls))
             else:
                 weights = safetensors_weights(source.path, show_progress)
@@ -139,10 +161,12 @@ class Worker:
         if self.device.type == "cpu":
             cpu_gemm.prepare_model(model)
             llama_cpu_stack.attach(model)
-        self.weight_bytes = gguf_quant.weight_bytes_by_format(model)
+        weight_bytes = gguf_quant.weight_bytes_by_format(model)
+        if model_hf_config is None:  # the target's (a draft model's are not the served model's)
+            self.weight_bytes = weight_bytes
         logger.info("loaded %s (%s, %s) on %s; weights %.1f MB (%s)", arch, source.fmt, self.dtype, self.device,
-                    sum(self.weight_bytes.values()) / 1e6,
-                    ", ".join(f"{k} {v / 1e6:.1f} MB" for k, v in sorted(self.weight_bytes.items())))
+                    sum(weight_bytes.values()) / 1e6,
+                    ", ".join(f"{k} {v / 1e6:.1f} MB" for k, v in sorted(weight_bytes.items())))
         return model
 
     def _keeps_gguf_blocks(self, model_cls) -> bool:
@@ -164,8 +188,12 @@ class Worker:
         return why is None
 
     # ---- KV pool ------------------------------------------------------------------------------
+    def _kv_models(self) -> list[torch.nn.Module]:
+        """The models with a KV pool indexed by the scheduler's block ids: the target, and a draft model."""
+        return [self.model] + ([self.draft_model] if self.draft_model is not None else [])
+
     def block_bytes(self) -> int:
-        return kv_bytes_per_block(self.model, self.config.cache_config.block_size, self.dtype)
+        return sum(kv_bytes_per_block(m, self.config.cache_config.block_size, self.dtype) for m in self._kv_models())
 
     def determine_num_blocks(self) -> int:
         cc = self.config.cache_config
@@ -221,11 +249,16 @@ class Worker:
         else:
             caches = kv_spec.allocate(specs, num_blocks, bs,
                                       lambda shape: torch.zeros(shape, dtype=self.dtype, device=self.device))
+        draft_caches = []
+        if self.draft_model is not None:  # the draft's own pool, same block geometry
+            draft_caches = kv_spec.allocate(self.draft_model.kv_cache_specs(), num_blocks, bs,
+                                            lambda shape: torch.zeros(shape, dtype=self.dtype, device=self.device))
         swap = None
         if num_swap_blocks:
             pin = self.device.type == "cuda"
-            swap = kv_spec.allocate(specs, num_swap_blocks, bs,
-                                    lambda shape: torch.zeros(shape, dtype=self.dtype, device="cpu", pin_memory=pin))
+            swap = [c for m in self._kv_models() for c in kv_spec.allocate(
+                m.kv_cache_specs(), num_swap_blocks, bs,
+                lambda shape: torch.zeros(shape, dtype=self.dtype, device="cpu", pin_memory=pin))]
         self.num_blocks = num_blocks
         self.runner = ModelRunner(self.model, caches, bs, self.device, swap)
         from roofline.worker.cuda_graph import create_graph_runner
@@ -235,7 +268,13 @@ class Worker:
         if self.config.speculative_config is not None:
             from roofline.spec_decode.proposer import create_proposer
 
-            self.runner.proposer = create_proposer(self.config.speculative_config)
+            max_positions = self.config.scheduler_config.max_model_len
+            if self.draft_model is not None:
+                draft_limit = getattr(self.draft_model, "config", None)
+                draft_limit = getattr(draft_limit, "max_position_embeddings", None)
+                max_positions = min(max_positions, draft_limit or max_positions)
+            self.runner.proposer = create_proposer(self.config.speculative_config, self.draft_model, draft_caches,
+                                                   max_positions)
         from roofline.kv_transfer import create_worker_connector
 
         self.kv_connector = create_worker_connector(self.config, caches)
@@ -245,15 +284,33 @@ class Worker:
     def execute(self, out: SchedulerOutput) -> ModelRunnerOutput:
         assert self.runner is not None, "init_kv_cache first"
         connector, plan = self.kv_connector, out.kv_connector_metadata
-        if connector is None:
-            return self.runner.execute(out)
-        if plan is not None:
+        if connector is not None and plan is not None:
             connector.start_load_kv(plan)
         result = self.runner.execute(out)
-        if plan is not None:
-            connector.save_kv(plan)
-        result.kv_connector_output = connector.get_finished()
+        if connector is not None:
+            if plan is not None:
+                connector.save_kv(plan)
+            result.kv_connector_output = connector.get_finished()
+        if self.eplb is not None:
+            self.eplb.step()
+        if get_layout().world_size > 1 and result is not None:
+            result.parallel = self._parallel_stats()
         return result
+
+    def _parallel_stats(self) -> StepParallelStats:
+        """This step's collectives (the counters' growth since the last step) and the EPLB state."""
+        now = collective_stats()
+        step = {}
+        for name, (calls, nbytes) in now.items():
+            seen = self._collectives_seen.get(name, [0, 0])
+            if calls >= seen[0] and (calls, nbytes) != tuple(seen):
+                step[name] = [calls - seen[0], nbytes - seen[1]]
+            elif calls < seen[0]:  # the counters were reset in between
+                step[name] = [calls, nbytes]
+        self._collectives_seen = now
+        eplb = self.eplb
+        return StepParallelStats(collectives=step, expert_balancedness=list(eplb.balancedness) if eplb else [],
+                                 eplb_rebalances=eplb.rebalances if eplb else 0)
 
     def shutdown(self) -> None:
         if self.kv_connector is not None:

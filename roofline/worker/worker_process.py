@@ -276,6 +276,13 @@ class WorkerProc:
         if self.worker.runner is not None:
             self.worker.runner.stage_wait_s = 0.0
         self.busy_since = time.perf_counter()
+    def rpc_expert_placements(self) -> list[list[list[int]]]:
+        """Per rank, per expert-parallel MoE layer: the logical expert of each of its local slots."""
+        from roofline.model_executor.layers.moe import FusedMoE
+
+        mine = [list(m.expert_map.local_logical) for m in self.worker.model.modules()
+                if isinstance(m, FusedMoE) and m.expert_map is not None]
+        return [msgspec.msgpack.decode(b) for b in comm.all_gather_bytes(msgspec.msgpack.encode(mine))]
 
     def rpc_rank_info(self) -> list[list[Any]]:
         info = msgspec.msgpack.encode([self.rank, socket.gethostname(), os.getpid()])

@@ -39,3 +39,15 @@ def test_token_read_bytes_counts_only_routed_experts(tmp_path):
     total = sum(p.numel() * 4 for p in model.parameters())
     assert reads["always_on_weight_bytes"] == total - model.model.embed_tokens.weight.numel() * 4 - expert_bytes
     assert torch.isfinite(torch.tensor(reads["total"]))
+
+
+def test_w5_token_bytes_count_the_blocks_and_the_greedy_screen(default_llm):
+    """W5's bound: a greedy token of the default model streams its layers' Q4_1 blocks, the norms and the
+    LM head's int8 screen (49152 tokens x 576 inputs, an fp32 scale per 32 inputs, two fp32 bounds a token)."""
+    from roofline.benchmarks.throughput import token_bytes
+
+    model = default_llm.llm_engine.executor.worker.model
+    q4_1 = 30 * 576 * (576 + 192 + 192 + 576 + 3 * 1536) * 20 // 32
+    norms = (30 * 2 + 1) * 576 * 4
+    screen = 49152 * 576 + 49152 * 18 * 4 + 2 * 49152 * 4
+    assert token_bytes(model) == q4_1 + norms + screen

@@ -228,3 +228,11 @@ def test_prefix_cache_hits_counted():
     # requests 1..3 each hit the 4 full shared blocks (32 tokens)
     assert sched.kv.prefix_cache_hits == 3 * 32
     assert sched.kv.prefix_cache_queries == 4 * 33
+
+
+def test_swapped_request_comes_back_when_a_forked_sibling_holds_the_blocks():
+    """Found by test_batches_in_flight: nothing running, a swapped request needing more blocks than are
+    free, and a forked sibling that never ran still holding its prompt's blocks in the waiting queue.
+    The sibling must yield its blocks (it recomputes) or the engine makes no progress."""
+    specs = [([0] * 4, 1, 0, 0, 1), ([0] * 12, 1, 0, 0, 1), ([0] * 5, 1, 0, 0, 2)]
+    run(specs, block_size=1, num_blocks=15, budget=4, max_seqs=2, caching=False, mode="swap", depth=2)

@@ -113,6 +113,8 @@ def test_default_model_runs_on_its_blocks(default_llm):
     assert worker.weight_bytes["Q4_1"] == 30 * 576 * (576 + 192 + 192 + 576 + 3 * 1536) * 20 // 32
     assert worker.weight_bytes["float32"] < 120e6  # embedding (tied LM head) and norms
     assert default_llm.llm_engine.get_stats().weight_bytes == worker.weight_bytes  # what /metrics exports
+    # the live roofline's bound counts the bytes the layers hold, not fp32 copies of them
+    assert default_llm.llm_engine.step_roofline.weight_bytes_read(1) == sum(worker.weight_bytes.values())
 
 
 def test_dequantize_mode_keeps_fp32():

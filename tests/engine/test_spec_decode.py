@@ -1,7 +1,9 @@
 """Speculative decoding end to end: greedy output identical to HF and to speculation off under prompt
-lookup (ngram), in the default, chunked (budget 16) and tiny-pool (preemption, both modes) settings,
-with n > 1 and priority scheduling, every KV block back in the pool after each run; the target's
-logprobs; seeded random sampling reproducible; bad speculative_config values named at start-up."""
+lookup (ngram) and under a draft model (equal to the target: everything accepted; a tiny random one with
+the same vocabulary: almost nothing accepted), in the default, chunked (budget 16) and tiny-pool
+(preemption, both modes) settings, with n > 1 and priority scheduling, every KV block back in the pool
+after each run; the target's logprobs; seeded random sampling reproducible; bad speculative_config
+values named at start-up."""
 
 from __future__ import annotations
 
@@ -67,6 +69,58 @@ def test_ngram_greedy_matches_hf_and_speculation_off(tiny, variant):
         assert stats.num_preemptions > 0
 
 
+@pytest.fixture(scope="module")
+def tiny_draft(tmp_path_factory):
+    """A tiny random Llama with the target's vocabulary (384), 1 layer, other weights."""
+    from tests.reference.hf_models import build_tiny_model
+
+    path = str(tmp_path_factory.mktemp("tiny-draft"))
+    build_tiny_model("llama", path, seed=7, num_hidden_layers=1, hidden_size=32, intermediate_size=64)
+    return path
+
+
+DRAFT_VARIANTS = {k: VARIANTS[k] for k in ("default", "budget_16", "preempt_recompute", "preempt_swap")}
+
+
+@pytest.mark.parametrize("variant", list(DRAFT_VARIANTS))
+@pytest.mark.parametrize("draft", ["same_as_target", "tiny_random"])
+def test_draft_model_greedy_matches_hf(tiny, tiny_draft, variant, draft):
+    path, prompts, reference = tiny
+    draft_path = path if draft == "same_as_target" else tiny_draft
+    config = {"method": "draft_model", "model": draft_path, "num_speculative_tokens": 3, "adaptive": False}
+    outs, stats, _ = run(path, prompts, speculative_config=config, **DRAFT_VARIANTS[variant])
+    assert [o.outputs[0].token_ids for o in outs] == reference
+    spec = stats.spec_decode
+    assert spec.num_draft_tokens > 0
+    if draft == "same_as_target":
+        assert spec.num_accepted_tokens == spec.num_draft_tokens  # the target's own guesses
+    else:
+        assert spec.acceptance_rate < 0.3
+    if variant.startswith("preempt"):
+        assert stats.num_preemptions > 0
+
+
+def test_draft_model_random_sampling_same_target_accepts_most(tiny):
+    """A draft equal to the target proposes from q = p: min(1, p/q) = 1, every draft is accepted."""
+    path, prompts, _ = tiny
+    sp = SamplingParams(temperature=0.9, top_p=0.95, seed=3, max_tokens=16, ignore_eos=True)
+    config = {"method": "draft_model", "model": path, "num_speculative_tokens": 3, "adaptive": False}
+    a, stats, _ = run(path, prompts[:3], sp, num_kv_blocks=256, speculative_config=config)
+    b, _, _ = run(path, prompts[:3], sp, num_kv_blocks=256, speculative_config=config)
+    assert [o.outputs[0].token_ids for o in a] == [o.outputs[0].token_ids for o in b]
+    assert stats.spec_decode.acceptance_rate > 0.95
+
+
+def test_draft_with_another_vocabulary_is_refused(tiny, tmp_path):
+    from tests.reference.hf_models import build_tiny_model
+
+    path, _, _ = tiny
+    build_tiny_model("llama", str(tmp_path), seed=2, vocab_size=500)
+    with pytest.raises(ValueError, match=r"speculative_config\.model: the draft's vocabulary \(500"):
+        LLM(path, dtype="float32", device="cpu", num_kv_blocks=16, show_progress=False,
+            speculative_config={"method": "draft_model", "model": str(tmp_path), "num_speculative_tokens": 2})
+
+
 def test_ngram_with_n_siblings_and_random_sampling_reproducible(tiny):
     path, prompts, _ = tiny
     sp = SamplingParams(n=3, temperature=0.8, top_k=20, seed=42, max_tokens=20, ignore_eos=True)
@@ -110,7 +164,83 @@ def test_smollm2_input_grounded_greedy_and_logprobs(default_llm, hf_default_mode
     ({"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 0}, "speculative_config.prompt_lookup_min"),
     ({"method": "ngram", "num_speculative_tokens": 3, "bogus": 1}, "bogus"),
     ({"method": "draft_model", "num_speculative_tokens": 3}, "speculative_config.model"),
+    ({"method": "mtp", "num_speculative_tokens": 1}, "speculative_config.method 'mtp' is not implemented"),
 ])
 def test_bad_speculative_config_names_the_field(config, field):
     with pytest.raises(ValueError, match=field.replace(".", r"\.")):
         LLM(dtype="float32", device="cpu", num_kv_blocks=16, show_progress=False, speculative_config=config)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("method", ["ngram", "draft_model"])
+def test_tp3_greedy_matches_tp1(default_llm, method, tmp_path):
+    """SmolLM2 split over 3 ranks (gloo): every rank verifies and proposes the same drafts (prompt lookup,
+    or a tiny random draft model with SmolLM2's vocabulary split over the same ranks); tokens equal to
+    tp=1 without speculation (a flip only at a proven tie), blocks all back."""
+    import inspect
+    import textwrap
+
+    from tests.executor.tp_helpers import assert_same_greedy
+
+    tok = default_llm.get_tokenizer()
+    doc = inspect.getsource(textwrap)[:500]
+    prompts = [{"prompt_token_ids": tok.encode(doc + "\n\n" + doc[:100], add_special_tokens=False)},
+               {"prompt_token_ids": tok.encode("List three prime numbers.", add_special_tokens=False)}]
+    sp = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, logprobs=2)
+    ref = default_llm.generate(prompts, sp, use_tqdm=False)
+    config = {"method": method, "num_speculative_tokens": 4, "adaptive": False}
+    if method == "draft_model":
+        from tests.reference.hf_models import build_tiny_model
+
+        build_tiny_model("llama", str(tmp_path), seed=5, vocab_size=49152, hidden_size=48, num_attention_heads=3,
+                         num_key_value_heads=3, num_hidden_layers=1, intermediate_size=96, head_dim=16,
+                         max_position_embeddings=8192)
+        config["model"] = str(tmp_path)
+    llm = LLM(tensor_parallel_size=3, dtype="float32", device="cpu", num_kv_blocks=64, show_progress=False,
+              speculative_config=config)
+    try:
+        assert_same_greedy(ref, llm.generate(prompts, sp, use_tqdm=False))
+        stats = llm.llm_engine.get_stats()
+        assert stats.num_free_blocks == stats.num_total_blocks
+        assert stats.spec_decode.num_draft_tokens > 0
+        if method == "ngram":
+            assert stats.spec_decode.num_accepted_tokens > 0
+    finally:
+        llm.llm_engine.shutdown()
+
+
+def test_served_engine_core_process_speculates_and_reports(tiny):
+    """The server's path: AsyncLLM over an engine core in its own process; same tokens as HF, and the
+    speculative counters come back with the core's stats."""
+    import asyncio
+    import time
+
+    from roofline.config import EngineArgs
+    from roofline.engine.async_llm import AsyncLLM
+
+    path, prompts, reference = tiny
+    engine = AsyncLLM.from_engine_args(EngineArgs(model=path, device="cpu", dtype="float32", num_kv_blocks=128,
+                                                  engine_core_process=True, speculative_config=NGRAM))
+
+    async def one(i, p):
+        last = None
+        async for out in engine.generate(p, GREEDY, f"r{i}"):
+            last = out
+        return last
+
+    async def all_of_them():
+        return await asyncio.gather(*(one(i, p) for i, p in enumerate(prompts)))
+
+    try:
+        outs = asyncio.run(all_of_them())
+        assert [o.outputs[0].token_ids for o in outs] == reference
+        deadline = time.monotonic() + 10
+        while True:
+            stats = engine.get_stats()
+            if (stats.num_running == 0 and stats.spec_decode is not None) or time.monotonic() > deadline:
+                break
+            time.sleep(0.02)
+        assert stats.num_free_blocks == stats.num_total_blocks
+        assert stats.spec_decode.num_accepted_tokens > 0
+    finally:
+        engine.shutdown()

@@ -83,7 +83,7 @@ def test_serve_help_lists_flags():
                          capture_output=True, text=True, timeout=120)
     assert out.returncode == 0
     for flag in ("--host", "--port", "--served-model-name", "--api-key", "--max-request-body-bytes",
-                 "--max-waiting-requests", "--max-num-seqs", "--block-size", "MODEL"):
+                 "--max-waiting-requests", "--max-num-seqs", "--block-size", "--speculative-config", "MODEL"):
         assert flag in out.stdout
 
 

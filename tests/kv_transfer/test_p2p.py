@@ -13,7 +13,9 @@ import time
 
 import httpx
 import pytest
+import torch
 
+from roofline.attention import kv_spec
 from roofline.kv_transfer.p2p import LayerHeader, Pull, PullReply, recv_msg, send_msg
 from roofline.metrics.prometheus import metric_value
 from tests.reference.hf_models import hf_greedy
@@ -51,8 +53,12 @@ def received(server) -> float:
     return metric_value(metrics(server.url), "roofline:kv_transfer_received_bytes_total")
 
 
-def block_bytes(server) -> int:
-    return server.engine.core.executor.block_bytes()
+def block_bytes(hf) -> int:
+    """One KV block of the tiny model in fp32, from its config (the engine's core may live in another process)."""
+    c = hf.config
+    head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+    specs = [kv_spec.attention_spec(c.num_key_value_heads, head_dim)] * c.num_hidden_layers
+    return kv_spec.bytes_per_block(specs, BLOCK, torch.float32)
 
 
 def test_pd_p2p_through_router_matches_hf(tiny, pd):
@@ -68,7 +74,7 @@ def test_pd_p2p_through_router_matches_hf(tiny, pd):
     assert_kv_idle(prefill, decode)
     # the first time a prompt comes, all its loadable blocks travel; the second time (same prompt)
     # the decoder's prefix cache has them and it only releases the producer's copy
-    assert received(decode) - before == sum((n - 1) // BLOCK for n in lens) * block_bytes(decode)
+    assert received(decode) - before == sum((n - 1) // BLOCK for n in lens) * block_bytes(hf)
     sent = metric_value(metrics(prefill.url), "roofline:kv_transfer_sent_bytes_total")
     assert sent >= received(decode) - before
 
@@ -82,7 +88,7 @@ def test_decoder_fetches_only_blocks_it_lacks(tiny, pd):
     other = base[:24] + prompt(16, salt=9)  # shares 3 blocks with base; 4 loadable: 1 to pull
     out = completion(router.url, other, MAX_TOKENS)
     assert out == hf_greedy(hf, other, MAX_TOKENS)
-    assert received(decode) - before == 1 * block_bytes(decode)
+    assert received(decode) - before == 1 * block_bytes(hf)
     assert_kv_idle(prefill, decode)
 
 

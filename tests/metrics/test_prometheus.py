@@ -139,3 +139,57 @@ def test_histogram_quantile_matches_prometheus():
     assert histogram_quantile(0.9, b) == pytest.approx(3.0)
     assert histogram_quantile(0.5, [(1.0, 0.0), (float("inf"), 0.0)]) != histogram_quantile(0.5, b)  # nan
     assert histogram_quantile(0.99, [(1.0, 1.0), (float("inf"), 5.0)]) == 1.0  # in the +Inf bucket: its lower bound
+
+
+def test_collectives_and_expert_balancedness_are_exported():
+    """Distributed stats: collective counters grow by the engine's cumulative deltas, balancedness per layer."""
+    from roofline.engine.engine_core import EngineStats
+    from roofline.metrics.prometheus import PrometheusStatLogger, metric_value, parse_metrics
+    from roofline.metrics.stats import IterationStats
+
+    base = dict(num_running=0, num_waiting=0, kv_cache_usage=0.0, num_total_blocks=1, num_free_blocks=1,
+                num_cached_blocks=0, prefix_cache_queries=0, prefix_cache_hits=0, num_preemptions=0,
+                prompt_tokens=0, generation_tokens=0)
+    log = PrometheusStatLogger("m")
+    log.record(IterationStats(0.0, EngineStats(**base, collectives={"ep.all_to_all": [8, 1000]}, parallel_steps=2,
+                                               expert_balancedness=[0.4, 0.5], eplb_rebalances=0)))
+    log.record(IterationStats(1.0, EngineStats(**base, collectives={"ep.all_to_all": [12, 1500],
+                                                                    "tp.all_reduce": [3, 30]}, parallel_steps=3,
+                                               expert_balancedness=[0.95, 0.9], eplb_rebalances=1)))
+    m = parse_metrics(log.render().decode())
+    assert metric_value(m, "roofline:collective_calls_total", group="ep", op="all_to_all") == 12
+    assert metric_value(m, "roofline:collective_bytes_total", group="ep", op="all_to_all") == 1500
+    assert metric_value(m, "roofline:collective_bytes_total", group="tp", op="all_reduce") == 30
+    assert metric_value(m, "roofline:parallel_steps_total") == 3
+    assert metric_value(m, "roofline:eplb_rebalances_total") == 1
+    assert metric_value(m, "roofline:expert_balancedness", layer="0") == 0.95
+    assert metric_value(m, "roofline:expert_balancedness", layer="1") == 0.9
+
+
+def test_spec_decode_counters_follow_the_engine_totals():
+    from roofline.spec_decode.stats import SpecDecodeStats
+
+    spec = SpecDecodeStats(3)
+    spec.observe(3, 2)
+    spec.observe(3, 3)
+    p = PrometheusStatLogger("m")
+    snap = Snap()
+    snap.spec_decode = spec.copy()
+    p.record(IterationStats(timestamp=1.0, engine=snap))
+    spec.observe(2, 0)
+    snap.spec_decode = spec.copy()
+    p.record(IterationStats(timestamp=2.0, engine=snap))
+    m = parse_metrics(p.render().decode())
+    assert metric_value(m, "roofline:spec_decode_num_drafts_total") == 3
+    assert metric_value(m, "roofline:spec_decode_num_draft_tokens_total") == 8
+    assert metric_value(m, "roofline:spec_decode_num_accepted_tokens_total") == 5
+    per_pos = [metric_value(m, "roofline:spec_decode_num_accepted_tokens_per_pos_total", position=str(i))
+               for i in range(3)]
+    assert per_pos == [2, 2, 1]
+
+
+def test_no_spec_decode_counters_without_speculation():
+    p = PrometheusStatLogger("m")
+    p.record(IterationStats(timestamp=1.0, engine=Snap()))
+    m = parse_metrics(p.render().decode())
+    assert metric_value(m, "roofline:spec_decode_num_drafts_total") == 0

@@ -137,3 +137,14 @@ def test_bad_hardware_name_is_named():
 
     with pytest.raises(ValueError, match="roofline_hardware"):
         EngineArgs(roofline_hardware="tpu-v9").create_engine_config()
+
+
+def test_speculative_step_is_a_decode_step():
+    """A decode verifying k drafts feeds 1 + k tokens: decode tokens, each attending to its own context."""
+    spec = ModelSpec.from_hf_config(MODEL_PRESETS["llama-3-8b"])
+    acc = StepRooflineModel(spec, get_hardware("h100-sxm"), "bf16")
+    item = SimpleNamespace(num_computed_tokens=100, token_ids=list(range(5)), num_draft_tokens=4)
+    rec = acc.account([item], 0.01)
+    assert (rec.prefill_tokens, rec.decode_tokens, rec.phase) == (0, 5, "decode")
+    attn = spec.attention_flops_per_token(1.0, "decode") * sum(range(101, 106))
+    assert rec.flops == pytest.approx(2 * spec.active_params() * 5 + attn, rel=1e-12)

@@ -44,3 +44,40 @@ def test_mixtral_8x7b_published_counts():
         tie_word_embeddings=False))
     assert spec.total_params() == pytest.approx(46.7e9, rel=0.002)
     assert spec.active_params() + spec.embedding_params == pytest.approx(12.9e9, rel=0.005)
+
+
+@pytest.mark.parametrize("tp,dp,redundant", [(2, 1, 0), (2, 2, 0), (2, 2, 4)])
+def test_expert_parallel_weights_per_gpu_match_our_ranks(tmp_path, tp, dp, redundant):
+    """Under EP the planner's weights per GPU equal the parameters rank 0 of that layout builds."""
+    from roofline.attention.torch_backend import TorchAttentionBackend
+    from roofline.distributed.layout import ParallelLayout
+    from roofline.distributed.parallel_state import parallel_layout_as
+    from roofline.model_executor.models.registry import resolve_architecture
+    from roofline.planner.cost_model import PlanInputs, expert_parallel_traffic, make_plan, weight_bytes_per_gpu
+    from roofline.planner.hardware import get_hardware
+
+    cfg = tiny_config("mixtral")
+    cfg.architectures = [resolve_architecture(cfg)[0]]
+    cfg.save_pretrained(tmp_path)
+    spec = load_model_spec(str(tmp_path))
+    layout = ParallelLayout(tp=tp, dp=dp, expert_parallel=True, num_redundant_experts=redundant)
+    def rank0_params(layout):
+        with parallel_layout_as(layout, 0), torch.device("meta"):
+            return sum(x.numel() for x in resolve_architecture(cfg)[1](cfg, TorchAttentionBackend()).parameters())
+
+    p = PlanInputs(spec, get_hardware("h100-sxm"), tp=tp, dp=dp, expert_parallel=True,
+                   num_redundant_experts=redundant, weight_dtype="fp32", batch=8)
+    p_tp = PlanInputs(spec, get_hardware("h100-sxm"), tp=tp, weight_dtype="fp32")
+    # what EP changes per GPU, exactly (the planner also divides the small replicated norms/router by tp,
+    # the same under both layouts, so it cancels here)
+    assert weight_bytes_per_gpu(p) - weight_bytes_per_gpu(p_tp) == pytest.approx(
+        4 * (rank0_params(layout) - rank0_params(ParallelLayout(tp=tp))))
+    traffic = expert_parallel_traffic(p)
+    ep = tp * dp
+    per_layer = 8 * (ep - 1) + (8 / ep) * 2 * (ep - 1) / ep * (8 + 2 * spec.hidden_size * 4)
+    assert traffic["all_to_all_bytes_per_step"] == pytest.approx(per_layer * spec.num_moe_layers)
+    assert traffic["redundant_expert_bytes_per_gpu"] == pytest.approx(
+        spec.num_moe_layers * redundant / ep * spec.expert_params() * 4)
+    assert make_plan(p).results["ep_size"] == ep
+    with pytest.raises(ValueError, match="8 experts \\+ 1 redundant do not split evenly over 4"):
+        PlanInputs(spec, get_hardware("h100-sxm"), tp=2, dp=2, expert_parallel=True, num_redundant_experts=1)

@@ -35,7 +35,7 @@ def test_pd_through_router_matches_hf_and_colocated(tiny, tmp_path):
     path, hf = tiny
     store = str(tmp_path / "kv")
     prefill = start_engine(path, storage("kv_producer", store))
-    decode = start_engine(path, storage("kv_consumer", store))
+    decode = start_engine(path, storage("kv_consumer", store), engine_core_process=True)  # the core elsewhere
     colocated = start_engine(path)
     router = start_router(prefill=[prefill.url], decode=[decode.url])
     try:

@@ -50,3 +50,12 @@ def test_rarely_proposing_workload_weighs_less():
     for _ in range(50):
         p.observe_proposals(100, 1)
     assert p.proposal_share < 0.05
+
+
+def test_proposals_are_probed_while_k_is_zero():
+    from roofline.spec_decode.draft_length import PROBE_EVERY
+
+    p = DraftLengthPolicy(4, roofline())
+    asked = [p.num_to_propose(0) for _ in range(2 * PROBE_EVERY)]
+    assert asked.count(4) == 2 and asked.count(0) == 2 * PROBE_EVERY - 2
+    assert p.num_to_propose(3) == 3

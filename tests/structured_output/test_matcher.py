@@ -12,6 +12,7 @@ import torch
 from roofline.config import CacheConfig, SchedulerConfig
 from roofline.core.request import Request
 from roofline.core.scheduler import Scheduler
+from roofline.core.scheduler_output import ModelRunnerOutput
 from roofline.sampling_params import SamplingParams
 from roofline.structured_output.bitmask import bitmask_width
 from roofline.structured_output.matcher import RequestGrammar
@@ -68,6 +69,9 @@ def test_scheduler_leaves_a_compiling_request_waiting():
     assert [s.req_id for s in out.scheduled] == ["free"]
     assert sched.waiting == [first]
     fut.set_result(None)  # compiled (the scheduler only asks whether it is done)
+    # the first step comes back: "free" sampled one token (a request whose step is out is not scheduled again)
+    sched.update_from_output(out, ModelRunnerOutput(req_ids=["free"], sampled_token_ids=[[3]], logprobs=[None],
+                                                    prompt_logprobs={}))
     out = sched.schedule()
     assert [s.req_id for s in out.scheduled] == ["free", "constrained"]  # free decodes, constrained prefills
     assert [n.req_id for n in out.new_requests] == ["constrained"] and out.new_requests[0].sampling.structured

@@ -19,7 +19,7 @@
  *                         streams each weight row once (threads split the output rows; each row's sum
  *                         has one fixed order, whatever the thread count); more rows by expanding 16
  *                         weight rows at a time into one panel of cpu_kernels.c's packed GEMM and running
- *                         its register tiles over it -- a row's values are those of gemm_packed_f32 over
+ *                         its register tiles over all rows -- a row's values are those of gemm_packed_f32 over
  *                         the dequantized weight, bit for bit, whatever M.
  */
 #include <omp.h>
@@ -27,12 +27,9 @@
 #include <stdlib.h>
 #include <string.h>
 
-#if defined(__AVX2__) && defined(__FMA__)
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 #include <immintrin.h>
 #define QUANT_AVX2 1
-#if defined(__AVX512F__) && defined(__AVX512BW__)
-#define QUANT_AVX512 1
-#endif
 #elif defined(__F16C__)
 #include <immintrin.h>
 #endif
@@ -45,7 +42,6 @@ void gemm_packed_f32(const float *a, int64_t lda, const float *panels, const flo
 enum { QT_Q4_0 = 2, QT_Q4_1 = 3, QT_Q8_0 = 8, QT_Q4_K = 12, QT_Q5_K = 13, QT_Q6_K = 14 };
 
 #define QPANEL 16  /* GEMM_NR of cpu_kernels.c: output columns per packed panel */
-#define QMB 96     /* GEMM_MB: more rows than this expand the whole weight once instead of per panel */
 
 static inline float half_to_float(const uint8_t *p) {
 #ifdef __F16C__
@@ -192,60 +188,33 @@ static inline float hsum8(__m256 v) {
     return _mm_cvtss_f32(s);
 }
 
-static inline __m256 u8x8_to_ps(__m128i v) { return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(v)); }
-
-/* the 32 values of a 4-bit block: w = fma(d, q, m) (Q4_1; Q4_0 passes m = -8d: d*q - 8d = d*(q-8)
- * exactly, one rounding of an exact value) -- then four FMAs into the accumulators */
-static inline void dot_nibbles(const uint8_t *qs, __m256 d, __m256 m, const float *x, __m256 *acc) {
-    const __m128i q = _mm_loadu_si128((const __m128i *)qs), mask = _mm_set1_epi8(0x0f);
-    const __m128i lo = _mm_and_si128(q, mask), hi = _mm_and_si128(_mm_srli_epi16(q, 4), mask);
-    acc[0] = _mm256_fmadd_ps(_mm256_loadu_ps(x), _mm256_fmadd_ps(d, u8x8_to_ps(lo), m), acc[0]);
-    acc[1] = _mm256_fmadd_ps(_mm256_loadu_ps(x + 8), _mm256_fmadd_ps(d, u8x8_to_ps(_mm_srli_si128(lo, 8)), m), acc[1]);
-    acc[2] = _mm256_fmadd_ps(_mm256_loadu_ps(x + 16), _mm256_fmadd_ps(d, u8x8_to_ps(hi), m), acc[2]);
-    acc[3] = _mm256_fmadd_ps(_mm256_loadu_ps(x + 24), _mm256_fmadd_ps(d, u8x8_to_ps(_mm_srli_si128(hi, 8)), m), acc[3]);
-}
-#endif
-
-#ifdef QUANT_AVX512
-/* AVX-512: 16 values a vector -- half the instructions of AVX2 for the same expansion */
-static inline __m512 u8x16_to_ps(__m128i v) { return _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(v)); }
-
-static inline void dot_nibbles512(const uint8_t *qs, __m512 d, __m512 m, const float *x, __m512 *acc) {
-    const __m128i q = _mm_loadu_si128((const __m128i *)qs), mask = _mm_set1_epi8(0x0f);
-    const __m128i lo = _mm_and_si128(q, mask), hi = _mm_and_si128(_mm_srli_epi16(q, 4), mask);
-    acc[0] = _mm512_fmadd_ps(_mm512_loadu_ps(x), _mm512_fmadd_ps(d, u8x16_to_ps(lo), m), acc[0]);
-    acc[1] = _mm512_fmadd_ps(_mm512_loadu_ps(x + 16), _mm512_fmadd_ps(d, u8x16_to_ps(hi), m), acc[1]);
-}
-
-static float dot_row512(int qt, const uint8_t *row, const float *x, int64_t nb, int64_t bb) {
-    __m512 acc[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps()};
-    for (int64_t b = 0; b < nb; b++) {
-        const uint8_t *blk = row + b * bb;
-        const float *xb = x + b * 32;
-        __m512 *a = acc + 2 * (b & 1);  /* two blocks in flight: four independent accumulator chains */
-        const __m512 d = _mm512_set1_ps(half_to_float(blk));
-        if (qt == QT_Q4_1) {
-            dot_nibbles512(blk + 4, d, _mm512_set1_ps(half_to_float(blk + 2)), xb, a);
-        } else if (qt == QT_Q4_0) {
-            dot_nibbles512(blk + 2, d, _mm512_mul_ps(d, _mm512_set1_ps(-8.0f)), xb, a);
-        } else {
-            for (int g = 0; g < 2; g++) {
-                const __m128i q = _mm_loadu_si128((const __m128i *)(blk + 2 + 16 * g));
-                const __m512 w = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(q)));
-                a[g] = _mm512_fmadd_ps(_mm512_loadu_ps(xb + 16 * g), w, a[g]);
-            }
-        }
+/* A 4-bit block's 16 bytes broadcast to both lanes as dwords D0..D3; lane l of group g takes
+ * (D[l % 4] >> shift) & 15, shift = 8 * (l / 4) + 16 * (g % 2) + 4 * (g / 2): no byte shuffles, only
+ * shifts and masks.  That nibble is value (g / 2) * 16 + 4 * (l % 4) + 2 * (g % 2) + l / 4 of the block,
+ * so x is read permuted the same way (permute_x, once per GEMV).  w = fma(d, q, m) (Q4_1; Q4_0 passes
+ * m = -8d: d*q - 8d = d*(q-8) exactly, one rounding of an exact value), then four FMAs. */
+static inline void dot_nibbles(const uint8_t *qs, __m256 d, __m256 m, const float *xp, __m256 *acc) {
+    const __m256i q = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)qs));
+    const __m256i mask = _mm256_set1_epi32(15);
+    for (int g = 0; g < 4; g++) {
+        const __m256i shift = _mm256_setr_epi32(0, 0, 0, 0, 8, 8, 8, 8);
+        const __m256i sg = _mm256_add_epi32(shift, _mm256_set1_epi32(16 * (g % 2) + 4 * (g / 2)));
+        const __m256 v = _mm256_cvtepi32_ps(_mm256_and_si256(_mm256_srlv_epi32(q, sg), mask));
+        acc[g] = _mm256_fmadd_ps(_mm256_loadu_ps(xp + 8 * g), _mm256_fmadd_ps(d, v, m), acc[g]);
     }
-    return _mm512_reduce_add_ps(_mm512_add_ps(_mm512_add_ps(acc[0], acc[1]), _mm512_add_ps(acc[2], acc[3])));
+}
+
+/* x [K] in the order dot_nibbles reads a 4-bit block's values */
+static void permute_x(const float *x, int64_t K, float *xp) {
+    for (int64_t b = 0; b < K; b += 32)
+        for (int g = 0; g < 4; g++)
+            for (int l = 0; l < 8; l++) xp[b + 8 * g + l] = x[b + (g / 2) * 16 + 4 * (l % 4) + 2 * (g % 2) + l / 4];
 }
 #endif
 
 /* x . (row n of W) for K values.  One fixed order per format and build (the thread count never changes it). */
 static float dot_row(int qt, const uint8_t *row, const float *x, int64_t K) {
     const int64_t qk = quant_block_elems(qt), bb = quant_block_bytes(qt), nb = K / qk;
-#ifdef QUANT_AVX512
-    if (qt == QT_Q4_0 || qt == QT_Q4_1 || qt == QT_Q8_0) return dot_row512(qt, row, x, nb, bb);
-#endif
 #ifdef QUANT_AVX2
     if (qt == QT_Q4_0 || qt == QT_Q4_1 || qt == QT_Q8_0) {
         __m256 acc[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
@@ -253,10 +222,15 @@ static float dot_row(int qt, const uint8_t *row, const float *x, int64_t K) {
             const uint8_t *blk = row + b * bb;
             const float *xb = x + b * 32;
             if (b + 4 < nb) _mm_prefetch((const char *)(blk + 4 * bb), _MM_HINT_T0);
+            if (qt == QT_Q4_1) {  /* x comes permuted (permute_x); d and m converted together */
+                int32_t dm;
+                memcpy(&dm, blk, sizeof dm);
+                const __m128 f = _mm_cvtph_ps(_mm_cvtsi32_si128(dm));
+                dot_nibbles(blk + 4, _mm256_broadcastss_ps(f), _mm256_broadcastss_ps(_mm_movehdup_ps(f)), xb, acc);
+                continue;
+            }
             const __m256 d = _mm256_set1_ps(half_to_float(blk));
-            if (qt == QT_Q4_1) {
-                dot_nibbles(blk + 4, d, _mm256_set1_ps(half_to_float(blk + 2)), xb, acc);
-            } else if (qt == QT_Q4_0) {
+            if (qt == QT_Q4_0) {
                 dot_nibbles(blk + 2, d, _mm256_mul_ps(d, _mm256_set1_ps(-8.0f)), xb, acc);
             } else {
                 for (int g = 0; g < 4; g++) {
@@ -284,19 +258,82 @@ static float dot_row(int qt, const uint8_t *row, const float *x, int64_t K) {
 
 static void quant_gemv(int qt, const float *x, const uint8_t *w, int64_t row_bytes, const float *bias, float *y,
                        int64_t K, int64_t N, int nthreads) {
+    float *xp = 0;
+#ifdef QUANT_AVX2
+    if (qt == QT_Q4_0 || qt == QT_Q4_1) {
+        xp = (float *)malloc((size_t)K * sizeof(float));
+        permute_x(x, K, xp);
+        x = xp;
+    }
+#endif
 #pragma omp parallel for num_threads(nthreads) schedule(static) if (N * K > 32768)
     for (int64_t n = 0; n < N; n++) {
         const float s = dot_row(qt, w + n * row_bytes, x, K);
         y[n] = bias ? s + bias[n] : s;
     }
+    free(xp);
 }
 
 /* ---- more rows: weight rows expanded into packed panels ------------------------------------- */
+
+#ifdef QUANT_AVX2
+/* one block of a 32-value format into o[0..32) in order: deq_block's values (the same roundings), 8 at a time */
+static inline void expand_block_avx2(int qt, const uint8_t *b, float *o) {
+    if (qt == QT_Q8_0) {
+        const __m256 d = _mm256_set1_ps(half_to_float(b));
+        for (int g = 0; g < 4; g++)
+            _mm256_storeu_ps(o + 8 * g, _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(
+                                                           _mm_loadl_epi64((const __m128i *)(b + 2 + 8 * g))))));
+        return;
+    }
+    const __m256 d = _mm256_set1_ps(half_to_float(b));
+    const __m256 m = qt == QT_Q4_1 ? _mm256_set1_ps(half_to_float(b + 2)) : _mm256_mul_ps(d, _mm256_set1_ps(-8.0f));
+    const __m128i q = _mm_loadu_si128((const __m128i *)(b + (qt == QT_Q4_1 ? 4 : 2))), mask = _mm_set1_epi8(0x0f);
+    const __m128i lo = _mm_and_si128(q, mask), hi = _mm_and_si128(_mm_srli_epi16(q, 4), mask);
+    const __m128i parts[4] = {lo, _mm_srli_si128(lo, 8), hi, _mm_srli_si128(hi, 8)};
+    for (int g = 0; g < 4; g++)
+        _mm256_storeu_ps(o + 8 * g, _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(parts[g])), m));
+}
+
+/* rows r[0..8) (8 floats each, r[i] at src + i * lds) transposed into dst (row k at dst + k * ldd) */
+static inline void transpose8(const float *src, int64_t lds, float *dst, int64_t ldd) {
+    __m256 r[8], t[8];
+    for (int i = 0; i < 8; i++) r[i] = _mm256_loadu_ps(src + i * lds);
+    for (int i = 0; i < 8; i += 2) {
+        t[i] = _mm256_unpacklo_ps(r[i], r[i + 1]);
+        t[i + 1] = _mm256_unpackhi_ps(r[i], r[i + 1]);
+    }
+    for (int i = 0; i < 8; i += 4) {
+        r[i] = _mm256_shuffle_ps(t[i], t[i + 2], 0x44);
+        r[i + 1] = _mm256_shuffle_ps(t[i], t[i + 2], 0xee);
+        r[i + 2] = _mm256_shuffle_ps(t[i + 1], t[i + 3], 0x44);
+        r[i + 3] = _mm256_shuffle_ps(t[i + 1], t[i + 3], 0xee);
+    }
+    for (int i = 0; i < 4; i++) {
+        _mm256_storeu_ps(dst + i * ldd, _mm256_permute2f128_ps(r[i], r[i + 4], 0x20));
+        _mm256_storeu_ps(dst + (i + 4) * ldd, _mm256_permute2f128_ps(r[i], r[i + 4], 0x31));
+    }
+}
+#endif
 
 /* rows n0 .. n0+nn of W expanded into one panel [K x 16] (zero past nn), the layout of pack_panels_f32;
  * rowbuf holds K floats */
 static void expand_panel(int qt, const uint8_t *w, int64_t row_bytes, int64_t n0, int64_t nn, int64_t K,
                          float *panel, float *rowbuf) {
+#ifdef QUANT_AVX2
+    if (qt == QT_Q4_0 || qt == QT_Q4_1 || qt == QT_Q8_0) {  /* a block of 16 rows at a time, 8x8 transposes */
+        const int64_t bb = quant_block_bytes(qt);
+        float tmp[QPANEL * 32];
+        memset(tmp, 0, sizeof tmp);  /* rows past nn stay 0 */
+        for (int64_t b = 0; b < K / 32; b++) {
+            for (int64_t j = 0; j < nn; j++) expand_block_avx2(qt, w + (n0 + j) * row_bytes + b * bb, tmp + j * 32);
+            for (int jb = 0; jb < QPANEL; jb += 8)
+                for (int kb = 0; kb < 32; kb += 8)
+                    transpose8(tmp + jb * 32 + kb, 32, panel + (b * 32 + kb) * QPANEL + jb, QPANEL);
+        }
+        return;
+    }
+#endif
     for (int64_t j = 0; j < QPANEL; j++) {
         if (j < nn) {
             deq_row(qt, w + (n0 + j) * row_bytes, K, rowbuf);
@@ -310,24 +347,8 @@ static void expand_panel(int qt, const uint8_t *w, int64_t row_bytes, int64_t n0
 static void quant_gemm(int qt, const float *a, int64_t lda, const uint8_t *w, int64_t row_bytes, const float *bias,
                        float *c, int64_t ldc, int64_t M, int64_t K, int64_t N, int nthreads) {
     const int64_t np = (N + QPANEL - 1) / QPANEL;
-    if (M > QMB) {  /* a prefill chunk: expand the whole weight once, then the packed GEMM over all of it */
-        float *panels = (float *)malloc((size_t)(np * K * QPANEL) * sizeof(float));
-#pragma omp parallel num_threads(nthreads)
-        {
-            float *rowbuf = (float *)malloc((size_t)K * sizeof(float));
-#pragma omp for schedule(static)
-            for (int64_t p = 0; p < np; p++) {
-                const int64_t n0 = p * QPANEL;
-                expand_panel(qt, w, row_bytes, n0, N - n0 < QPANEL ? N - n0 : QPANEL, K, panels + p * K * QPANEL,
-                             rowbuf);
-            }
-            free(rowbuf);
-        }
-        gemm_packed_f32(a, lda, panels, bias, c, ldc, M, K, N, nthreads);
-        free(panels);
-        return;
-    }
-    /* a decode batch: each thread expands a panel into its own buffer (L2) and runs every row over it */
+    /* each thread expands a panel into its own buffer (L2) and runs every row over it (a prefill chunk's
+     * rows too: re-reading them from L3 per panel costs less than expanding the weight into memory) */
 #pragma omp parallel num_threads(nthreads) if (np > 1)
     {
         float *panel = (float *)malloc((size_t)(K * QPANEL) * sizeof(float));

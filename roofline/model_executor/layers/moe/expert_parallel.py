@@ -43,12 +43,11 @@ class ExpertMap:
         self.placement = placement
         self.per_rank = placement.per_rank
         e = placement.num_logical
-        p2l = torch.tensor(placement.physical_to_logical, dtype=torch.int64)
-        self.replica_count = torch.bincount(p2l, minlength=e)
-        table = torch.full((e, int(self.replica_count.max())), -1, dtype=torch.int64)
-        for expert in range(e):
-            reps = placement.replicas(expert)
-            table[expert, :len(reps)] = torch.tensor(reps, dtype=torch.int64)
+        # on the CPU whatever the default device (a meta-device build included); choose() moves them
+        reps = [placement.replicas(expert) for expert in range(e)]
+        self.replica_count = torch.tensor([len(r) for r in reps], dtype=torch.int64, device="cpu")
+        width = max(len(r) for r in reps)
+        table = torch.tensor([r + [-1] * (width - len(r)) for r in reps], dtype=torch.int64, device="cpu")
         self.replica_table = table
         self.local_logical = placement.rank_slots(self.ep_rank)  # logical expert of each local slot
 
