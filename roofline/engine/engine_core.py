@@ -35,7 +35,8 @@ from roofline.core.scheduler_output import (
     merge_runner_outputs,
 )
 from roofline.engine.output_processor import OutputProcessor
-from roofline.executor.base import ExecutorDeadError, create_executor
+from roofline.executor.base import ExecutorDeadError
+from roofline.executor.factory import create_executor
 from roofline.kv_transfer import create_scheduler_connector, request_params
 from roofline.metrics.step_roofline import StepRoofline, model_for_engine
 from roofline.model_executor.loader.source import load_hf_config, load_tokenizer, resolve_source

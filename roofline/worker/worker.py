@@ -14,7 +14,7 @@ from typing import Optional
 import torch
 
 from roofline.attention import kv_spec
-from roofline.attention.backend import get_attention_backend
+from roofline.attention.selector import get_attention_backend
 from roofline.config import GiB, EngineConfig, Switch
 from roofline.core.scheduler_output import ModelRunnerOutput, SchedulerOutput, StepParallelStats
 from roofline.distributed.parallel_state import collective_stats, get_layout
