@@ -12,10 +12,14 @@ its last prompt token once the pull is done.  If every block was found locally, 
 tells the producer to release them.
 
 Wire format (no pickle): each message is a 4-byte big-endian length and a msgpack header (msgspec);
-a layer's header is followed by its raw tensor bytes [num_slots, n, block_size, heads, head_size],
-the layer's KV cache spec (MLA's latent included), as the producer's pool holds them.
-    consumer -> producer   Pull(request_id, block_ids, release_only)
-    producer -> consumer   PullReply(ok, error, num_layers) then, per layer, LayerHeader(layer, nbytes) + bytes
+a layer's header is followed by its tensor [num_slots, n, block_size, heads, head_size], the layer's KV
+cache spec (MLA's latent included), as the producer's pool holds them.
+    consumer -> producer   Pull(request_id, block_ids, release_only, store_port)
+    producer -> consumer   PullReply(ok, error, num_layers) then, per layer, LayerHeader(layer, nbytes) + tensor
+The tensors travel by kv_connector_extra_config transport: "tcp" (default), raw bytes on the same socket;
+or "torch", a two-rank torch.distributed process group per pull (gloo for CPU pools, NCCL for CUDA pools,
+GPU to GPU), rendezvous through a TCPStore the consumer opens and names in Pull.store_port; the control
+messages stay on the socket either way.
 The pull is paced (kv_connector_extra_config max_pull_share, default 0.25): it uses at most that share
 of its wall time in CPU, sleeping between layers, so that on a core the pull shares with the decode
 engine's steps it stretches many steps a little instead of one step a lot (W8 on the 2-core machine: an
@@ -45,6 +49,7 @@ logger = logging.getLogger(__name__)
 
 DEFAULT_TRANSFER_TIMEOUT_S = 30.0
 DEFAULT_MAX_PULL_SHARE = 0.25
+TRANSPORTS = ("tcp", "torch")
 REGISTER_WAIT_S = 10.0  # a pull may arrive before the producer's next step registers the request
 MAX_HEADER_BYTES = 1 << 20
 
@@ -53,6 +58,7 @@ class Pull(msgspec.Struct, array_like=True):
     request_id: str
     block_ids: list[int]
     release_only: bool = False
+    store_port: int = 0  # transport "torch": the consumer's TCPStore for the pair's process group; 0: tcp
 
 
 class PullReply(msgspec.Struct, array_like=True):
@@ -116,13 +122,63 @@ def max_pull_share(config: KVTransferConfig) -> float:
     return float(value)
 
 
+def transport(config: KVTransferConfig) -> str:
+    value = config.extra("transport", "tcp")
+    if value not in TRANSPORTS:
+        raise ValueError(f"kv_transfer_config.kv_connector_extra_config.transport must be one of "
+                         f"{', '.join(TRANSPORTS)}, got {value!r}")
+    return value
+
+
+class PairGroup:
+    """A two-rank torch.distributed process group between a producer (rank 0) and a consumer (rank 1) for
+    one pull: gloo for CPU pools, NCCL for CUDA ones.  The consumer opens the TCPStore (open_store), the
+    producer joins it at the consumer's address."""
+
+    def __init__(self, store: Any, rank: int, device: Any, timeout_s: float) -> None:
+        import datetime
+
+        import torch.distributed as dist
+
+        timeout = datetime.timedelta(seconds=timeout_s)
+        if getattr(device, "type", "cpu") == "cuda":
+            self.pg = dist.ProcessGroupNCCL(store, rank, 2, dist.ProcessGroupNCCL.Options())
+        else:
+            self.pg = dist.ProcessGroupGloo(store, rank, 2, timeout)
+        self.store = store
+
+    @staticmethod
+    def open_store(timeout_s: float) -> Any:
+        import datetime
+
+        from torch.distributed import TCPStore
+
+        return TCPStore("0.0.0.0", 0, 2, True, timeout=datetime.timedelta(seconds=timeout_s),
+                        wait_for_workers=False)
+
+    @staticmethod
+    def join_store(host: str, port: int, timeout_s: float) -> Any:
+        import datetime
+
+        from torch.distributed import TCPStore
+
+        return TCPStore(host, port, 2, False, timeout=datetime.timedelta(seconds=timeout_s))
+
+    def send(self, tensor: Any, tag: int) -> None:
+        self.pg.send([tensor], 1, tag).wait()
+
+    def recv(self, tensor: Any, tag: int) -> None:
+        self.pg.recv([tensor], 0, tag).wait()
+
+
 class P2pScheduler(KVConnectorScheduler):
     def __init__(self, config: KVTransferConfig, block_size: int) -> None:
         super().__init__(config, block_size)
         if config.is_producer and config.kv_port == 0:
             raise ValueError("P2pConnector: a producer needs a fixed kv_transfer_config.kv_port "
                              "(the decoders are told where to pull from)")
-        PullPacer(max_pull_share(config))  # a bad setting fails at start-up, before any request
+        PullPacer(max_pull_share(config))  # bad settings fail at start-up, before any request
+        transport(config)
 
     def validate_request(self, params: KVTransferParams) -> None:
         super().validate_request(params)
@@ -174,6 +230,7 @@ class P2pWorker(KVConnectorWorker):
         super().__init__(config, kv_caches, block_size)
         self.timeout = float(config.extra("transfer_timeout_s", DEFAULT_TRANSFER_TIMEOUT_S))
         self.pacer = PullPacer(max_pull_share(config))
+        self.transport = transport(config)
         self._lock = threading.Lock()  # guards the state below and every read of a held block
         self._registered = threading.Condition(self._lock)
         self._sends: dict[str, list[int]] = {}  # request id -> held block ids the producer serves
@@ -216,13 +273,15 @@ class P2pWorker(KVConnectorWorker):
         src = load.remote
         nbytes = 0
         try:
+            store = PairGroup.open_store(self.timeout) if self.transport == "torch" else None
             with self._connect(src) as sock:
-                send_msg(sock, Pull(src.request_id, src.block_ids))
+                send_msg(sock, Pull(src.request_id, src.block_ids, store_port=store.port if store else 0))
                 reply = recv_msg(sock, PullReply)
                 if not reply.ok:
                     raise RuntimeError(f"the producer refused: {reply.error}")
                 if reply.num_layers != len(self.kv_caches):
                     raise RuntimeError(f"the producer has {reply.num_layers} layers, this engine {len(self.kv_caches)}")
+                group = PairGroup(store, 1, self.kv_caches[0].device, self.timeout) if store is not None else None
                 dst_ids = torch.tensor(load.block_ids, dtype=torch.long)
                 staging: Optional[torch.Tensor] = None
                 for _ in range(reply.num_layers):  # each layer lands in the pool as soon as it is here
@@ -234,10 +293,14 @@ class P2pWorker(KVConnectorWorker):
                     if head.nbytes != expected:
                         raise RuntimeError(f"layer {head.layer}: got {head.nbytes} bytes, this engine's KV cache "
                                            f"spec needs {expected}")
-                    if staging is None or staging.numel() != head.nbytes:
-                        staging = torch.empty(head.nbytes, dtype=torch.uint8)
-                    recv_exact(sock, head.nbytes, memoryview(staging.numpy()))
-                    data = staging.view(cache.dtype).view(shape)
+                    if group is not None:  # straight into a buffer on the pool's device (NCCL: GPU to GPU)
+                        data = torch.empty(shape, dtype=cache.dtype, device=cache.device)
+                        group.recv(data, head.layer)
+                    else:
+                        if staging is None or staging.numel() != head.nbytes:
+                            staging = torch.empty(head.nbytes, dtype=torch.uint8)
+                        recv_exact(sock, head.nbytes, memoryview(staging.numpy()))
+                        data = staging.view(cache.dtype).view(shape)
                     cache.index_copy_(1, dst_ids.to(cache.device), data.to(cache.device))
                     nbytes += head.nbytes
                     rest = self.pacer.rest_after(time.thread_time() - work_start)
@@ -300,16 +363,25 @@ class P2pWorker(KVConnectorWorker):
                                                     f"held for request {rid!r}"))
                     return
                 send_msg(conn, PullReply(True, num_layers=len(self.kv_caches)))
+                group = None
+                if pull.store_port:  # transport "torch": the consumer's store, at the consumer's address
+                    store = PairGroup.join_store(conn.getpeername()[0], pull.store_port, self.timeout)
+                    group = PairGroup(store, 0, self.kv_caches[0].device, self.timeout)
                 ids = torch.tensor(pull.block_ids, dtype=torch.long)
                 sent = 0
                 for i, cache in enumerate(self.kv_caches):
                     with self._lock:  # a cancelled (timed-out) send's blocks may be reused: stop reading
                         if rid not in self._sends:
                             raise ConnectionError(f"request {rid!r}: send cancelled (timed out)")
-                        data = cache.index_select(1, ids.to(cache.device)).cpu().contiguous()
-                    raw = data.view(torch.uint8).numpy()
-                    send_msg(conn, LayerHeader(i, raw.nbytes), memoryview(raw).cast("B"))
-                    sent += raw.nbytes
+                        data = cache.index_select(1, ids.to(cache.device))
+                    nbytes = data.numel() * data.element_size()
+                    if group is not None:
+                        send_msg(conn, LayerHeader(i, nbytes))
+                        group.send(data.contiguous(), i)
+                    else:
+                        raw = data.cpu().contiguous().view(torch.uint8).numpy()
+                        send_msg(conn, LayerHeader(i, nbytes), memoryview(raw).cast("B"))
+                    sent += nbytes
                 with self._lock:
                     if self._sends.pop(rid, None) is not None:
                         self._out.finished_sending.append(rid)

@@ -234,3 +234,32 @@ def test_bad_max_pull_share_fails_at_start_naming_the_field(share):
     config = KVTransferConfig.from_json(json.dumps(p2p("kv_consumer", max_pull_share=share)))
     with pytest.raises(ValueError, match="max_pull_share"):
         P2pScheduler(config, BLOCK)
+
+
+def test_torch_distributed_transport_matches_hf(tiny):
+    """transport "torch": the tensors travel over a per-pull two-rank process group (gloo here, NCCL for CUDA
+    pools) instead of the socket; same tokens, same bytes, every block back in both pools."""
+    path, hf = tiny
+    prefill = start_engine(path, p2p("kv_producer", free_port(), transport="torch"))
+    decode = start_engine(path, p2p("kv_consumer", transport="torch", transfer_timeout_s=10.0))
+    router = start_router(prefill=[prefill.url], decode=[decode.url])
+    try:
+        lens = (9, 30, 41)
+        for n in lens:
+            p = prompt(n, salt=5)
+            assert completion(router.url, p, MAX_TOKENS, stream=True) == hf_greedy(hf, p, MAX_TOKENS)
+        assert received(decode) == sum(-(-(n - 1) // BLOCK) for n in lens) * block_bytes(hf)
+        assert_kv_idle(prefill, decode)
+    finally:
+        stop(router, prefill, decode)
+
+
+def test_unknown_transport_fails_at_start_naming_the_field():
+    import json
+
+    from roofline.kv_transfer.config import KVTransferConfig
+    from roofline.kv_transfer.p2p import P2pScheduler
+
+    config = KVTransferConfig.from_json(json.dumps(p2p("kv_consumer", transport="carrier-pigeon")))
+    with pytest.raises(ValueError, match="transport"):
+        P2pScheduler(config, BLOCK)
