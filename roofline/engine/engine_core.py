@@ -43,7 +43,7 @@ from roofline.model_executor.loader.source import load_hf_config, load_tokenizer
 from roofline.outputs import RequestOutput
 from roofline.sampling_params import SamplingParams
 from roofline.spec_decode.draft_length import DraftLengthPolicy, roofline_step_time
-from roofline.spec_decode.proposer import MODEL_BASED_METHODS
+from roofline.spec_decode.factory import MODEL_BASED_METHODS
 from roofline.spec_decode.stats import SpecDecodeStats
 from roofline.structured_output.manager import StructuredOutputManager
 
