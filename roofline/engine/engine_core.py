@@ -77,6 +77,8 @@ class EngineStats:
     parallel_steps: int = 0
     expert_balancedness: list[float] = field(default_factory=list)
     eplb_rebalances: int = 0
+    # per-layer balancedness of the last rebalance's window under the placement it replaced
+    expert_balancedness_before: list[float] = field(default_factory=list)
     spec_decode: Optional[SpecDecodeStats] = None  # speculative decoding counters (cumulative), when on
     # KV transfer (kv_transfer/): bytes of KV loaded from / handed to other engines or the storage
     kv_transfer_bytes_received: int = 0
@@ -452,6 +454,8 @@ class EngineCore:
             collectives={k: list(v) for k, v in self.collectives.items()}, parallel_steps=self.parallel_steps,
             expert_balancedness=list(self.last_parallel.expert_balancedness) if self.last_parallel else [],
             eplb_rebalances=self.last_parallel.eplb_rebalances if self.last_parallel else 0,
+            expert_balancedness_before=(list(self.last_parallel.expert_balancedness_before)
+                                        if self.last_parallel else []),
         )
 
     def _drain_step_records(self) -> list[StepRoofline]:

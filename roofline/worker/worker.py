@@ -310,7 +310,8 @@ class Worker:
         self._collectives_seen = now
         eplb = self.eplb
         return StepParallelStats(collectives=step, expert_balancedness=list(eplb.balancedness) if eplb else [],
-                                 eplb_rebalances=eplb.rebalances if eplb else 0)
+                                 eplb_rebalances=eplb.rebalances if eplb else 0,
+                                 expert_balancedness_before=list(eplb.balancedness_before) if eplb else [])
 
     def shutdown(self) -> None:
         if self.kv_connector is not None:
