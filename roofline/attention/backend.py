@@ -58,36 +58,3 @@ def write_kv_torch(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tenso
     flat = kv_cache.view(2, num_blocks * block_size, kv_cache.shape[3], kv_cache.shape[4])
     flat[0].index_copy_(0, slot_mapping, key.to(kv_cache.dtype))
     flat[1].index_copy_(0, slot_mapping, value.to(kv_cache.dtype))
-
-
-def get_attention_backend(name: str, device: str) -> AttentionBackend:
-    """Backend by config name: 'torch' (reference, CPU and CUDA), 'cpu' (native CPU kernels),
-    'triton' (GPU kernels), 'auto' (triton on CUDA, cpu on CPU when each is usable, else torch)."""
-    if name == "auto":
-        name = "torch"
-        if device.startswith("cpu"):
-            from roofline.model_executor.layers import cpu_ops
-
-            name = "cpu" if cpu_ops.available() else "torch"
-        elif device.startswith("cuda"):
-            try:
-                import triton  # noqa: F401
-
-                name = "triton"
-            except ImportError:
-                name = "torch"
-    if name == "torch":
-        from roofline.attention.torch_backend import TorchAttentionBackend
-
-        return TorchAttentionBackend()
-    if name == "cpu":
-        if not device.startswith("cpu"):
-            raise ValueError(f"attention backend 'cpu' runs on the CPU only, not on {device!r}")
-        from roofline.attention.cpu_backend import CpuAttentionBackend
-
-        return CpuAttentionBackend()
-    if name == "triton":
-        from roofline.attention.triton.backend import TritonAttentionBackend
-
-        return TritonAttentionBackend()
-    raise ValueError(f"unknown attention backend {name!r}; choose one of: auto, torch, cpu, triton")

@@ -1,8 +1,9 @@
-"""`roofline bench`: throughput (offline workloads) and serve (online, against a running server)."""
+"""`roofline bench`: throughput (offline workloads), serve (online, against a running server), w8 (PD
+interference) and eplb (expert parallelism under a skewed router)."""
 
 from __future__ import annotations
 
-from roofline.benchmarks import pd_interference, serve, throughput
+from roofline.benchmarks import eplb_skew, pd_interference, serve, throughput
 
 
 def register(subparsers) -> None:
@@ -11,3 +12,4 @@ def register(subparsers) -> None:
     throughput.register(sub)
     serve.register(sub)
     pd_interference.register(sub)
+    eplb_skew.register(sub)

@@ -10,7 +10,7 @@ equally long window just before it arrived; and the long request's TTFT.  Layout
   pd                   a prefill engine on core 0, a decode engine on core 1 (P2pConnector), behind
                        `roofline router`
 Also reported for PD: the KV bytes the decode engine received, against the planner's prediction
-(whole prompt blocks but the last token's, planner/disagg.py).
+(the blocks of every prompt token but the last, planner/disagg.py).
 """
 
 from __future__ import annotations
@@ -164,10 +164,12 @@ def run_layout(args: argparse.Namespace, layout: str) -> dict[str, Any]:
             res = asyncio.run(_interference(url))
         else:
             kv_port = _free_port()
+            consumer_extra = {} if args.max_pull_share is None else {"max_pull_share": args.max_pull_share}
             pre = Proc(_serve_args(args, _free_port(), 2048, {"kv_connector": "P2pConnector", "kv_role": "kv_producer",
                                                                "kv_port": kv_port}), args.prefill_core)
-            dec = Proc(_serve_args(args, _free_port(), 2048, {"kv_connector": "P2pConnector",
-                                                               "kv_role": "kv_consumer"}), args.decode_core)
+            dec = Proc(_serve_args(args, _free_port(), 2048, {"kv_connector": "P2pConnector", "kv_role": "kv_consumer",
+                                                               "kv_connector_extra_config": consumer_extra}),
+                       args.decode_core)
             procs += [pre, dec]
             p_url, d_url = pre.wait(), dec.wait()
             router = Proc(["--log-level", "INFO", "router", "--prefill", p_url, "--decode", d_url, "--port",
@@ -184,7 +186,7 @@ def run_layout(args: argparse.Namespace, layout: str) -> dict[str, Any]:
 
 
 def predicted_kv_bytes(model: Optional[str], prompt_lens: list[int], block_size: int = 16) -> float:
-    """The planner's KV bytes per request (whole prompt blocks but the last token's), summed."""
+    """The planner's KV bytes per request (the blocks of every prompt token but the last), summed."""
     from roofline.planner.cost_model import PlanInputs
     from roofline.planner.disagg import transferred_kv_bytes
     from roofline.planner.hardware import get_hardware
@@ -223,5 +225,8 @@ def register(bench_subparsers: Any) -> None:
     p.add_argument("--prefill-core", default="0", help="PD: the prefill engine's cores (default 0)")
     p.add_argument("--decode-core", default="1", help="PD: the decode engine's cores (default 1)")
     p.add_argument("--kv-cache-memory", type=int, default=1 << 30, help="KV pool bytes per engine (default 1 GiB)")
+    p.add_argument("--max-pull-share", type=float, default=None,
+                   help="PD: the decode engine's P2P pull pacing (kv_connector_extra_config max_pull_share; "
+                        "default: the connector's, 0.25; 1 pulls flat out)")
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=run)

@@ -83,6 +83,8 @@ class StepParallelStats(msgspec.Struct, array_like=True):
     collectives: dict[str, list[int]] = {}  # "<group>.<op>" -> [calls, bytes] issued this step
     expert_balancedness: list[float] = []  # per MoE layer after the last EPLB rebalance (empty: none yet)
     eplb_rebalances: int = 0  # rebalances so far
+    # per MoE layer: the last rebalance's window under the placement it replaced (what the tokens did)
+    expert_balancedness_before: list[float] = []
 
 
 class ModelRunnerOutput(msgspec.Struct, array_like=True):
@@ -118,6 +120,7 @@ def merge_runner_outputs(parts: list[ModelRunnerOutput]) -> ModelRunnerOutput:
                 c[1] += nbytes
             out.parallel.expert_balancedness = p.parallel.expert_balancedness
             out.parallel.eplb_rebalances = p.parallel.eplb_rebalances
+            out.parallel.expert_balancedness_before = p.parallel.expert_balancedness_before
         out.draft_token_ids += p.draft_token_ids or [[] for _ in p.req_ids]
     out.kv_connector_output = merge_connector_outputs([p.kv_connector_output for p in parts])
     return out

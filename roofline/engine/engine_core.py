@@ -35,14 +35,15 @@ from roofline.core.scheduler_output import (
     merge_runner_outputs,
 )
 from roofline.engine.output_processor import OutputProcessor
-from roofline.executor.base import ExecutorDeadError, create_executor
+from roofline.executor.base import ExecutorDeadError
+from roofline.executor.factory import create_executor
 from roofline.kv_transfer import create_scheduler_connector, request_params
 from roofline.metrics.step_roofline import StepRoofline, model_for_engine
 from roofline.model_executor.loader.source import load_hf_config, load_tokenizer, resolve_source
 from roofline.outputs import RequestOutput
 from roofline.sampling_params import SamplingParams
 from roofline.spec_decode.draft_length import DraftLengthPolicy, roofline_step_time
-from roofline.spec_decode.proposer import MODEL_BASED_METHODS
+from roofline.spec_decode.factory import MODEL_BASED_METHODS
 from roofline.spec_decode.stats import SpecDecodeStats
 from roofline.structured_output.manager import StructuredOutputManager
 
@@ -76,6 +77,8 @@ class EngineStats:
     parallel_steps: int = 0
     expert_balancedness: list[float] = field(default_factory=list)
     eplb_rebalances: int = 0
+    # per-layer balancedness of the last rebalance's window under the placement it replaced
+    expert_balancedness_before: list[float] = field(default_factory=list)
     spec_decode: Optional[SpecDecodeStats] = None  # speculative decoding counters (cumulative), when on
     # KV transfer (kv_transfer/): bytes of KV loaded from / handed to other engines or the storage
     kv_transfer_bytes_received: int = 0
@@ -451,6 +454,8 @@ class EngineCore:
             collectives={k: list(v) for k, v in self.collectives.items()}, parallel_steps=self.parallel_steps,
             expert_balancedness=list(self.last_parallel.expert_balancedness) if self.last_parallel else [],
             eplb_rebalances=self.last_parallel.eplb_rebalances if self.last_parallel else 0,
+            expert_balancedness_before=(list(self.last_parallel.expert_balancedness_before)
+                                        if self.last_parallel else []),
         )
 
     def _drain_step_records(self) -> list[StepRoofline]:

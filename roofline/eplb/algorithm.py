@@ -94,6 +94,38 @@ def replicate(loads: list[float], num_slots: int) -> list[int]:
     return count
 
 
+def _replicate_and_pack(loads: list[float], num_slots: int, num_ranks: int) -> tuple[list[int], list[int]]:
+    """Replicas (expert indices into loads) filling num_slots, and each replica's rank.  The greedy
+    replication (replicate) can overshoot what the ranks can balance: two hot experts with three replicas
+    each spread 2, 2, 1, 1 over four ranks, where two replicas each would spread evenly.  So every prefix of
+    the greedy's extra slots is tried, the slots left over holding replicas of the coldest experts, and the
+    packing with the lowest peak rank load wins (ties: the longer prefix).  The full greedy is among the
+    candidates, so the peak never exceeds the greedy's."""
+    n = len(loads)
+    extra = num_slots - n
+    order = []  # the greedy's extra slots, in the order it hands them out
+    count = [1] * n
+    for _ in range(extra):
+        hot = max(range(n), key=lambda e: (loads[e] / count[e], -e))
+        count[hot] += 1
+        order.append(hot)
+    coldest = sorted(range(n), key=lambda e: (loads[e], e))
+    best = None
+    for k in range(extra + 1):
+        c = [1] * n
+        for e in order[:k]:
+            c[e] += 1
+        for i in range(extra - k):  # leftover slots: replicas of the coldest experts (they add no load)
+            c[coldest[i % n]] += 1
+        replicas = [e for e in range(n) for _ in range(c[e])]
+        shares = [loads[e] / c[e] for e in replicas]
+        rank_of = balanced_packing(shares, num_ranks)
+        peak = max(sum(s for s, r in zip(shares, rank_of) if r == rr) for rr in range(num_ranks))
+        if best is None or peak <= best[0] * (1 + 1e-12):
+            best = (peak, replicas, rank_of)
+    return best[1], best[2]
+
+
 def rebalance(loads, num_ranks: int, num_redundant: int = 0, num_groups: int = 1, num_nodes: int = 1) -> Placement:
     """The placement of len(loads) logical experts (+ num_redundant replicas) over num_ranks ranks."""
     loads = [float(x) for x in (loads.tolist() if isinstance(loads, torch.Tensor) else loads)]
@@ -119,12 +151,9 @@ def rebalance(loads, num_ranks: int, num_redundant: int = 0, num_groups: int = 1
     for node in range(num_nodes):
         experts = [e for g in range(num_groups) if node_of_group[g] == node
                    for e in range(g * per_group, (g + 1) * per_group)]
-        # 2. replicas inside the node
-        count = replicate([loads[e] for e in experts], physical_per_node)
-        replicas = [e for e, c in zip(experts, count) for _ in range(c)]
-        share = {e: loads[e] / c for e, c in zip(experts, count)}
-        # 3. replicas to the node's ranks
-        rank_of = balanced_packing([share[e] for e in replicas], ranks_per_node)
+        # 2. replicas inside the node, 3. replicas to the node's ranks
+        replicas, rank_of = _replicate_and_pack([loads[e] for e in experts], physical_per_node, ranks_per_node)
+        replicas = [experts[i] for i in replicas]
         per_rank = physical_per_node // ranks_per_node
         for r in range(ranks_per_node):
             mine = sorted(e for e, rr in zip(replicas, rank_of) if rr == r)

@@ -4,9 +4,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 
-from roofline.config import EngineConfig
 from roofline.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
-from roofline.model_executor.loader.source import ModelSource
 
 
 class ExecutorDeadError(RuntimeError):
@@ -46,13 +44,3 @@ class Executor(ABC):
 
     def shutdown(self) -> None:
         pass
-
-
-def create_executor(config: EngineConfig, source: ModelSource, show_progress: bool = True) -> Executor:
-    if config.parallel_config.world_size > 1 or config.parallel_config.nnodes > 1:
-        from roofline.executor.multiproc import MultiprocExecutor
-
-        return MultiprocExecutor(config, source, show_progress)
-    from roofline.executor.uniproc import UniProcExecutor
-
-    return UniProcExecutor(config, source, show_progress)

@@ -12,10 +12,18 @@ its last prompt token once the pull is done.  If every block was found locally, 
 tells the producer to release them.
 
 Wire format (no pickle): each message is a 4-byte big-endian length and a msgpack header (msgspec);
-a layer's header is followed by its raw tensor bytes [num_slots, n, block_size, heads, head_size],
-the layer's KV cache spec (MLA's latent included), as the producer's pool holds them.
-    consumer -> producer   Pull(request_id, block_ids, release_only)
-    producer -> consumer   PullReply(ok, error, num_layers) then, per layer, LayerHeader(layer, nbytes) + bytes
+a layer's header is followed by its tensor [num_slots, n, block_size, heads, head_size], the layer's KV
+cache spec (MLA's latent included), as the producer's pool holds them.
+    consumer -> producer   Pull(request_id, block_ids, release_only, store_port)
+    producer -> consumer   PullReply(ok, error, num_layers) then, per layer, LayerHeader(layer, nbytes) + tensor
+The tensors travel by kv_connector_extra_config transport: "tcp" (default), raw bytes on the same socket;
+or "torch", a two-rank torch.distributed process group per pull (gloo for CPU pools, NCCL for CUDA pools,
+GPU to GPU), rendezvous through a TCPStore the consumer opens and names in Pull.store_port; the control
+messages stay on the socket either way.
+The pull is paced (kv_connector_extra_config max_pull_share, default 0.25): it uses at most that share
+of its wall time in CPU, sleeping between layers, so that on a core the pull shares with the decode
+engine's steps it stretches many steps a little instead of one step a lot (W8 on the 2-core machine: an
+unpaced 128 MB pull stretched one decode step of 16 requests by ~65 ms).  1.0 pulls flat out.
 Socket operations time out after transfer_timeout_s (default 30 s): a producer that died or hangs
 ends in a failed load, which the consumer recomputes or fails (kv_load_failure_policy).
 This implementation moves CPU tensors over TCP; a CUDA pool is staged through host memory.
@@ -40,6 +48,8 @@ from roofline.kv_transfer.metadata import BlockLoad, KVConnectorMetadata, KVConn
 logger = logging.getLogger(__name__)
 
 DEFAULT_TRANSFER_TIMEOUT_S = 30.0
+DEFAULT_MAX_PULL_SHARE = 0.25
+TRANSPORTS = ("tcp", "torch")
 REGISTER_WAIT_S = 10.0  # a pull may arrive before the producer's next step registers the request
 MAX_HEADER_BYTES = 1 << 20
 
@@ -48,6 +58,7 @@ class Pull(msgspec.Struct, array_like=True):
     request_id: str
     block_ids: list[int]
     release_only: bool = False
+    store_port: int = 0  # transport "torch": the consumer's TCPStore for the pair's process group; 0: tcp
 
 
 class PullReply(msgspec.Struct, array_like=True):
@@ -89,12 +100,85 @@ def recv_msg(sock: socket.socket, kind: type) -> Any:
     return msgspec.msgpack.decode(recv_exact(sock, n), type=kind)
 
 
+class PullPacer:
+    """How long a pull rests after a piece of work so that its CPU use stays at most `share` of its wall
+    time: w seconds of work are followed by w * (1 / share - 1) seconds of sleep (none at share 1)."""
+
+    def __init__(self, share: float) -> None:
+        if not 0.0 < share <= 1.0:
+            raise ValueError(f"kv_transfer_config.kv_connector_extra_config.max_pull_share must be in (0, 1], "
+                             f"got {share!r}")
+        self.share = share
+
+    def rest_after(self, work_s: float) -> float:
+        return max(work_s, 0.0) * (1.0 / self.share - 1.0)
+
+
+def max_pull_share(config: KVTransferConfig) -> float:
+    value = config.extra("max_pull_share", DEFAULT_MAX_PULL_SHARE)
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ValueError("kv_transfer_config.kv_connector_extra_config.max_pull_share must be a number in (0, 1], "
+                         f"got {value!r}")
+    return float(value)
+
+
+def transport(config: KVTransferConfig) -> str:
+    value = config.extra("transport", "tcp")
+    if value not in TRANSPORTS:
+        raise ValueError(f"kv_transfer_config.kv_connector_extra_config.transport must be one of "
+                         f"{', '.join(TRANSPORTS)}, got {value!r}")
+    return value
+
+
+class PairGroup:
+    """A two-rank torch.distributed process group between a producer (rank 0) and a consumer (rank 1) for
+    one pull: gloo for CPU pools, NCCL for CUDA ones.  The consumer opens the TCPStore (open_store), the
+    producer joins it at the consumer's address."""
+
+    def __init__(self, store: Any, rank: int, device: Any, timeout_s: float) -> None:
+        import datetime
+
+        import torch.distributed as dist
+
+        timeout = datetime.timedelta(seconds=timeout_s)
+        if getattr(device, "type", "cpu") == "cuda":
+            self.pg = dist.ProcessGroupNCCL(store, rank, 2, dist.ProcessGroupNCCL.Options())
+        else:
+            self.pg = dist.ProcessGroupGloo(store, rank, 2, timeout)
+        self.store = store
+
+    @staticmethod
+    def open_store(timeout_s: float) -> Any:
+        import datetime
+
+        from torch.distributed import TCPStore
+
+        return TCPStore("0.0.0.0", 0, 2, True, timeout=datetime.timedelta(seconds=timeout_s),
+                        wait_for_workers=False)
+
+    @staticmethod
+    def join_store(host: str, port: int, timeout_s: float) -> Any:
+        import datetime
+
+        from torch.distributed import TCPStore
+
+        return TCPStore(host, port, 2, False, timeout=datetime.timedelta(seconds=timeout_s))
+
+    def send(self, tensor: Any, tag: int) -> None:
+        self.pg.send([tensor], 1, tag).wait()
+
+    def recv(self, tensor: Any, tag: int) -> None:
+        self.pg.recv([tensor], 0, tag).wait()
+
+
 class P2pScheduler(KVConnectorScheduler):
     def __init__(self, config: KVTransferConfig, block_size: int) -> None:
         super().__init__(config, block_size)
         if config.is_producer and config.kv_port == 0:
             raise ValueError("P2pConnector: a producer needs a fixed kv_transfer_config.kv_port "
                              "(the decoders are told where to pull from)")
+        PullPacer(max_pull_share(config))  # bad settings fail at start-up, before any request
+        transport(config)
 
     def validate_request(self, params: KVTransferParams) -> None:
         super().validate_request(params)
@@ -112,8 +196,11 @@ class P2pScheduler(KVConnectorScheduler):
         p = request.kv_transfer
         if p is None or not p.do_remote_prefill:
             return 0
-        n_remote = min(len(p.remote_block_ids), self.max_loadable_blocks(request))
-        num_ext = n_remote * self.block_size - num_computed_tokens
+        # every prompt token but the last, the last block partial: the engine then computes one token
+        # itself, not up to a block of them against the whole context (W8: 16 tokens against 2047
+        # cost one decode step of 16 requests ~75 ms more)
+        num_remote = min(len(p.remote_block_ids) * self.block_size, request.num_prompt_tokens - 1)
+        num_ext = num_remote - num_computed_tokens
         if num_ext <= 0:  # all here already: the producer may let its copy go
             self._meta.releases.append(self._source(p, []))
             p.do_remote_prefill = False
@@ -128,19 +215,22 @@ class P2pScheduler(KVConnectorScheduler):
                                           self._source(p, remote)))
 
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, Optional[dict[str, Any]]]:
-        full = block_ids[:request.num_prompt_tokens // self.block_size]
-        if not full:  # a prompt shorter than a block: nothing to send
+        # the blocks of every prompt token but the last (the last one partial): what a consumer loads
+        blocks = block_ids[:-(-(request.num_prompt_tokens - 1) // self.block_size)]
+        if not blocks:  # a one-token prompt: nothing to send
             return False, {"do_remote_decode": False, "do_remote_prefill": False}
-        self._meta.sends[request.request_id] = full
+        self._meta.sends[request.request_id] = blocks
         return True, {"do_remote_decode": False, "do_remote_prefill": True,
                       "remote_engine_id": self.config.engine_id, "remote_request_id": request.request_id,
-                      "remote_block_ids": full, "remote_host": self.config.kv_ip, "remote_port": self.config.kv_port}
+                      "remote_block_ids": blocks, "remote_host": self.config.kv_ip, "remote_port": self.config.kv_port}
 
 
 class P2pWorker(KVConnectorWorker):
     def __init__(self, config: KVTransferConfig, kv_caches: list[Any], block_size: int) -> None:
         super().__init__(config, kv_caches, block_size)
         self.timeout = float(config.extra("transfer_timeout_s", DEFAULT_TRANSFER_TIMEOUT_S))
+        self.pacer = PullPacer(max_pull_share(config))
+        self.transport = transport(config)
         self._lock = threading.Lock()  # guards the state below and every read of a held block
         self._registered = threading.Condition(self._lock)
         self._sends: dict[str, list[int]] = {}  # request id -> held block ids the producer serves
@@ -183,15 +273,19 @@ class P2pWorker(KVConnectorWorker):
         src = load.remote
         nbytes = 0
         try:
+            store = PairGroup.open_store(self.timeout) if self.transport == "torch" else None
             with self._connect(src) as sock:
-                send_msg(sock, Pull(src.request_id, src.block_ids))
+                send_msg(sock, Pull(src.request_id, src.block_ids, store_port=store.port if store else 0))
                 reply = recv_msg(sock, PullReply)
                 if not reply.ok:
                     raise RuntimeError(f"the producer refused: {reply.error}")
                 if reply.num_layers != len(self.kv_caches):
                     raise RuntimeError(f"the producer has {reply.num_layers} layers, this engine {len(self.kv_caches)}")
+                group = PairGroup(store, 1, self.kv_caches[0].device, self.timeout) if store is not None else None
                 dst_ids = torch.tensor(load.block_ids, dtype=torch.long)
+                staging: Optional[torch.Tensor] = None
                 for _ in range(reply.num_layers):  # each layer lands in the pool as soon as it is here
+                    work_start = time.thread_time()  # this thread's CPU: the receive and the copy
                     head = recv_msg(sock, LayerHeader)
                     cache = self.kv_caches[head.layer]
                     shape = (cache.shape[0], len(load.block_ids)) + tuple(cache.shape[2:])
@@ -199,11 +293,19 @@ class P2pWorker(KVConnectorWorker):
                     if head.nbytes != expected:
                         raise RuntimeError(f"layer {head.layer}: got {head.nbytes} bytes, this engine's KV cache "
                                            f"spec needs {expected}")
-                    buf = bytearray(head.nbytes)
-                    recv_exact(sock, head.nbytes, memoryview(buf))
-                    data = torch.frombuffer(buf, dtype=torch.uint8).view(cache.dtype).view(shape)
+                    if group is not None:  # straight into a buffer on the pool's device (NCCL: GPU to GPU)
+                        data = torch.empty(shape, dtype=cache.dtype, device=cache.device)
+                        group.recv(data, head.layer)
+                    else:
+                        if staging is None or staging.numel() != head.nbytes:
+                            staging = torch.empty(head.nbytes, dtype=torch.uint8)
+                        recv_exact(sock, head.nbytes, memoryview(staging.numpy()))
+                        data = staging.view(cache.dtype).view(shape)
                     cache.index_copy_(1, dst_ids.to(cache.device), data.to(cache.device))
                     nbytes += head.nbytes
+                    rest = self.pacer.rest_after(time.thread_time() - work_start)
+                    if rest > 0:
+                        time.sleep(rest)
         except Exception as e:
             logger.warning("request %s: pulling KV from %s:%d failed: %s", load.req_id, src.host, src.port, e)
             with self._lock:
@@ -261,16 +363,25 @@ class P2pWorker(KVConnectorWorker):
                                                     f"held for request {rid!r}"))
                     return
                 send_msg(conn, PullReply(True, num_layers=len(self.kv_caches)))
+                group = None
+                if pull.store_port:  # transport "torch": the consumer's store, at the consumer's address
+                    store = PairGroup.join_store(conn.getpeername()[0], pull.store_port, self.timeout)
+                    group = PairGroup(store, 0, self.kv_caches[0].device, self.timeout)
                 ids = torch.tensor(pull.block_ids, dtype=torch.long)
                 sent = 0
                 for i, cache in enumerate(self.kv_caches):
                     with self._lock:  # a cancelled (timed-out) send's blocks may be reused: stop reading
                         if rid not in self._sends:
                             raise ConnectionError(f"request {rid!r}: send cancelled (timed out)")
-                        data = cache.index_select(1, ids.to(cache.device)).cpu().contiguous()
-                    raw = data.view(torch.uint8).numpy()
-                    send_msg(conn, LayerHeader(i, raw.nbytes), memoryview(raw).cast("B"))
-                    sent += raw.nbytes
+                        data = cache.index_select(1, ids.to(cache.device))
+                    nbytes = data.numel() * data.element_size()
+                    if group is not None:
+                        send_msg(conn, LayerHeader(i, nbytes))
+                        group.send(data.contiguous(), i)
+                    else:
+                        raw = data.cpu().contiguous().view(torch.uint8).numpy()
+                        send_msg(conn, LayerHeader(i, nbytes), memoryview(raw).cast("B"))
+                    sent += nbytes
                 with self._lock:
                     if self._sends.pop(rid, None) is not None:
                         self._out.finished_sending.append(rid)

@@ -53,7 +53,7 @@ class KVTransferTracker:
         if self.kv.allocate_slots(req, num_ext, hits, register=False) is None:
             return False
         bs = self.kv.block_size
-        first, last = num_hit // bs, (num_hit + num_ext) // bs
+        first, last = num_hit // bs, -(-(num_hit + num_ext) // bs)  # a trailing partial block is loaded too
         self.connector.update_state_after_alloc(req, self.kv.get_block_ids(req.request_id)[first:last],
                                                 hashes[first:last], first)
         req.num_computed_tokens += num_hit

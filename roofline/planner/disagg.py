@@ -45,8 +45,9 @@ class DisaggWorkload:
 
 
 def transferred_kv_bytes(p: PlanInputs, input_len: int) -> float:
-    """KV bytes one request's prompt moves from the prefill to the decode engine (whole blocks)."""
-    return (input_len - 1) // p.block_size * p.block_size * kv_bytes_per_token(p)
+    """KV bytes one request's prompt moves from the prefill to the decode engine: the blocks of every
+    prompt token but the last (the decode engine computes that one), the last block partial but moved whole."""
+    return -(-(input_len - 1) // p.block_size) * p.block_size * kv_bytes_per_token(p)
 
 
 def prefill_rate_limit(t_prefill: float, t_transfer: float, ttft_slo: float) -> float:

@@ -1,7 +1,9 @@
 """Speculative decoding: proposers (who guesses the next k tokens) and the rejection sampler (which
 keeps the guesses the target model would have produced, exactly in distribution).
 
-    proposer.py           the Proposer interface and the factory (EAGLE-style heads plug in here)
+    proposer.py           the Proposer interface
+    factory.py            create_proposer: a method name to its proposer (EAGLE-style heads plug in here)
+    draft_model.py        a smaller model with the same vocabulary, its own KV pool
     ngram.py              prompt lookup over prompt + output so far
     rejection_sampler.py  greedy and random acceptance, recovered and bonus tokens
     draft_length.py       the per-step number of drafts, from the cost model and the acceptance rate

@@ -14,11 +14,11 @@ from typing import Optional
 import torch
 
 from roofline.attention import kv_spec
-from roofline.attention.backend import get_attention_backend
+from roofline.attention.selector import get_attention_backend
 from roofline.config import GiB, EngineConfig, Switch
 from roofline.core.scheduler_output import ModelRunnerOutput, SchedulerOutput, StepParallelStats
 from roofline.distributed.parallel_state import collective_stats, get_layout
-from roofline.model_executor.layers import cpu_gemm, cpu_ops, gguf_quant
+from roofline.model_executor.layers import cpu_ops, cpu_prepare, gguf_quant
 from roofline.model_executor.loader.source import ModelSource
 from roofline.model_executor.loader.weights import gguf_weights, init_dummy_weights, safetensors_weights
 from roofline.model_executor.models import llama_cpu_stack
@@ -159,7 +159,7 @@ class Worker:
                 raise ValueError(f"checkpoint is missing tensors: {sorted(missing)[:8]}{' ...' if len(missing) > 8 else ''}")
         model.eval()
         if self.device.type == "cpu":
-            cpu_gemm.prepare_model(model)
+            cpu_prepare.prepare_model(model)
             llama_cpu_stack.attach(model)
         weight_bytes = gguf_quant.weight_bytes_by_format(model)
         if model_hf_config is None:  # the target's (a draft model's are not the served model's)
@@ -266,7 +266,7 @@ class Worker:
         # CUDA, not enforce_eager, triton attention, tp=1: decode steps replay captured graphs
         self.runner.graph_runner = create_graph_runner(self.model, caches, self.config, self.device)
         if self.config.speculative_config is not None:
-            from roofline.spec_decode.proposer import create_proposer
+            from roofline.spec_decode.factory import create_proposer
 
             max_positions = self.config.scheduler_config.max_model_len
             if self.draft_model is not None:
@@ -310,7 +310,8 @@ class Worker:
         self._collectives_seen = now
         eplb = self.eplb
         return StepParallelStats(collectives=step, expert_balancedness=list(eplb.balancedness) if eplb else [],
-                                 eplb_rebalances=eplb.rebalances if eplb else 0)
+                                 eplb_rebalances=eplb.rebalances if eplb else 0,
+                                 expert_balancedness_before=list(eplb.balancedness_before) if eplb else [])
 
     def shutdown(self) -> None:
         if self.kv_connector is not None:

@@ -11,7 +11,8 @@ if not torch.cuda.is_available():
     os.environ["TRITON_INTERPRET"] = "1"  # before triton is imported
 pytest.importorskip("triton")
 
-from roofline.attention.backend import get_attention_backend, write_kv_torch  # noqa: E402
+from roofline.attention.backend import write_kv_torch  # noqa: E402
+from roofline.attention.selector import get_attention_backend  # noqa: E402
 from roofline.attention.triton.backend import TritonAttentionBackend  # noqa: E402
 
 DEVICE = "cuda" if os.environ.get("TRITON_INTERPRET") != "1" else "cpu"

@@ -23,7 +23,7 @@ KEY = "cli-key"
 TINY_CONFIG = {
     "model_type": "llama", "architectures": ["LlamaForCausalLM"], "vocab_size": 512, "hidden_size": 64,
     "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
-    "max_position_embeddings": 512, "rms_norm_eps": 1e-5, "rope_theta": 10000.0, "tie_word_embeddings": True,
+    "max_position_embeddings": 4096, "rms_norm_eps": 1e-5, "rope_theta": 10000.0, "tie_word_embeddings": True,
     "bos_token_id": 1, "eos_token_id": 2,
 }
 READY = re.compile(r"serving model '([^']+)' on (http://[\d.]+:\d+)")
@@ -63,7 +63,7 @@ def served(tmp_path_factory):
     d = tmp_path_factory.mktemp("tiny-llama")
     (d / "config.json").write_text(json.dumps(TINY_CONFIG))
     p = ServeProcess([str(d), "--load-format", "dummy", "--device", "cpu", "--dtype", "float32",
-                      "--max-model-len", "256", "--port", "0", "--api-key", KEY, "--max-num-seqs", "1",
+                      "--max-model-len", "4096", "--port", "0", "--api-key", KEY, "--max-num-seqs", "1",
                       "--max-waiting-requests", "1", "--log-stats-interval", "0", "--disable-access-log",
                       "--shutdown-timeout", "60"])
     p.wait_ready()
@@ -117,7 +117,9 @@ def _waiting(c: httpx.Client) -> float:
 
 
 def test_queue_full_is_503_with_retry_after(served):
-    long_body = {"prompt": [5, 6, 7, 8], "max_tokens": 240, "temperature": 0, "ignore_eos": True, "stream": True}
+    # A must still be running when B arrives, however slow the machine: 4000 tokens take seconds even on
+    # this tiny model (at 240 a loaded CI machine once saw A finish before B was queued)
+    long_body = {"prompt": [5, 6, 7, 8], "max_tokens": 4000, "temperature": 0, "ignore_eos": True, "stream": True}
     with client(served) as a, client(served) as b, client(served) as c:
         events = _stream_events(a, long_body)
         next(events)  # A runs (max-num-seqs 1)

@@ -93,3 +93,29 @@ def test_bad_shapes_name_the_numbers():
     with pytest.raises(ValueError, match="do not split evenly"):
         initial_placement(6, 4)
     assert initial_placement(8, 4).physical_to_logical == tuple(range(8))
+
+
+def test_replicas_are_counted_to_fit_the_ranks():
+    """Two hot experts, four ranks, four redundant slots: the greedy alone gives each hot expert three
+    replicas, which spread 2, 2, 1, 1 (0.75); two replicas each spread evenly (1.0)."""
+    loads = [512, 512] + [0] * 14
+    greedy = replicate(loads, 20)
+    assert greedy[:2] == [3, 3]
+    p = rebalance(loads, 4, num_redundant=4)
+    assert balancedness(p.rank_loads(loads)) == pytest.approx(1.0)
+    assert [len(p.replicas(e)) for e in (0, 1)] == [2, 2]  # the leftover slots replicate cold experts
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.sampled_from([2, 4, 8]), st.integers(0, 3), st.data())
+def test_never_worse_than_the_plain_greedy(num_ranks, rounds, data):
+    num_logical = num_ranks * data.draw(st.integers(1, 3))
+    num_redundant = num_ranks * rounds
+    loads = data.draw(st.lists(st.integers(0, 1000), min_size=num_logical, max_size=num_logical))
+    count = replicate(loads, num_logical + num_redundant)
+    replicas = [e for e, c in enumerate(count) for _ in range(c)]
+    shares = [loads[e] / count[e] for e in replicas]
+    packs = balanced_packing(shares, num_ranks)
+    greedy_peak = max(sum(s for s, q in zip(shares, packs) if q == r) for r in range(num_ranks))
+    p = rebalance(loads, num_ranks, num_redundant)
+    assert max(p.rank_loads(loads)) <= greedy_peak + 1e-6

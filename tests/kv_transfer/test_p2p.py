@@ -72,9 +72,13 @@ def test_pd_p2p_through_router_matches_hf(tiny, pd):
         assert completion(router.url, p, MAX_TOKENS) == expected
         assert completion(router.url, p, MAX_TOKENS, stream=True) == expected
     assert_kv_idle(prefill, decode)
-    # the first time a prompt comes, all its loadable blocks travel; the second time (same prompt)
-    # the decoder's prefix cache has them and it only releases the producer's copy
-    assert received(decode) - before == sum((n - 1) // BLOCK for n in lens) * block_bytes(hf)
+    # the first time a prompt comes, the blocks of every prompt token but the last travel (the last one
+    # partial); the second time (same prompt) the decoder's prefix cache has the full ones and only a
+    # partial last block travels again (a prompt of whole blocks but one token: nothing, the producer's
+    # copy is released)
+    first = sum(-(-(n - 1) // BLOCK) for n in lens)
+    again = sum(1 for n in lens if (n - 1) % BLOCK)
+    assert received(decode) - before == (first + again) * block_bytes(hf)
     sent = metric_value(metrics(prefill.url), "roofline:kv_transfer_sent_bytes_total")
     assert sent >= received(decode) - before
 
@@ -85,10 +89,10 @@ def test_decoder_fetches_only_blocks_it_lacks(tiny, pd):
     base = prompt(40, salt=3)
     assert completion(router.url, base, MAX_TOKENS) == hf_greedy(hf, base, MAX_TOKENS)
     before = received(decode)
-    other = base[:24] + prompt(16, salt=9)  # shares 3 blocks with base; 4 loadable: 1 to pull
+    other = base[:24] + prompt(16, salt=9)  # shares 3 blocks with base; 39 loadable tokens: 2 blocks to pull
     out = completion(router.url, other, MAX_TOKENS)
     assert out == hf_greedy(hf, other, MAX_TOKENS)
-    assert received(decode) - before == 1 * block_bytes(hf)
+    assert received(decode) - before == 2 * block_bytes(hf)
     assert_kv_idle(prefill, decode)
 
 
@@ -210,3 +214,52 @@ def test_client_leaving_mid_stream_aborts_on_both_engines(tiny, pd):
         time.sleep(0.05)
     assert aborts(decode) == before + 1
     assert_kv_idle(prefill, decode)
+
+
+def test_pull_pacer_keeps_the_pull_to_its_share_of_the_core():
+    from roofline.kv_transfer.p2p import PullPacer
+
+    assert PullPacer(0.25).rest_after(0.010) == pytest.approx(0.030)  # 10 ms of work, 30 ms of rest: 25%
+    assert PullPacer(0.5).rest_after(0.004) == pytest.approx(0.004)
+    assert PullPacer(1.0).rest_after(5.0) == 0.0  # flat out
+
+
+@pytest.mark.parametrize("share", [0, -0.5, 1.5, "fast", True])
+def test_bad_max_pull_share_fails_at_start_naming_the_field(share):
+    import json
+
+    from roofline.kv_transfer.config import KVTransferConfig
+    from roofline.kv_transfer.p2p import P2pScheduler
+
+    config = KVTransferConfig.from_json(json.dumps(p2p("kv_consumer", max_pull_share=share)))
+    with pytest.raises(ValueError, match="max_pull_share"):
+        P2pScheduler(config, BLOCK)
+
+
+def test_torch_distributed_transport_matches_hf(tiny):
+    """transport "torch": the tensors travel over a per-pull two-rank process group (gloo here, NCCL for CUDA
+    pools) instead of the socket; same tokens, same bytes, every block back in both pools."""
+    path, hf = tiny
+    prefill = start_engine(path, p2p("kv_producer", free_port(), transport="torch"))
+    decode = start_engine(path, p2p("kv_consumer", transport="torch", transfer_timeout_s=10.0))
+    router = start_router(prefill=[prefill.url], decode=[decode.url])
+    try:
+        lens = (9, 30, 41)
+        for n in lens:
+            p = prompt(n, salt=5)
+            assert completion(router.url, p, MAX_TOKENS, stream=True) == hf_greedy(hf, p, MAX_TOKENS)
+        assert received(decode) == sum(-(-(n - 1) // BLOCK) for n in lens) * block_bytes(hf)
+        assert_kv_idle(prefill, decode)
+    finally:
+        stop(router, prefill, decode)
+
+
+def test_unknown_transport_fails_at_start_naming_the_field():
+    import json
+
+    from roofline.kv_transfer.config import KVTransferConfig
+    from roofline.kv_transfer.p2p import P2pScheduler
+
+    config = KVTransferConfig.from_json(json.dumps(p2p("kv_consumer", transport="carrier-pigeon")))
+    with pytest.raises(ValueError, match="transport"):
+        P2pScheduler(config, BLOCK)

@@ -4,7 +4,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from roofline.model_executor.layers import cpu_gemm, cpu_ops
+from roofline.model_executor.layers import cpu_gemm, cpu_ops, cpu_prepare
 from roofline.model_executor.layers.linear import QKVParallelLinear, RowParallelLinear
 from roofline.model_executor.layers.vocab_embedding import ParallelLMHead
 
@@ -65,7 +65,7 @@ def test_which_batches_take_the_packed_weight():
 def test_a_single_row_takes_the_native_gemv_over_the_dense_weight(threads):
     """Whatever the thread count (the layer stack takes the same route for a lone row)."""
     g = torch.Generator().manual_seed(threads)
-    w = torch.randn(40, 24, generator=g).t().contiguous().t()  # [in x out]-major, as cpu_gemm.relayout stores it
+    w = torch.randn(40, 24, generator=g).t().contiguous().t()  # [in x out]-major, as cpu_prepare.relayout stores it
     b = torch.randn(40, generator=g)
     x = torch.randn(1, 24, generator=g)
     before = torch.get_num_threads()
@@ -89,7 +89,7 @@ def test_pack_model_layers_give_the_dense_results():
         p.data.normal_()
     x = torch.randn(9, 48)
     expected = (model["qkv"](x), model["o"](x), model["head"].compute_logits(x))
-    assert cpu_gemm.pack_model(model) == 3
+    assert cpu_prepare.pack_model(model) == 3
     assert all(m.cpu_packed is not None for m in model.values())
     got = (model["qkv"](x), model["o"](x), model["head"].compute_logits(x))
     for a, b in zip(got, expected):
@@ -100,7 +100,7 @@ def test_pack_model_layers_give_the_dense_results():
 
 def test_non_fp32_weights_are_left_alone():
     lin = RowParallelLinear(16, 8, dtype=torch.bfloat16)
-    assert cpu_gemm.pack_model(lin) == 0 and lin.cpu_packed is None
+    assert cpu_prepare.pack_model(lin) == 0 and lin.cpu_packed is None
 
 
 @pytest.mark.parametrize("rows", [1, 2, 7, 37, 97, 300])
@@ -145,7 +145,7 @@ def test_gate_up_silu_applies_only_where_it_can():
         torch.nn.init.normal_(lin.weight)
         if bias:
             torch.nn.init.normal_(lin.bias)
-        cpu_gemm.pack_model(lin)
+        cpu_prepare.pack_model(lin)
         return lin
 
     x = torch.randn(4, 8)

@@ -9,7 +9,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from roofline.attention.backend import get_attention_backend, write_kv_torch
+from roofline.attention.backend import write_kv_torch
+from roofline.attention.selector import get_attention_backend
 from roofline.attention.cpu_backend import CpuAttentionBackend
 from roofline.model_executor.layers import cpu_ops, fused_ops
 from roofline.model_executor.layers.activation import SiluAndMul
@@ -224,7 +225,7 @@ def test_without_a_compiler_everything_falls_back_to_torch(tmp_path):
     generation still works."""
     code = (
         "from roofline.model_executor.layers import cpu_ops\n"
-        "from roofline.attention.backend import get_attention_backend\n"
+        "from roofline.attention.selector import get_attention_backend\n"
         "assert not cpu_ops.available()\n"
         "assert get_attention_backend('auto', 'cpu').name == 'torch'\n"
         "print('fallback ok')\n"

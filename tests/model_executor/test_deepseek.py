@@ -169,7 +169,7 @@ def test_bad_config_fails_at_load_naming_the_field(tmp_path, field, value, match
 
 
 def test_tp_size_not_dividing_the_heads_fails_naming_the_field(monkeypatch):
-    from roofline.attention.backend import get_attention_backend
+    from roofline.attention.selector import get_attention_backend
     from roofline.model_executor.models import deepseek
 
     monkeypatch.setattr(deepseek, "get_tp_size", lambda: 3)

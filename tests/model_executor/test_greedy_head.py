@@ -16,7 +16,7 @@ pytestmark = pytest.mark.skipif(not cpu_ops.available(), reason="native CPU kern
 
 
 def lm_head(v: int, k: int, seed: int, outliers: bool = True):
-    """A random LM head weight stored [in x out]-major (as cpu_gemm.relayout leaves it) and its panels."""
+    """A random LM head weight stored [in x out]-major (as cpu_prepare.relayout leaves it) and its panels."""
     g = torch.Generator().manual_seed(seed)
     w = torch.randn(v, k, generator=g) * 0.05
     if outliers:

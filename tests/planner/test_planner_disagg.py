@@ -29,10 +29,12 @@ def test_prefill_queue_limit_is_md1():
     assert prefill_rate_limit(t_p, 0.25, slo) == 0.0  # the transfer eats the budget
 
 
-def test_transferred_bytes_are_whole_blocks_but_the_last_token():
+def test_transferred_bytes_are_the_blocks_of_every_prompt_token_but_the_last():
     p = inputs(block_size=16)
     assert transferred_kv_bytes(p, 33) == 32 * kv_bytes_per_token(p)
-    assert transferred_kv_bytes(p, 32) == 16 * kv_bytes_per_token(p)
+    assert transferred_kv_bytes(p, 32) == 32 * kv_bytes_per_token(p)  # 31 tokens: the second block partial
+    assert transferred_kv_bytes(p, 17) == 16 * kv_bytes_per_token(p)
+    assert transferred_kv_bytes(p, 1) == 0
 
 
 def test_decode_batch_respects_tpot_and_kv():

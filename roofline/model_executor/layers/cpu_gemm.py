@@ -4,7 +4,7 @@ threaded native GEMV for single rows.
 torch's default CPU GEMM (MKL) re-packs the weight matrix on every call; at decode batch sizes that
 packing is a large share of the work, and a batch of a few dozen rows is too short for its blocking
 (an LM head of 49k rows runs at ~55 GFLOP/s at 37 rows on the 2-core reference machine).  After
-loading, `pack_model` lays each projection's weight out once in column panels (cpu_ops.pack_panels)
+loading, `cpu_prepare.pack_model` lays each projection's weight out once in column panels (cpu_ops.pack_panels)
 and the layers multiply batches of 2 rows or more with cpu_ops.gemm_packed (~150-190 GFLOP/s at
 decode batch sizes, where oneDNN with a pre-packed weight, used here before, reached ~115-145; and
 ~175 on 2048-row prefill chunks, where MKL reaches ~155).
@@ -87,53 +87,3 @@ def gate_up_silu(x: torch.Tensor, gate_up) -> Optional[torch.Tensor]:
     if not _takes_packed(x, gate_up.cpu_packed) or gate_up.bias is not None or d % cpu_ops.PANEL:
         return None
     return cpu_ops.gemm_packed_silu_mul(x, gate_up.cpu_packed, d)
-
-
-def relayout(model: torch.nn.Module) -> None:
-    """Store every projection, embedding and LM head weight [in x out]-major (weight.t() contiguous).
-
-    x @ W^T then runs as a plain GEMM over W^T, which on CPU reads weights about 1.3x (layers)
-    to 2x (a 49k-row LM head) faster than over row-major W for one row (measured:
-    `roofline bench throughput --workload w5`), and it is the layout cpu_ops.gemv reads.
-    Shapes and values are unchanged; only strides.
-    """
-    from roofline.model_executor.layers.linear import LinearBase
-    from roofline.model_executor.layers.vocab_embedding import VocabParallelEmbedding
-
-    seen: set[int] = set()
-    for module in model.modules():
-        if isinstance(module, (LinearBase, VocabParallelEmbedding)):
-            w = module.weight
-            if id(w) not in seen and w.dim() == 2 and w.device.type != "meta":  # meta: kept in GGUF blocks
-                seen.add(id(w))
-                w.data = w.data.t().contiguous().t()
-
-
-def pack_model(model: torch.nn.Module) -> int:
-    """Pack the fp32 weight of every linear layer (not those kept in GGUF blocks) and of the LM head;
-    returns how many were packed."""
-    from roofline.model_executor.layers.linear import LinearBase
-    from roofline.model_executor.layers.vocab_embedding import ParallelLMHead
-
-    n = 0
-    for module in model.modules():
-        if isinstance(module, (LinearBase, ParallelLMHead)) and getattr(module, "quant", None) is None:
-            module.cpu_packed = pack(module.weight)
-            n += module.cpu_packed is not None
-    return n
-
-
-def prepare_model(model: torch.nn.Module) -> None:
-    """After loading a model onto the CPU: dense weights [in x out]-major, packed copies beside them
-    (and each module's own `prepare_cpu()`), and the LM head's int8 screen for greedy rows (greedy_head.py; tp 1)."""
-    from roofline.model_executor.layers.greedy_head import GreedyScreen
-    from roofline.model_executor.layers.vocab_embedding import ParallelLMHead
-
-    relayout(model)
-    pack_model(model)
-    for module in model.modules():  # layers with their own packed copies (moe.FusedMoE's experts)
-        if hasattr(module, "prepare_cpu"):
-            module.prepare_cpu()
-    for module in model.modules():
-        if isinstance(module, ParallelLMHead) and module.tp_size == 1 and module.cpu_packed is not None:
-            module.cpu_greedy = GreedyScreen.build(module.weight, module.vocab_size)

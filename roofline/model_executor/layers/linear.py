@@ -32,7 +32,7 @@ class LinearBase(nn.Module):
         super().__init__()
         self.weight = nn.Parameter(torch.empty(out_features, in_features, dtype=dtype), requires_grad=False)
         self.bias = nn.Parameter(torch.empty(out_features, dtype=dtype), requires_grad=False) if bias else None
-        self.cpu_packed: Optional[torch.Tensor] = None  # set by cpu_gemm.pack_model after loading (CPU)
+        self.cpu_packed: Optional[torch.Tensor] = None  # set by cpu_prepare.pack_model after loading (CPU)
         self.quant: Optional[QuantizedTensor] = None  # the weight in GGUF blocks (load_weight)
         self._dense_loaded = False  # a dense shard went into `weight`: blocks are no longer kept
 

@@ -41,8 +41,8 @@ class VocabParallelEmbedding(nn.Module):
 
 
 class ParallelLMHead(VocabParallelEmbedding):
-    cpu_packed = None  # set by cpu_gemm.pack_model after loading (CPU)
-    cpu_greedy = None  # greedy_head.GreedyScreen, set by cpu_gemm.prepare_model (CPU, tp 1)
+    cpu_packed = None  # set by cpu_prepare.pack_model after loading (CPU)
+    cpu_greedy = None  # greedy_head.GreedyScreen, set by cpu_prepare.prepare_model (CPU, tp 1)
 
     def greedy_tokens(self, hidden: torch.Tensor, rows: list[int]) -> Optional[torch.Tensor]:
         """compute_logits(hidden[rows]).argmax(-1) (first maximum) without the full logits, through the

@@ -41,7 +41,7 @@ FIELDS = 22
 
 
 def _gemv_layout(weight: torch.Tensor) -> bool:
-    """A dense weight [out, in] stored [in x out]-major, as cpu_ops.gemv reads it (cpu_gemm.relayout)."""
+    """A dense weight [out, in] stored [in x out]-major, as cpu_ops.gemv reads it (cpu_prepare.relayout)."""
     return weight.dim() == 2 and weight.stride(0) == 1 and weight.stride(1) == weight.shape[0]
 
 

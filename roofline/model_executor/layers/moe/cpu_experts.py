@@ -8,7 +8,7 @@ group) work items of all experts dealt to one thread team -- and the routing-wei
 token.  Other widths run one native call per projection of each ACTIVE expert (the packed GEMM, or
 the threaded GEMV for a single row) and combine in torch.
 
-`CpuExperts.build` makes, once after loading (cpu_gemm.prepare_model), a packed copy of every
+`CpuExperts.build` makes, once after loading (cpu_prepare.prepare_model), a packed copy of every
 expert's two weights (cpu_ops.pack_panels) and lays the dense stacks out [in x out]-major per expert
 (the GEMV's layout; shapes unchanged).  Not bit-for-bit the torch reference (other summation order),
 within fp32 rounding of it (tested).  Switch: ROOFLINE_CPU_MOE (on by default; off runs the torch

@@ -119,7 +119,7 @@ class FusedMoE(nn.Module):
         return [(e, s) for e in range(self.num_experts) for s in SHARDS if (e, s) not in self._loaded]
 
     def prepare_cpu(self) -> None:
-        """After loading on the CPU: per-expert packed copies for the native kernels (cpu_gemm.prepare_model)."""
+        """After loading on the CPU: per-expert packed copies for the native kernels (cpu_prepare.prepare_model)."""
         self.cpu_experts = CpuExperts.build(self.w13_weight, self.w2_weight)
 
     # ---- compute ---------------------------------------------------------------------------------

@@ -1,0 +1,18 @@
+"""create_executor: one process (UniProcExecutor) or many (MultiprocExecutor) from the parallel layout;
+the one place that knows both implementations."""
+
+from __future__ import annotations
+
+from roofline.config import EngineConfig
+from roofline.executor.base import Executor
+from roofline.model_executor.loader.source import ModelSource
+
+
+def create_executor(config: EngineConfig, source: ModelSource, show_progress: bool = True) -> Executor:
+    if config.parallel_config.world_size > 1 or config.parallel_config.nnodes > 1:
+        from roofline.executor.multiproc import MultiprocExecutor
+
+        return MultiprocExecutor(config, source, show_progress)
+    from roofline.executor.uniproc import UniProcExecutor
+
+    return UniProcExecutor(config, source, show_progress)
