@@ -187,11 +187,20 @@ def w1(args) -> dict:
     llm = _make_llm(args)
     reqs = random_requests(args.num_requests, (64, 256), (32, 256), seed=0, vocab_size=_vocab(llm))
     _warmup(llm)
+    pp = llm.llm_engine.config.parallel_config.pipeline_parallel_size
+    if pp > 1:
+        llm.llm_engine.executor.reset_stage_busy()
     res = _run_offline(llm, reqs)
     outs = res.pop("outputs")
     out = {"workload": "W1", "num_requests": args.num_requests,
-           "gguf_weights": llm.llm_engine.config.model_config.gguf_weights, "roofline": res,
-           "prefill": prefill_throughput(llm, reqs)}
+           "gguf_weights": llm.llm_engine.config.model_config.gguf_weights, "roofline": res}
+    if pp > 1:  # each rank's idle share of the run against the planner's (pp - 1) / (m + pp - 1), m = pp in flight
+        from roofline.planner.cost_model import pp_bubble_fraction
+
+        busy = llm.llm_engine.executor.stage_busy()
+        out["pipeline_bubble_per_rank"] = [round(1 - b / w, 3) if w else None for b, w in busy]
+        out["pipeline_bubble_planner"] = pp_bubble_fraction(pp, pp)
+    out["prefill"] = prefill_throughput(llm, reqs)
     if args.speculative_config is not None:  # the same requests with speculation off, same greedy tokens
         del llm  # one engine at a time
         gc.collect()

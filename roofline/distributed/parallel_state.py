@@ -337,7 +337,7 @@ def send_without_waiting(x: torch.Tensor, dst: int, group) -> None:
     dist.send on gloo blocks until the receiver has posted its recv (a rendezvous, measured: a send to a
     rank that posts its recv 1 s later takes 1 s), which serialized the pipeline stages: rank 0 could not
     hand step n+1 to a stage still running step n.  isend keeps order per (pair, group); the tensor is held
-    here until the send completes.  A failed earlier send raises here (or at flush_sends)."""
+    here until the send completes.  A failed earlier send raises at the next send."""
     _reap_sends()
     x = x.contiguous()
     _pending_sends.append((dist.isend(x, dst=dst, group=group), x))
@@ -347,10 +347,3 @@ def _reap_sends() -> None:
     while _pending_sends and _pending_sends[0][0].is_completed():
         work, _ = _pending_sends.pop(0)
         work.wait()  # completed: raises if it failed
-
-
-def flush_sends() -> None:
-    """Wait for every send in flight (before tearing the process groups down)."""
-    while _pending_sends:
-        work, _ = _pending_sends.pop(0)
-        work.wait()
