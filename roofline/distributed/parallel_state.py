@@ -17,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import socket
+import time
 from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Optional
@@ -316,7 +317,7 @@ def destroy_distributed() -> None:
     global _CONTROL_GROUP, _STORE_SOCKET, _LAYOUT, _GROUPS
     _LAYOUT, _GROUPS = ParallelLayout(), {k: _alone(k) for k in GROUP_KINDS}
     _CONTROL_GROUP = None
-    _pending_sends.clear()  # a broken world's sends never complete; do not wait for them
+    _finish_sends(SEND_DRAIN_S)  # a receiver still takes what was sent; a broken world's sends are dropped
     if dist.is_available() and dist.is_initialized():
         try:
             dist.destroy_process_group()
@@ -341,6 +342,25 @@ def send_without_waiting(x: torch.Tensor, dst: int, group) -> None:
     _reap_sends()
     x = x.contiguous()
     _pending_sends.append((dist.isend(x, dst=dst, group=group), x))
+
+
+SEND_DRAIN_S = 5.0  # at shutdown: how long the sends in flight may take, all together
+
+
+def _finish_sends(budget_s: float) -> None:
+    """Wait for the sends in flight, within budget_s in all, then drop what is left (a peer that died
+    never takes them; tearing the group down under a live send would cut the receiver off)."""
+    deadline = time.monotonic() + budget_s
+    while _pending_sends:
+        work, _ = _pending_sends.pop(0)
+        left = deadline - time.monotonic()
+        if left <= 0:
+            break
+        try:
+            work.wait(timedelta(seconds=left))
+        except Exception:  # the peer is gone: the rest cannot complete either
+            break
+    _pending_sends.clear()
 
 
 def _reap_sends() -> None:
