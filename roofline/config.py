@@ -314,6 +314,9 @@ class EngineArgs:
             errors.append(f"all2all_backend must be one of {', '.join(ALL2ALL_BACKENDS)}, got {self.all2all_backend!r}")
         if self.enable_eplb and not self.enable_expert_parallel:
             errors.append("enable_eplb needs enable_expert_parallel")
+        if self.data_parallel_size > 1 and self.pipeline_parallel_size > 1:
+            errors.append("data_parallel_size > 1 needs pipeline_parallel_size 1 (data-parallel attention runs "
+                          "each DP rank's batch on one stage)")
         try:
             eplb = EPLBConfig.from_json(self.eplb_config)
         except (TypeError, ValueError) as e:

@@ -219,7 +219,7 @@ def w1(args) -> dict:
         every = max(1, round(1 / args.structured_fraction))
         constraints = {i: StructuredOutputsParams(json=W1_SCHEMA) for i in range(0, len(reqs), every)}
         # the same prompts again: without this the second run would find them all in the prefix cache
-        llm.llm_engine.scheduler.kv.pool.reset_prefix_cache()
+        llm.llm_engine.scheduler.reset_prefix_cache()
         sres = _run_offline(llm, reqs, constraints)
         outs = sres.pop("outputs")
         sres["constrained_requests"] = len(constraints)
@@ -242,7 +242,7 @@ def prefill_throughput(llm, reqs) -> dict:
     tokens/s of the engine's prefill steps."""
     from roofline import SamplingParams
 
-    llm.llm_engine.scheduler.kv.pool.reset_prefix_cache()
+    llm.llm_engine.scheduler.reset_prefix_cache()
     t0 = time.monotonic()
     llm.generate([{"prompt_token_ids": r.prompt} for r in reqs], SamplingParams(temperature=0, max_tokens=1),
                  use_tqdm=False)

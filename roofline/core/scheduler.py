@@ -168,6 +168,12 @@ class Scheduler:
             self.sent_to_worker.discard(req.request_id)
             self.finished_req_ids.append(req.request_id)
 
+    def kv_cache_usage(self) -> float:
+        return self.kv.pool.usage()
+
+    def reset_prefix_cache(self) -> None:
+        self.kv.pool.reset_prefix_cache()
+
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests) or (self.kv_transfer is not None and self.kv_transfer.busy)
 

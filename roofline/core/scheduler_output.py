@@ -63,10 +63,43 @@ class SchedulerOutput(msgspec.Struct, array_like=True):
     # (the scheduler's per-step choice; 0: none)
     num_tokens_to_propose: int = 0
     kv_connector_metadata: Optional[KVConnectorMetadata] = None  # the step's KV transfer plan (kv_transfer/)
+    # data-parallel attention (core/dp_scheduler.py): each DP rank's own output, in DP-rank order; the
+    # lists above are then their concatenation (the engine's view), and workers run their rank's part
+    data_parallel: list[SchedulerOutput] = []
 
     @property
     def total_num_scheduled_tokens(self) -> int:
         return sum(len(s.token_ids) for s in self.scheduled)
+
+    def for_workers(self) -> SchedulerOutput:
+        """What the workers need: with data-parallel parts, the parts and the step-wide grammar bitmask
+        only (the concatenated lists would travel twice)."""
+        if not self.data_parallel:
+            return self
+        return SchedulerOutput(step=self.step, new_requests=[], scheduled=[], finished_req_ids=[], blocks_to_copy=[],
+                               blocks_to_swap_out=[], blocks_to_swap_in=[], grammar_req_ids=self.grammar_req_ids,
+                               grammar_bitmask=self.grammar_bitmask, data_parallel=self.data_parallel)
+
+    def data_parallel_part(self, dp_rank: int) -> SchedulerOutput:
+        """DP rank dp_rank's part, carrying the step's grammar bitmask (its rows are found by request id)."""
+        part = self.data_parallel[dp_rank]
+        part.grammar_req_ids, part.grammar_bitmask = self.grammar_req_ids, self.grammar_bitmask
+        return part
+
+    def restricted(self, req_ids: set[str], first: bool) -> SchedulerOutput:
+        """The sub-step of the requests req_ids (fault isolation re-runs a step in parts): block moves,
+        finished ids and the KV transfer plan go with the first part (repeating them is harmless)."""
+        return SchedulerOutput(
+            step=self.step, new_requests=[n for n in self.new_requests if n.req_id in req_ids],
+            scheduled=[s for s in self.scheduled if s.req_id in req_ids],
+            finished_req_ids=self.finished_req_ids if first else [],
+            blocks_to_copy=self.blocks_to_copy if first else [],
+            blocks_to_swap_out=self.blocks_to_swap_out if first else [],
+            blocks_to_swap_in=self.blocks_to_swap_in if first else [],
+            kv_connector_metadata=self.kv_connector_metadata if first else None,
+            num_tokens_to_propose=self.num_tokens_to_propose,
+            grammar_req_ids=self.grammar_req_ids, grammar_bitmask=self.grammar_bitmask,  # rows found by req id
+            data_parallel=[p.restricted(req_ids, first) for p in self.data_parallel])
 
 
 class PositionLogprobs(msgspec.Struct, array_like=True):

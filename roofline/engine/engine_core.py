@@ -27,6 +27,7 @@ from typing import Iterable, Optional
 
 from roofline.config import EngineArgs, EngineConfig, GiB, finalize_lengths
 from roofline.core.request import Request, RequestStatus
+from roofline.core.dp_scheduler import DataParallelScheduler
 from roofline.core.scheduler import Scheduler
 from roofline.core.scheduler_output import (
     ModelRunnerOutput,
@@ -83,6 +84,10 @@ class EngineStats:
     # KV transfer (kv_transfer/): bytes of KV loaded from / handed to other engines or the storage
     kv_transfer_bytes_received: int = 0
     kv_transfer_bytes_sent: int = 0
+    # data-parallel attention: per DP rank, requests running / waiting now and user requests placed so far
+    data_parallel_running: list[int] = field(default_factory=list)
+    data_parallel_waiting: list[int] = field(default_factory=list)
+    data_parallel_requests: list[int] = field(default_factory=list)
 
 
 # steps kept for the next get_stats() (a caller that never asks keeps only the latest ones)
@@ -125,8 +130,11 @@ class EngineCore:
             if set(self.weight_bytes) - {dtype}:  # layers kept in GGUF blocks: the bytes they really hold
                 self.step_roofline.use_weight_bytes(sum(self.weight_bytes.values()))
         policy, lookahead = self._speculation()
-        self.scheduler = Scheduler(sc, cc, num_blocks, num_swap, seed=mc.seed, draft_length_policy=policy,
-                                   num_lookahead_slots=lookahead, kv_connector=create_scheduler_connector(config))
+        dp = config.parallel_config.data_parallel_size
+        schedulers = [Scheduler(sc, cc, num_blocks, num_swap, seed=mc.seed, draft_length_policy=policy,
+                                num_lookahead_slots=lookahead, kv_connector=create_scheduler_connector(config))
+                      for _ in range(dp)]  # data-parallel attention: a scheduler and KV pool per DP rank
+        self.scheduler = schedulers[0] if dp == 1 else DataParallelScheduler(schedulers)
         self.kv_capacity_tokens = num_blocks * cc.block_size
         self.output_processor = OutputProcessor(self.tokenizer)
         self.structured_output = StructuredOutputManager(self.tokenizer, self.vocab_size)
@@ -396,7 +404,7 @@ class EngineCore:
             policy.observe_step(sched_out.total_num_scheduled_tokens, time.perf_counter() - t_start)
         if self.step_roofline is not None and sched_out.scheduled and self.config.observability_config.step_roofline:
             self._step_records.append(self.step_roofline.account(
-                sched_out.scheduled, time.perf_counter() - t_start, now, self.scheduler.kv.pool.usage()))
+                sched_out.scheduled, time.perf_counter() - t_start, now, self.scheduler.kv_cache_usage()))
         return outputs
 
     def _record_parallel(self, p: StepParallelStats) -> None:
@@ -424,23 +432,17 @@ class EngineCore:
         half = len(out.scheduled) // 2
         parts = []
         for i, items in enumerate((out.scheduled[:half], out.scheduled[half:])):
-            ids = {s.req_id for s in items}
-            first = i == 0  # block moves and finished ids go with the first half (repeating them is harmless)
-            sub = SchedulerOutput(
-                step=out.step, new_requests=[n for n in out.new_requests if n.req_id in ids], scheduled=items,
-                finished_req_ids=out.finished_req_ids if first else [],
-                blocks_to_copy=out.blocks_to_copy if first else [],
-                blocks_to_swap_out=out.blocks_to_swap_out if first else [],
-                blocks_to_swap_in=out.blocks_to_swap_in if first else [],
-                kv_connector_metadata=out.kv_connector_metadata if first else None,
-                num_tokens_to_propose=out.num_tokens_to_propose,
-                grammar_req_ids=out.grammar_req_ids, grammar_bitmask=out.grammar_bitmask)  # rows found by req id
+            sub = out.restricted({s.req_id for s in items}, first=i == 0)
             parts.append(self._execute_isolating(sub))
         return merge_runner_outputs(parts)
 
     def get_stats(self) -> EngineStats:
         s = self.scheduler.get_stats()
+        dp = self.scheduler if isinstance(self.scheduler, DataParallelScheduler) else None
+        loads = dp.rank_loads() if dp is not None else []
         return EngineStats(
+            data_parallel_running=[r for r, _ in loads], data_parallel_waiting=[w for _, w in loads],
+            data_parallel_requests=list(dp.requests_assigned) if dp is not None else [],
             num_running=s.num_running, num_waiting=s.num_waiting + s.num_swapped,
             kv_cache_usage=s.kv_cache_usage, num_total_blocks=s.num_total_blocks,
             num_free_blocks=s.num_free_blocks, num_cached_blocks=s.num_cached_blocks,

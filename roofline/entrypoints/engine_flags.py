@@ -25,8 +25,9 @@ _HELP = {
                               "tensor parallel ranks); the last stage holds the final norm and LM head and samples",
     "pp_layer_partition": "layers per pipeline stage, e.g. \"16,14\" (default: an even split, the remainder to "
                           "the stages before the last)",
-    "data_parallel_size": "replicas of the tensor-parallel group; their MoE layers run expert-parallel "
-                          "together with --enable-expert-parallel",
+    "data_parallel_size": "data-parallel attention: replicas of the tensor-parallel group, each with its own "
+                          "scheduler, requests and KV pool (new requests go to the least-loaded one); their MoE "
+                          "layers run expert-parallel together with --enable-expert-parallel",
     "enable_expert_parallel": "MoE layers hold whole experts, spread over the data x tensor parallel ranks, "
                               "tokens sent to them and back (all-to-all)",
     "all2all_backend": "expert-parallel token exchange: all_to_all (all_to_all_single: each token to its "

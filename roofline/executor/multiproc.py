@@ -220,7 +220,7 @@ class MultiprocExecutor(Executor):
         with self._lock:
             self._ensure_usable()
             try:
-                self.driver.conn.send_bytes(encoder.encode(Execute(out)))
+                self.driver.conn.send_bytes(encoder.encode(Execute(out.for_workers())))
             except OSError as e:  # rank 0's socket is gone
                 raise self._fail(self.ranks.dead() or f"lost the connection to rank 0: {e}") from None
             self._submitted.append(time.monotonic())

@@ -106,6 +106,13 @@ class PrometheusStatLogger:
                                          ["model_name", "layer"], registry=reg)
         self.eplb_rebalances = Counter(PREFIX + "eplb_rebalances", "EPLB rebalances (expert weights moved).",
                                        ["model_name"], registry=reg).labels(self.model_name)
+        dp = ["model_name", "dp_rank"]
+        self.dp_running = Gauge(PREFIX + "dp_rank_num_requests_running", "Requests running on each data-parallel "
+                                "rank (data-parallel attention).", dp, registry=reg)
+        self.dp_waiting = Gauge(PREFIX + "dp_rank_num_requests_waiting", "Requests waiting on each data-parallel "
+                                "rank.", dp, registry=reg)
+        self.dp_requests = Counter(PREFIX + "dp_rank_requests", "User requests placed on each data-parallel rank.",
+                                   dp, registry=reg)
 
     def _record_parallel(self, e: Any) -> None:
         for name, (calls, nbytes) in (getattr(e, "collectives", None) or {}).items():
@@ -120,6 +127,16 @@ class PrometheusStatLogger:
         self._inc_from_cumulative(self.eplb_rebalances, e, "eplb_rebalances")
         for layer, value in enumerate(getattr(e, "expert_balancedness", None) or []):
             self.expert_balancedness.labels(self.model_name, str(layer)).set(value)
+        for rank, (running, waiting) in enumerate(zip(getattr(e, "data_parallel_running", None) or [],
+                                                      getattr(e, "data_parallel_waiting", None) or [])):
+            self.dp_running.labels(self.model_name, str(rank)).set(running)
+            self.dp_waiting.labels(self.model_name, str(rank)).set(waiting)
+        for rank, placed in enumerate(getattr(e, "data_parallel_requests", None) or []):
+            key = f"dp_requests:{rank}"
+            delta = placed - self._last.get(key, 0)
+            if delta > 0:
+                self.dp_requests.labels(self.model_name, str(rank)).inc(delta)
+            self._last[key] = placed
 
     def _init_spec_decode(self, reg: CollectorRegistry) -> None:
         """Speculative decoding counters (vLLM's names): drafts verified, draft tokens, accepted tokens, and

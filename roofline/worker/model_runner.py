@@ -7,6 +7,11 @@ Decodes (C_r = 1) are placed first so attention backends can batch them.  Logits
 at the rows that sample (the last row of a request that reached its last known token) and at the
 prompt rows of requests that asked for prompt logprobs.
 
+Data-parallel attention: DP ranks run different batches but their expert-parallel MoE layers exchange
+tokens with every rank, so every rank runs exactly one pass per step: its batch's forward, or -- with
+nothing to run while another DP rank runs -- join_expert_exchanges (no tokens of its own; it still
+computes its experts for the tokens the others send).
+
 Speculative decoding: a request verifying k drafts feeds 1 + k tokens and samples at all 1 + k rows;
 the RejectionSampler keeps the accepted drafts and adds the target's own token.  After sampling, the
 proposer (roofline/spec_decode) guesses the next step's drafts of every sampled request.
@@ -32,6 +37,7 @@ from roofline.core.scheduler_output import (
 )
 from roofline.model_executor.layers import gpu_sampler
 from roofline.model_executor.layers.gpu_sampler import GpuSampler
+from roofline.model_executor.layers.moe.layer import join_expert_exchanges
 from roofline.model_executor.layers.sampler import Sampler, SamplingState, prompt_logprobs_rows
 from roofline.spec_decode.proposer import ProposalBatch, Proposer
 from roofline.spec_decode.rejection_sampler import RejectionSampler, greedy_accept
@@ -60,6 +66,9 @@ class ModelRunner:
         # pipeline stages: all but the first receive (hidden, residual), all but the last send them on
         self.receives_hidden, self.samples = not pp.is_first_rank, pp.is_last_rank
         self.stage_wait_s = 0.0  # time spent waiting for the previous stage's hidden states (idle)
+        # data-parallel attention: another DP rank runs a batch this step, so a step with nothing to run
+        # here must still join the expert-parallel MoE layers' exchanges (set by the Worker per step)
+        self.join_expert_exchanges_when_idle = False
 
     @property
     def model_dtype(self) -> torch.dtype:
@@ -245,6 +254,8 @@ class ModelRunner:
         result = ModelRunnerOutput(req_ids=[], sampled_token_ids=[], logprobs=[], prompt_logprobs={}, failed=failed)
         items = [s for s in out.scheduled if s.req_id in self.states]
         if not items:
+            if self.join_expert_exchanges_when_idle:
+                join_expert_exchanges(self.model)
             return result
         # decodes first (stable order otherwise)
         items.sort(key=lambda s: len(s.token_ids) != 1)

@@ -11,6 +11,9 @@ to its parent.  The life of a rank:
 4. loop: rank 0 reads the next request from the engine and broadcasts its bytes to all ranks; every
    rank runs it (the model's collectives keep them in lock step); rank 0 sends the reply back.
 
+Data-parallel attention: every rank gets the whole step and runs its DP rank's part; each DP rank's
+first rank sends its part's output to rank 0 on a group of their own, and rank 0 returns the merge.
+
 Pipeline parallelism (several steps in flight): rank 0 hands each engine message to every other rank
 with point-to-point sends that do not wait for the receiver (parallel_state.send_without_waiting: a
 broadcast or a plain gloo send waits for every receiver, so rank 0 could not take step n+1 while a later
@@ -38,6 +41,7 @@ from typing import Any, Optional
 import msgspec
 import torch
 
+from roofline.core.scheduler_output import ModelRunnerOutput, merge_runner_outputs, runner_output_decoder
 from roofline.distributed import comm, pipeline
 from roofline.distributed.layout import ParallelLayout
 from roofline.distributed.parallel_state import (
@@ -110,6 +114,8 @@ class WorkerProc:
         self.send_lock = threading.Lock()  # the heartbeat thread shares the connection
         self.output_rank = 0
         self.output_group = None  # pipeline: rank 0 and the last stage's driver
+        self.dp_drivers: list[int] = []  # data-parallel attention: each DP rank's first rank (rank 0's first)
+        self.dp_output_group = None  # ... and the gloo group on which they hand their outputs to rank 0
         self.execute_s = 0.0  # time in Worker.execute since busy_since (pipeline bubble accounting)
         self.busy_since = time.perf_counter()
 
@@ -129,6 +135,13 @@ class WorkerProc:
             self.output_group = pipeline.new_output_group(self.output_rank)  # collective: every rank
             if self.rank == 0:
                 threading.Thread(target=self.forward_outputs, name="pp-outputs", daemon=True).start()
+        if layout.dp > 1:  # data-parallel attention: every DP rank's sampled tokens come back through rank 0
+            import torch.distributed as dist
+
+            from roofline.distributed.parallel_state import CONTROL_TIMEOUT
+
+            self.dp_drivers = [layout.rank_of(dp=d) for d in range(layout.dp)]
+            self.dp_output_group = dist.new_group(self.dp_drivers, backend="gloo", timeout=CONTROL_TIMEOUT)
         self._exchange_status(self._build, boot)
         self._send(Ready(self.rank, f"rank {self.rank} on {socket.gethostname()} pid {os.getpid()}"))
 
@@ -233,6 +246,8 @@ class WorkerProc:
                 if self.output_rank != 0:  # pipeline: the last stage sampled; rank 0 forwards its Output
                     if self.rank == self.output_rank:
                         comm.send_bytes(encoder.encode(Output(out)), 0, self.output_group)
+                elif self.dp_drivers:
+                    self._gather_data_parallel_outputs(out)
                 elif self.rank == 0:
                     self._send(Output(out))
             elif isinstance(msg, Call):
@@ -242,6 +257,19 @@ class WorkerProc:
                 value = fn(*msg.args)
                 if self.rank == 0:
                     self._send(Result(value))
+
+    def _gather_data_parallel_outputs(self, out: ModelRunnerOutput) -> None:
+        """Data-parallel attention: each DP rank's driver hands its part's output to rank 0, which sends
+        the engine their merge (the step's communication statistics are rank 0's own)."""
+        if self.rank == 0:
+            parts = [out] + [runner_output_decoder.decode(comm.recv_bytes(r, self.dp_output_group))
+                             for r in self.dp_drivers[1:]]
+            merged = merge_runner_outputs(parts)
+            merged.parallel = out.parallel
+            self._send(Output(merged))
+        elif self.rank in self.dp_drivers:
+            out.parallel = None
+            comm.send_bytes(encoder.encode(out), 0, self.dp_output_group)
 
     # ---- calls (run on every rank; rank 0's value is returned) ----------------------------------
     def rpc_determine_num_blocks(self) -> int:

@@ -153,6 +153,14 @@ class FusedMoE(nn.Module):
             y = self._expert_parallel(x, weights, ids)
         return tp_all_reduce(y) if self.reduce_results else y
 
+    def join_exchange(self) -> None:
+        """This rank's part of the layer's token exchange with no tokens (join_expert_exchanges)."""
+        k = self.routing.top_k
+        x = self.w2_weight.new_zeros(0, self.hidden_size)
+        ids = torch.zeros(0, k, dtype=torch.int64, device=x.device)
+        self.exchange(x, torch.zeros(0, k, dtype=torch.float32, device=x.device), ids, self.expert_map.per_rank,
+                      self.ep_group, self._local_experts)
+
     def _expert_parallel(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """This TP rank's share of the tokens through the EP exchange; other shares' rows stay zero."""
         tp = self.tp_group
@@ -170,3 +178,14 @@ class FusedMoE(nn.Module):
         y = torch.zeros_like(x)
         y[start:start + n] = y_mine
         return y
+
+
+def join_expert_exchanges(model: nn.Module) -> None:
+    """An idle data-parallel rank's step: every expert-parallel MoE layer, in layer order, takes part in
+    its token exchange with no tokens of its own (it runs its experts on what the other ranks send),
+    so that the busy ranks' collectives complete.  No tensor-parallel all-reduce: the idle rank's whole
+    TP group is idle alike."""
+    with torch.inference_mode():
+        for m in model.modules():
+            if isinstance(m, FusedMoE) and m.expert_map is not None:
+                m.join_exchange()
