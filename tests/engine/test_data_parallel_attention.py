@@ -97,3 +97,18 @@ def test_server_spreads_requests_over_dp_ranks(moe_models):  # noqa: F811
 def test_data_parallel_with_pipeline_stages_is_refused():
     with pytest.raises(ValueError, match="data_parallel_size > 1 needs pipeline_parallel_size 1"):
         EngineArgs(data_parallel_size=2, pipeline_parallel_size=2).create_engine_config()
+
+
+def test_dp2_eplb_rebalances_mid_generation_greedy_unchanged(moe_models):  # noqa: F811
+    """Token counts from both DP ranks' own batches feed the rebalance; weights move while serving."""
+    path, prompts, reference = moe_models["qwen2_moe"]
+    llm = _llm(path, data_parallel_size=2, enable_expert_parallel=True, enable_eplb=True,
+               eplb_config='{"window_size": 4, "step_interval": 3, "num_redundant_experts": 2}')
+    try:
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY, use_tqdm=False)
+        assert [o.outputs[0].token_ids for o in outs] == reference
+        stats = llm.llm_engine.get_stats()
+        assert stats.eplb_rebalances == stats.parallel_steps // 3 >= 2
+        _check_pools_idle(llm)
+    finally:
+        llm.llm_engine.shutdown()
