@@ -131,7 +131,7 @@ class ObservabilityConfig:
 
 
 SPECULATIVE_METHODS = ("ngram", "draft_model", "mtp")
-UNIMPLEMENTED_SPECULATIVE_METHODS = ("mtp",)  # DeepSeek-V3 MTP layers: a Proposer beside draft_model.py
+UNIMPLEMENTED_SPECULATIVE_METHODS: tuple[str, ...] = ()
 MAX_SPECULATIVE_TOKENS = 16
 SPECULATIVE_KEYS = ("method", "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max", "model",
                     "draft_tensor_parallel_size", "adaptive")

@@ -151,8 +151,19 @@ class EngineCore:
                     time.monotonic() - t0, mc.served_model_name, mc.max_model_len, num_blocks)
 
     def _check_draft_model(self) -> None:
-        """A draft model must share the target's vocabulary (its token ids are the target's)."""
+        """A draft model must share the target's vocabulary (its token ids are the target's); MTP needs a
+        DeepSeek-V3 checkpoint that carries MTP layers."""
         spec = self.config.speculative_config
+        if spec is not None and spec.method == "mtp":
+            hf = self.model_config.hf_config
+            archs = list(getattr(hf, "architectures", None) or [])
+            if "DeepseekV3ForCausalLM" not in archs and getattr(hf, "model_type", "") != "deepseek_v3":
+                raise ValueError(f"speculative_config.method 'mtp' needs a DeepSeek-V3 checkpoint with MTP layers; "
+                                 f"this model is {archs[0] if archs else hf.model_type}")
+            if int(getattr(hf, "num_nextn_predict_layers", 0) or 0) < 1:
+                raise ValueError("speculative_config.method 'mtp' needs a checkpoint with MTP layers "
+                                 "(num_nextn_predict_layers >= 1); this model has none")
+            return
         if spec is None or spec.method != "draft_model":
             return
         try:

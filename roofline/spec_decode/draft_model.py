@@ -24,7 +24,7 @@ import torch
 
 from roofline.core.scheduler_output import ScheduledRequest
 from roofline.model_executor.layers.sampler import adjusted_logits, exponential_noise, sampling_probs
-from roofline.spec_decode.proposer import ProposalBatch, Proposals, Proposer
+from roofline.spec_decode.proposer import ProposalBatch, Proposals, Proposer, TargetForward
 from roofline.spec_decode.rejection_sampler import position_states
 
 
@@ -49,10 +49,11 @@ class DraftModelProposer(Proposer):
         self.max_positions = max_positions
 
     @torch.inference_mode()
-    def follow_target(self, input_ids: torch.Tensor, positions: torch.Tensor, meta) -> None:
+    def follow_target(self, forward: TargetForward) -> None:
         """1. catch-up: the draft's K/V for the step's tokens (one output row, unused)."""
-        self.model(input_ids, positions, self.kv_caches, meta, torch.tensor([input_ids.shape[0] - 1],
-                                                                             device=input_ids.device))
+        ids = forward.input_ids
+        self.model(ids, forward.positions, self.kv_caches, forward.meta,
+                   torch.tensor([ids.shape[0] - 1], device=ids.device))
 
     @torch.inference_mode()
     def propose(self, batch: ProposalBatch) -> Proposals:
@@ -66,27 +67,42 @@ class DraftModelProposer(Proposer):
         states = [t.states[r] for r in rids]
         drafts: list[list[int]] = [[] for _ in rids]
         probs: list[list[torch.Tensor]] = [[] for _ in rids]
-        random_rows = [i for i, st in enumerate(states) if not st.greedy]
         tokens = [batch.token_ids[i][-1] for i in fit]
         for step in range(k):  # 2. k decode steps
             items = [ScheduledRequest(r, t.next_position[r] + step, [tok], t.block_ids[r], True)
                      for r, tok in zip(rids, tokens)]
             input_ids, positions, meta = t.prepare(items)
-            logits = self.model.compute_logits(self.model(input_ids, positions, self.kv_caches, meta)).float()
-            tokens = logits.argmax(dim=-1).tolist()
-            if random_rows:
-                row_states = [position_states(states[i], drafts[i])[-1] for i in random_rows]
-                sel = torch.tensor(random_rows, device=logits.device)
-                q = sampling_probs(adjusted_logits(logits[sel], row_states), [s.spec for s in row_states])
-                drawn = (q / exponential_noise(q, [s.generator for s in row_states])).argmax(dim=-1).tolist()
-                for j, i in enumerate(random_rows):
-                    tokens[i] = drawn[j]
-                    probs[i].append(q[j])
-            for i, tok in enumerate(tokens):
-                drafts[i].append(tok)
-        out_drafts: list[list[int]] = [[] for _ in batch.req_ids]
-        out_probs: list = [None] * len(batch.req_ids)
-        for j, i in enumerate(fit):
-            out_drafts[i] = drafts[j]
-            out_probs[i] = torch.stack(probs[j]) if probs[j] else None
-        return Proposals(out_drafts, out_probs if random_rows else None)
+            logits = self.model.compute_logits(self.model(input_ids, positions, self.kv_caches, meta))
+            tokens = draw_drafts(logits, states, drafts, probs)
+        return gather_proposals(len(batch.req_ids), fit, drafts, probs)
+
+
+def draw_drafts(logits: torch.Tensor, states: list, drafts: list[list[int]], probs: list[list[torch.Tensor]]) -> list[int]:
+    """One draft token per request from a proposer model's logits [R, V]: the argmax for greedy requests,
+    else a draw from the distribution the request's sampling parameters make of them (its generator),
+    whose row q goes to probs for the rejection sampler.  Appends to drafts / probs; returns the tokens."""
+    logits = logits.float()
+    tokens = logits.argmax(dim=-1).tolist()
+    random_rows = [i for i, st in enumerate(states) if not st.greedy]
+    if random_rows:
+        row_states = [position_states(states[i], drafts[i])[-1] for i in random_rows]
+        sel = torch.tensor(random_rows, device=logits.device)
+        q = sampling_probs(adjusted_logits(logits[sel], row_states), [s.spec for s in row_states])
+        drawn = (q / exponential_noise(q, [s.generator for s in row_states])).argmax(dim=-1).tolist()
+        for j, i in enumerate(random_rows):
+            tokens[i] = drawn[j]
+            probs[i].append(q[j])
+    for i, tok in enumerate(tokens):
+        drafts[i].append(tok)
+    return tokens
+
+
+def gather_proposals(num_requests: int, fit: list[int], drafts: list[list[int]],
+                     probs: list[list[torch.Tensor]]) -> Proposals:
+    """Proposals for every request of the batch from those of the requests `fit` (the rest: none)."""
+    out_drafts: list[list[int]] = [[] for _ in range(num_requests)]
+    out_probs: list = [None] * num_requests
+    for j, i in enumerate(fit):
+        out_drafts[i] = drafts[j]
+        out_probs[i] = torch.stack(probs[j]) if probs[j] else None
+    return Proposals(out_drafts, out_probs if any(q is not None for q in out_probs) else None)

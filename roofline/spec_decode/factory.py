@@ -19,4 +19,8 @@ def create_proposer(spec_config, draft_model=None, draft_kv_caches=None, max_pos
         from roofline.spec_decode.draft_model import DraftModelProposer
 
         return DraftModelProposer(draft_model, draft_kv_caches, spec_config.num_speculative_tokens, max_positions)
+    if spec_config.method == "mtp":
+        from roofline.spec_decode.mtp import MTPProposer
+
+        return MTPProposer(draft_model, draft_kv_caches, spec_config.num_speculative_tokens, max_positions)
     raise ValueError(f"speculative_config.method {spec_config.method!r} is not available in this build")

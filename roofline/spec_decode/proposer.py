@@ -27,6 +27,18 @@ class ProposalBatch:
 
 
 @dataclass
+class TargetForward:
+    """The step the target just ran, as a model-based proposer sees it after sampling."""
+
+    input_ids: torch.Tensor  # [N] the flat batch
+    positions: torch.Tensor  # [N]
+    meta: Any  # AttentionMetadata (block tables with the lookahead slots)
+    items: list  # the ScheduledRequests in row order
+    states: dict  # req_id -> SamplingState (its output holds this step's sampled tokens)
+    hidden: Optional[torch.Tensor] = None  # [N, H] final hidden states (needs_target_hidden proposers)
+
+
+@dataclass
 class Proposals:
     token_ids: list[list[int]]  # per request, 0..k drafts
     # per request, q [len(drafts) x V] the drafts were drawn from; None: the drafts are deterministic
@@ -42,9 +54,14 @@ class Proposer(ABC):
     #: a model-based proposer's KV cache tensors: the runner moves their blocks with the target's
     kv_caches: list = []
 
-    def follow_target(self, input_ids: torch.Tensor, positions: torch.Tensor, meta) -> None:
-        """Called every step with the target's flat batch (needs_target_step proposers): e.g. a draft
-        model writes its own K/V for the same tokens."""
+    #: wants TargetForward.hidden: the target's final hidden state at every row of the step (MTP,
+    #: EAGLE-style heads); the runner then computes every row's hidden state, not only the sampled rows'
+    needs_target_hidden: bool = False
+
+    def follow_target(self, forward: "TargetForward") -> None:
+        """Called every step, after sampling, with the target's forward (needs_target_step proposers):
+        e.g. a draft model writes its own K/V for the same tokens, an MTP module from the target's
+        hidden states and the tokens that follow them."""
 
     @abstractmethod
     def propose(self, batch: ProposalBatch) -> Proposals: ...

@@ -39,7 +39,7 @@ from roofline.model_executor.layers import gpu_sampler
 from roofline.model_executor.layers.gpu_sampler import GpuSampler
 from roofline.model_executor.layers.moe.layer import join_expert_exchanges
 from roofline.model_executor.layers.sampler import Sampler, SamplingState, prompt_logprobs_rows
-from roofline.spec_decode.proposer import ProposalBatch, Proposer
+from roofline.spec_decode.proposer import ProposalBatch, Proposer, TargetForward
 from roofline.spec_decode.rejection_sampler import RejectionSampler, greedy_accept
 from roofline.structured_output.bitmask import apply_token_bitmask, bitmask_tensor
 
@@ -294,7 +294,7 @@ class ModelRunner:
                 stage_input["intermediate"] = pipeline.recv_from_prev_stage(
                     qsl[-1], self.model.config.hidden_size, self.model_dtype, self.device)
                 self.stage_wait_s += time.perf_counter() - t0
-            if len(wanted) < qsl[-1]:
+            if len(wanted) < qsl[-1] and not (self.proposer is not None and self.proposer.needs_target_hidden):
                 at = {row: i for i, row in enumerate(wanted)}
                 sample_rows = [[at[row] for row in rows] for rows in sample_rows]
                 prompt_lp_jobs = [(rid, at[row0], n, nxt, k) for rid, row0, n, nxt, k in prompt_lp_jobs]
@@ -305,8 +305,6 @@ class ModelRunner:
             if not self.samples:  # a pipeline stage before the last: hand on (hidden, residual), done
                 pipeline.send_to_next_stage(*hidden)
                 return result
-        if self.proposer is not None and self.proposer.needs_target_step:  # every step: its K/V follows ours
-            self.proposer.follow_target(*(prepared if prepared is not None else self._prepare(items)))
         for rid, row0, count, next_tokens, k in prompt_lp_jobs:
             logits = self.model.compute_logits(hidden[row0 : row0 + count])
             result.prompt_logprobs[rid] = self.prompt_logprobs_rows(logits, next_tokens, k)
@@ -339,6 +337,12 @@ class ModelRunner:
             result.req_ids = sample_reqs
             result.sampled_token_ids = emitted
             result.logprobs = emitted_lps
+        if self.proposer is not None and self.proposer.needs_target_step:  # every step: its K/V follows ours
+            self.proposer.follow_target(TargetForward(
+                *(prepared if prepared is not None else self._prepare(items)), items=items,
+                states={s.req_id: self.states[s.req_id] for s in items},
+                hidden=hidden if self.proposer.needs_target_hidden else None))
+        if sample_reqs:
             if self.proposer is not None and out.num_tokens_to_propose > 0:
                 target = (self._target_step(items, sample_reqs, emitted)
                           if self.proposer.needs_target_step else None)

@@ -107,7 +107,7 @@ class Worker:
             reuse_freed_cpu_memory()
         t0 = time.monotonic()
         self.model = self._load_model(source, show_progress and rank == 0)
-        self.draft_model = self._load_draft_model(show_progress and rank == 0)
+        self.draft_model = self._load_draft_model(source, show_progress and rank == 0)
         self.load_time = time.monotonic() - t0
         self.num_blocks = 0
         self.runner: Optional[ModelRunner] = None
@@ -121,15 +121,43 @@ class Worker:
         self._collectives_seen: dict[str, list[int]] = {}
         self.kv_connector = None  # the worker half of a KV connector (kv_transfer/), set with the pool
 
-    def _load_draft_model(self, show_progress: bool) -> Optional[torch.nn.Module]:
-        """Speculative decoding with a draft model: load it like the target (any format we load)."""
+    def _load_draft_model(self, source: ModelSource, show_progress: bool) -> Optional[torch.nn.Module]:
+        """Speculative decoding with a draft model: load it like the target (any format we load); with MTP
+        the target checkpoint's MTP module."""
         spec = self.config.speculative_config
+        if spec is not None and spec.method == "mtp":
+            return self._load_mtp(source, show_progress)
         if spec is None or spec.method != "draft_model":
             return None
         from roofline.model_executor.loader.source import load_hf_config, resolve_source
 
         source = resolve_source(spec.model, "auto")
         return self._load_model(source, show_progress, load_hf_config(source))
+
+    def _load_mtp(self, source: ModelSource, show_progress: bool) -> torch.nn.Module:
+        """The MTP module of a DeepSeek-V3 checkpoint (deepseek_mtp.py), sharing the target's embedding and
+        LM head; dummy weights for a dummy target."""
+        from roofline.model_executor.models.deepseek_mtp import DeepseekMTP
+
+        backend = get_attention_backend(self.config.device_config.attention_backend, self.config.device_config.device)
+        prev = torch.get_default_dtype()
+        torch.set_default_dtype(self.dtype)
+        try:
+            with torch.device(self.device):
+                mtp = DeepseekMTP(self.hf_config, backend, self.model)
+        finally:
+            torch.set_default_dtype(prev)
+        if source.fmt == "dummy":
+            init_dummy_weights(mtp, self.config.model_config.seed + 1)
+        elif source.fmt == "gguf":
+            raise ValueError("speculative_config.method 'mtp' needs a safetensors checkpoint (GGUF files carry no "
+                             "MTP layers)")
+        else:
+            mtp.load_weights(safetensors_weights(source.path, show_progress))
+        mtp.eval()
+        if self.device.type == "cpu":
+            cpu_prepare.prepare_model(mtp)
+        return mtp
 
     def _load_model(self, source: ModelSource, show_progress: bool, model_hf_config=None) -> torch.nn.Module:
         """The target model, or with model_hf_config another one (a draft model) on the same device."""

@@ -165,7 +165,7 @@ def test_smollm2_input_grounded_greedy_and_logprobs(default_llm, hf_default_mode
     ({"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 0}, "speculative_config.prompt_lookup_min"),
     ({"method": "ngram", "num_speculative_tokens": 3, "bogus": 1}, "bogus"),
     ({"method": "draft_model", "num_speculative_tokens": 3}, "speculative_config.model"),
-    ({"method": "mtp", "num_speculative_tokens": 1}, "speculative_config.method 'mtp' is not implemented"),
+    ({"method": "mtp", "num_speculative_tokens": 1}, "speculative_config.method 'mtp' needs a DeepSeek-V3"),
 ])
 def test_bad_speculative_config_names_the_field(config, field):
     with pytest.raises(ValueError, match=field.replace(".", r"\.")):

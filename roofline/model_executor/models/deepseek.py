@@ -210,7 +210,6 @@ class DeepseekV2ForCausalLM(LlamaForCausalLM):
     keeps_quantized_weights = False  # expert stacks load dense tensors: GGUF blocks are dequantized
     # checkpoint name fragment -> (our parameter fragment, shard id); experts are mapped in load_weights
     stacked_params = [(".gate_proj", ".gate_up_proj", 0), (".up_proj", ".gate_up_proj", 1)]
-    _EXPERT_SHARDS = {"gate_proj": "w1", "up_proj": "w3", "down_proj": "w2"}
 
     def __init__(self, config, backend: AttentionBackend):
         nn.Module.__init__(self)
@@ -232,25 +231,43 @@ class DeepseekV2ForCausalLM(LlamaForCausalLM):
 
         def rest():
             for name, tensor in weights:
-                parts = name.split(".")
-                if "experts" in parts and parts[parts.index("experts") + 1].isdigit():
-                    i = parts.index("experts")
-                    expert, proj = int(parts[i + 1]), parts[i + 2]
-                    moe = self.get_submodule(".".join(parts[:i + 1]))
-                    target = "w13_weight" if proj in ("gate_proj", "up_proj") else "w2_weight"
-                    param = getattr(moe, target)
-                    moe.weight_loader(param, tensor.to(param.dtype), self._EXPERT_SHARDS[proj], expert)
-                    loaded.add(".".join(parts[:i + 1] + [target]))
-                else:
+                if not self.holds_tensor(name):
+                    continue  # e.g. the MTP layers past num_hidden_layers (deepseek_mtp.py loads those)
+                target = load_expert_tensor(self, name, tensor)
+                if target is None:
                     yield name, tensor
+                else:
+                    loaded.add(target)
 
         loaded |= super().load_weights(rest())
-        for name, module in self.named_modules():
-            if isinstance(module, FusedMoE) and module.missing_experts():
-                expert, shard = module.missing_experts()[0]
-                proj = {v: k for k, v in self._EXPERT_SHARDS.items()}[shard]
-                raise ValueError(f"checkpoint is missing expert tensors, e.g. {name}.{expert}.{proj}.weight")
+        check_experts_loaded(self)
         return loaded
+
+
+_EXPERT_SHARDS = {"gate_proj": "w1", "up_proj": "w3", "down_proj": "w2"}
+
+
+def load_expert_tensor(model: nn.Module, name: str, tensor: torch.Tensor) -> Optional[str]:
+    """A per-expert checkpoint tensor (...mlp.experts.{e}.{gate,up,down}_proj.weight) into its FusedMoE's
+    stacked w13 / w2 (this rank's slots); returns the stack's name, None for any other tensor."""
+    parts = name.split(".")
+    if "experts" not in parts or not parts[parts.index("experts") + 1].isdigit():
+        return None
+    i = parts.index("experts")
+    expert, proj = int(parts[i + 1]), parts[i + 2]
+    moe = model.get_submodule(".".join(parts[:i + 1]))
+    target = "w13_weight" if proj in ("gate_proj", "up_proj") else "w2_weight"
+    param = getattr(moe, target)
+    moe.weight_loader(param, tensor.to(param.dtype), _EXPERT_SHARDS[proj], expert)
+    return ".".join(parts[:i + 1] + [target])
+
+
+def check_experts_loaded(model: nn.Module) -> None:
+    for name, module in model.named_modules():
+        if isinstance(module, FusedMoE) and module.missing_experts():
+            expert, shard = module.missing_experts()[0]
+            proj = {v: k for k, v in _EXPERT_SHARDS.items()}[shard]
+            raise ValueError(f"checkpoint is missing expert tensors, e.g. {name}.{expert}.{proj}.weight")
 
 
 class DeepseekV3ForCausalLM(DeepseekV2ForCausalLM):

@@ -278,37 +278,47 @@ class LlamaForCausalLM(nn.Module):
         return loaded
 
     def _load_tensor(self, name: str, tensor: torch.Tensor, params: dict[str, nn.Parameter]) -> Optional[str]:
-        """Copy one checkpoint tensor into its parameter (this rank's slice); returns the parameter's name.
-        A GGUF tensor kept in blocks (gguf_quant.QuantizedTensor: keeps_quantized_weights) goes to its
-        linear layer's load_weight; anywhere else it is dequantized."""
-        for frag, ours, shard in self.stacked_params:
-            if frag in name:
-                target = name.replace(frag, ours)
-                if target not in params:
-                    return None
-                owner = self._owner(target)
-                if isinstance(owner, LinearBase) and target.endswith(".weight"):
-                    owner.load_weight(tensor, shard)
-                else:
-                    p = params[target]
-                    owner.weight_loader(p, _dense(tensor).to(p.dtype), shard)
-                return target
-        if name not in params:
-            raise ValueError(f"checkpoint tensor {name!r} has no matching parameter in {type(self).__name__}")
-        owner = self._owner(name)
-        if isinstance(owner, LinearBase) and name.endswith(".weight"):
-            owner.load_weight(tensor)
-            return name
-        tensor = _dense(tensor)
-        p = params[name]
-        if hasattr(owner, "weight_loader"):
-            owner.weight_loader(p, tensor.to(p.dtype))
-        else:
-            p.data.copy_(tensor.to(p.dtype))
-        return name
+        return load_named_tensor(self, name, tensor, params, self.stacked_params)
 
     def _owner(self, param_name: str) -> nn.Module:
         return self.get_submodule(param_name.rsplit(".", 1)[0])
+
+
+def load_named_tensor(model: nn.Module, name: str, tensor, params: dict[str, nn.Parameter],
+                      stacked_params) -> Optional[str]:
+    """Copy one checkpoint tensor into model's parameter of that name (this rank's slice); returns the
+    parameter's name (None: a stacked part this model does not hold).  stacked_params: (checkpoint name
+    fragment, our fragment, shard) for projections stored fused (gate/up -> gate_up_proj).  A GGUF tensor
+    kept in blocks (gguf_quant.QuantizedTensor: keeps_quantized_weights) goes to its linear layer's
+    load_weight; anywhere else it is dequantized."""
+    def owner_of(param_name: str) -> nn.Module:
+        return model.get_submodule(param_name.rsplit(".", 1)[0])
+
+    for frag, ours, shard in stacked_params:
+        if frag in name:
+            target = name.replace(frag, ours)
+            if target not in params:
+                return None
+            owner = owner_of(target)
+            if isinstance(owner, LinearBase) and target.endswith(".weight"):
+                owner.load_weight(tensor, shard)
+            else:
+                p = params[target]
+                owner.weight_loader(p, _dense(tensor).to(p.dtype), shard)
+            return target
+    if name not in params:
+        raise ValueError(f"checkpoint tensor {name!r} has no matching parameter in {type(model).__name__}")
+    owner = owner_of(name)
+    if isinstance(owner, LinearBase) and name.endswith(".weight"):
+        owner.load_weight(tensor)
+        return name
+    tensor = _dense(tensor)
+    p = params[name]
+    if hasattr(owner, "weight_loader"):
+        owner.weight_loader(p, tensor.to(p.dtype))
+    else:
+        p.data.copy_(tensor.to(p.dtype))
+    return name
 
 
 _LAYER_NAME = re.compile(r"model\.layers\.(\d+)\.")
