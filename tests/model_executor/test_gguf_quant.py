@@ -80,12 +80,35 @@ def test_gemv_result_does_not_depend_on_the_thread_count(threads):
         torch.set_num_threads(before)
 
 
-# M: 2..6 (one partial tile), uneven tiles, one row block, one more (the whole-weight route), many
 @pytest.mark.parametrize("qtype", sorted(FORMATS))
-@pytest.mark.parametrize("m", [2, 5, 13, 96, 97, 300])
+@pytest.mark.parametrize("m", [2, 3, 5, 8])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_a_few_rows_are_the_one_row_gemv_bit_for_bit(qtype, m, threads):
+    """2..8 rows (a decode verifying drafts, a few decodes): each weight row decoded once for all of
+    them, and every row's values exactly the one-row GEMV's (so a verified draft's logits are a plain
+    decode's)."""
+    rows, cols = 53, 512
+    g = torch.Generator().manual_seed(m * 7 + qtype)
+    w = random_blocks(qtype, rows, cols, seed=m * 3 + qtype)
+    x = torch.randn(m, cols, generator=g)
+    b = torch.randn(rows, generator=g)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        got = gguf_quant.linear(x, w, b)
+        one_by_one = torch.cat([gguf_quant.linear(x[i:i + 1], w, b) for i in range(m)])
+    finally:
+        torch.set_num_threads(before)
+    assert torch.equal(got, one_by_one)
+    torch.testing.assert_close(got, reference(x, w.dequantize(), b), atol=5e-4, rtol=1e-4)
+
+
+# M: past the few-rows route, uneven tiles, one row block, one more (the whole-weight route), many
+@pytest.mark.parametrize("qtype", sorted(FORMATS))
+@pytest.mark.parametrize("m", [9, 13, 96, 97, 300])
 @pytest.mark.parametrize("threads", [1, 2])
 def test_gemm_is_the_packed_gemm_over_the_dequantized_weight(qtype, m, threads):
-    """More rows: bit-identical to cpu_ops.gemm_packed over gguf's dequantized weight, any M."""
+    """More rows: bit-identical to cpu_ops.gemm_packed over gguf's dequantized weight, any M past 8."""
     rows, cols = 53, 512  # 53 outputs: four panels, the last zero padded
     g = torch.Generator().manual_seed(m * 10 + qtype)
     w = random_blocks(qtype, rows, cols, seed=m + qtype)

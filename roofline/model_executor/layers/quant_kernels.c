@@ -17,10 +17,12 @@
  *   quant_dequantize_f32  rows of blocks -> fp32 [rows x K] (the reference the tests compare with gguf)
  *   quant_linear_f32      C [M x N] = A [M x K] W^T (+ bias): one row (M == 1) by a threaded GEMV that
  *                         streams each weight row once (threads split the output rows; each row's sum
- *                         has one fixed order, whatever the thread count); more rows by expanding 16
- *                         weight rows at a time into one panel of cpu_kernels.c's packed GEMM and running
- *                         its register tiles over all rows -- a row's values are those of gemm_packed_f32 over
- *                         the dequantized weight, bit for bit, whatever M.
+ *                         has one fixed order, whatever the thread count); 2..8 rows (a decode verifying
+ *                         speculative drafts, a few decodes) by the same GEMV decoding each weight block once
+ *                         for a group of rows -- every row's values are the one-row GEMV's, bit for bit;
+ *                         more rows by expanding 16 weight rows at a time into one panel of cpu_kernels.c's
+ *                         packed GEMM and running its register tiles over all rows -- a row's values are
+ *                         those of gemm_packed_f32 over the dequantized weight, bit for bit, whatever M > 8.
  */
 #include <omp.h>
 #include <stdint.h>
@@ -193,15 +195,40 @@ static inline float hsum8(__m256 v) {
  * shifts and masks.  That nibble is value (g / 2) * 16 + 4 * (l % 4) + 2 * (g % 2) + l / 4 of the block,
  * so x is read permuted the same way (permute_x, once per GEMV).  w = fma(d, q, m) (Q4_1; Q4_0 passes
  * m = -8d: d*q - 8d = d*(q-8) exactly, one rounding of an exact value), then four FMAs. */
-static inline void dot_nibbles(const uint8_t *qs, __m256 d, __m256 m, const float *xp, __m256 *acc) {
+static inline void nibble_weights(const uint8_t *qs, __m256 d, __m256 m, __m256 *w) {
     const __m256i q = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)qs));
     const __m256i mask = _mm256_set1_epi32(15);
     for (int g = 0; g < 4; g++) {
         const __m256i shift = _mm256_setr_epi32(0, 0, 0, 0, 8, 8, 8, 8);
         const __m256i sg = _mm256_add_epi32(shift, _mm256_set1_epi32(16 * (g % 2) + 4 * (g / 2)));
         const __m256 v = _mm256_cvtepi32_ps(_mm256_and_si256(_mm256_srlv_epi32(q, sg), mask));
-        acc[g] = _mm256_fmadd_ps(_mm256_loadu_ps(xp + 8 * g), _mm256_fmadd_ps(d, v, m), acc[g]);
+        w[g] = _mm256_fmadd_ps(d, v, m);
     }
+}
+
+static inline void dot_nibbles(const uint8_t *qs, __m256 d, __m256 m, const float *xp, __m256 *acc) {
+    __m256 w[4];
+    nibble_weights(qs, d, m, w);
+    for (int g = 0; g < 4; g++) acc[g] = _mm256_fmadd_ps(_mm256_loadu_ps(xp + 8 * g), w[g], acc[g]);
+}
+
+/* a 32-value block's weights in dot_row's order and roundings: w[g] holds the values group g multiplies
+ * (4-bit formats: the permuted order of dot_nibbles) */
+static inline void block_weights(int qt, const uint8_t *blk, __m256 *w) {
+    if (qt == QT_Q4_1) {
+        int32_t dm;
+        memcpy(&dm, blk, sizeof dm);
+        const __m128 f = _mm_cvtph_ps(_mm_cvtsi32_si128(dm));
+        nibble_weights(blk + 4, _mm256_broadcastss_ps(f), _mm256_broadcastss_ps(_mm_movehdup_ps(f)), w);
+        return;
+    }
+    const __m256 d = _mm256_set1_ps(half_to_float(blk));
+    if (qt == QT_Q4_0) {
+        nibble_weights(blk + 2, d, _mm256_mul_ps(d, _mm256_set1_ps(-8.0f)), w);
+        return;
+    }
+    for (int g = 0; g < 4; g++)
+        w[g] = _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(blk + 2 + 8 * g)))));
 }
 
 /* x [K] in the order dot_nibbles reads a 4-bit block's values */
@@ -270,6 +297,74 @@ static void quant_gemv(int qt, const float *x, const uint8_t *w, int64_t row_byt
     for (int64_t n = 0; n < N; n++) {
         const float s = dot_row(qt, w + n * row_bytes, x, K);
         y[n] = bias ? s + bias[n] : s;
+    }
+    free(xp);
+}
+
+/* ---- a few rows: each weight row decoded once for all of them --------------------------------- */
+
+#define QROWS_MAX 8  /* up to this many rows (a decode verifying drafts, a few decodes): quant_gemv_rows */
+#define QROWS_GROUP 3  /* rows whose accumulators stay in registers together (4 x 3 of 16) */
+
+/* out[m] = x_m . row for M <= QROWS_MAX rows x_m = x + m * ldx: for every m exactly dot_row(row, x_m)
+ * -- the same products in the same order -- with each block's weights expanded once per group of rows */
+static void dot_rows(int qt, const uint8_t *row, const float *x, int64_t ldx, int M, int64_t K, float *out) {
+    const int64_t qk = quant_block_elems(qt), bb = quant_block_bytes(qt), nb = K / qk;
+#ifdef QUANT_AVX2
+    if (qt == QT_Q4_0 || qt == QT_Q4_1 || qt == QT_Q8_0) {
+        for (int m0 = 0; m0 < M; m0 += QROWS_GROUP) {
+            const int mm = M - m0 < QROWS_GROUP ? M - m0 : QROWS_GROUP;
+            __m256 acc[QROWS_GROUP][4];
+            for (int m = 0; m < QROWS_GROUP; m++)
+                for (int g = 0; g < 4; g++) acc[m][g] = _mm256_setzero_ps();
+            for (int64_t b = 0; b < nb; b++) {
+                const uint8_t *blk = row + b * bb;
+                if (b + 4 < nb) _mm_prefetch((const char *)(blk + 4 * bb), _MM_HINT_T0);
+                __m256 w[4];
+                block_weights(qt, blk, w);
+                for (int m = 0; m < mm; m++) {
+                    const float *xb = x + (m0 + m) * ldx + b * 32;
+                    for (int g = 0; g < 4; g++) acc[m][g] = _mm256_fmadd_ps(_mm256_loadu_ps(xb + 8 * g), w[g], acc[m][g]);
+                }
+            }
+            for (int m = 0; m < mm; m++)
+                out[m0 + m] = hsum8(_mm256_add_ps(_mm256_add_ps(acc[m][0], acc[m][1]), _mm256_add_ps(acc[m][2], acc[m][3])));
+        }
+        return;
+    }
+#endif
+    float vals[256], s[QROWS_MAX];
+    for (int m = 0; m < M; m++) s[m] = 0.f;
+    for (int64_t b = 0; b < nb; b++) {
+        deq_block(qt, row + b * bb, vals);
+        for (int m = 0; m < M; m++) {
+            const float *xb = x + m * ldx + b * qk;
+            float p = 0.f;
+#pragma omp simd reduction(+ : p)
+            for (int64_t i = 0; i < qk; i++) p += xb[i] * vals[i];
+            s[m] += p;
+        }
+    }
+    for (int m = 0; m < M; m++) out[m] = s[m];
+}
+
+/* C [M x N] for 2 <= M <= QROWS_MAX: every row's values are the one-row GEMV's, bit for bit */
+static void quant_gemv_rows(int qt, const float *a, int64_t lda, const uint8_t *w, int64_t row_bytes,
+                            const float *bias, float *c, int64_t ldc, int M, int64_t K, int64_t N, int nthreads) {
+    float *xp = 0;
+#ifdef QUANT_AVX2
+    if (qt == QT_Q4_0 || qt == QT_Q4_1) {
+        xp = (float *)malloc((size_t)(M * K) * sizeof(float));
+        for (int m = 0; m < M; m++) permute_x(a + m * lda, K, xp + m * K);
+        a = xp;
+        lda = K;
+    }
+#endif
+#pragma omp parallel for num_threads(nthreads) schedule(static) if (N * K > 32768)
+    for (int64_t n = 0; n < N; n++) {
+        float s[QROWS_MAX];
+        dot_rows(qt, w + n * row_bytes, a, lda, M, K, s);
+        for (int m = 0; m < M; m++) c[m * ldc + n] = bias ? s[m] + bias[n] : s[m];
     }
     free(xp);
 }
@@ -369,5 +464,6 @@ static void quant_gemm(int qt, const float *a, int64_t lda, const uint8_t *w, in
 void quant_linear_f32(int qt, const float *a, int64_t lda, const uint8_t *w, int64_t row_bytes, const float *bias,
                       float *c, int64_t ldc, int64_t M, int64_t K, int64_t N, int nthreads) {
     if (M == 1) quant_gemv(qt, a, w, row_bytes, bias, c, K, N, nthreads);
+    else if (M <= QROWS_MAX) quant_gemv_rows(qt, a, lda, w, row_bytes, bias, c, ldc, (int)M, K, N, nthreads);
     else quant_gemm(qt, a, lda, w, row_bytes, bias, c, ldc, M, K, N, nthreads);
 }
