@@ -17,6 +17,7 @@ from roofline.kv_transfer.config import KVTransferConfig
 
 GiB = 1 << 30
 GGUF_WEIGHTS = ("native", "dequantize")  # how a GGUF file's quantized layers are computed
+GGUF_ACTIVATIONS = ("fp32", "q8")  # what the native kernels multiply the blocks with
 
 
 @dataclass
@@ -27,6 +28,7 @@ class ModelConfig:
     seed: int = 0
     load_format: str = "auto"  # auto | safetensors | gguf | dummy
     gguf_weights: str = "native"  # native (layers computed on GGUF blocks, CPU) | dequantize (fp32)
+    gguf_activations: str = "fp32"  # fp32 | q8 (native blocks: 8-bit activations, integer dot products)
     max_model_len: Optional[int] = None
     served_model_name: Optional[str] = None
     trust_remote_code: bool = False
@@ -235,6 +237,7 @@ class EngineArgs:
     device: Optional[str] = None
     load_format: str = "auto"
     gguf_weights: str = "native"
+    gguf_activations: str = "fp32"
     max_model_len: Optional[int] = None
     served_model_name: Optional[str] = None
     trust_remote_code: bool = False
@@ -330,6 +333,9 @@ class EngineArgs:
                 errors.append(str(e))
         if self.gguf_weights not in GGUF_WEIGHTS:
             errors.append(f"gguf_weights must be one of {', '.join(GGUF_WEIGHTS)}, got {self.gguf_weights!r}")
+        if self.gguf_activations not in GGUF_ACTIVATIONS:
+            errors.append(f"gguf_activations must be one of {', '.join(GGUF_ACTIVATIONS)}, "
+                          f"got {self.gguf_activations!r}")
         if self.swap_space < 0:
             errors.append(f"swap_space must be >= 0, got {self.swap_space}")
         if self.max_num_batched_tokens is not None and self.max_num_batched_tokens <= 0:
@@ -379,6 +385,7 @@ class EngineArgs:
             seed=self.seed,
             load_format=self.load_format,
             gguf_weights=self.gguf_weights,
+            gguf_activations=self.gguf_activations,
             max_model_len=self.max_model_len,
             served_model_name=self.served_model_name,
             trust_remote_code=self.trust_remote_code,

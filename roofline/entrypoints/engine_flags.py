@@ -15,6 +15,9 @@ _HELP = {
     "load_format": "auto | safetensors | gguf | dummy (random weights)",
     "gguf_weights": "native (a GGUF file's Q4_0/Q4_1/Q8_0/Q4_K/Q5_K/Q6_K layers stay in their blocks and are "
                     "computed natively on the CPU) | dequantize (fp32 copies, as on GPUs)",
+    "gguf_activations": "fp32 (native blocks times fp32 activations: exact) | q8 (activations quantized to 8 "
+                        "bits per 32 values, as llama.cpp does, for integer dot products with Q4_0/Q4_1/Q8_0 "
+                        "blocks: faster decode, close to fp32 but not equal)",
     "kv_cache_memory": "bytes for the KV pool on CPU",
     "num_kv_blocks": "force the number of KV blocks",
     "preemption_mode": "recompute | swap",

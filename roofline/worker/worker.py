@@ -187,6 +187,9 @@ class Worker:
                 raise ValueError(f"checkpoint is missing tensors: {sorted(missing)[:8]}{' ...' if len(missing) > 8 else ''}")
         model.eval()
         if self.device.type == "cpu":
+            n = gguf_quant.quantize_activations(model, self.config.model_config.gguf_activations)
+            if n:
+                logger.info("GGUF activations: 8-bit for %d weights", n)
             cpu_prepare.prepare_model(model)
             llama_cpu_stack.attach(model)
         weight_bytes = gguf_quant.weight_bytes_by_format(model)

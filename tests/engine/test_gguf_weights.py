@@ -127,3 +127,53 @@ def test_dequantize_mode_keeps_fp32():
 def test_bad_gguf_weights_value_is_refused():
     with pytest.raises(ValueError, match="gguf_weights"):
         LLM(gguf_weights="int4", show_progress=False)
+
+
+@pytest.fixture(scope="module")
+def q8_llm():
+    return LLM(show_progress=False, num_kv_blocks=512, gguf_activations="q8")
+
+
+Q8_PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time", "List three colors:"]
+
+
+def test_q8_activations_stay_close_to_fp32(default_llm, q8_llm):
+    """--gguf-activations q8 on the default model: its Q4_1 layers (and Q8_0 head) multiply 8-bit
+    activations; the first tokens are fp32's and the chosen tokens' logprobs within 0.25 of fp32's."""
+    lin = q8_llm.llm_engine.executor.worker.model.model.layers[0].self_attn.qkv_proj
+    assert lin.quant.quantize_activations and lin.quant.kernel_type == 3 | 0x80
+    sp = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=1)
+    for a, b in zip(default_llm.generate(Q8_PROMPTS, sp, use_tqdm=False), q8_llm.generate(Q8_PROMPTS, sp, use_tqdm=False)):
+        ta, tb = a.outputs[0].token_ids, b.outputs[0].token_ids
+        same = next((i for i, (x, y) in enumerate(zip(ta, tb)) if x != y), len(ta))
+        assert same >= 3
+        for i in range(same):
+            assert abs(a.outputs[0].logprobs[i][ta[i]].logprob - b.outputs[0].logprobs[i][tb[i]].logprob) < 0.25
+
+
+def test_q8_activations_leave_greedy_unchanged_by_batching_chunking_and_speculation(q8_llm):
+    """A row's values never depend on the rows beside it, so in q8 mode too: one at a time = batched =
+    chunked prefill (budget 16) = speculative decoding (ngram, 1 + k rows verified)."""
+    import json
+
+    tok = q8_llm.llm_engine.tokenizer
+    doc = json.__doc__[:400]
+    prompts = [tok.encode(doc + "\n\n" + doc[:80], add_special_tokens=False)] + \
+        [tok.encode(p, add_special_tokens=False) for p in Q8_PROMPTS]
+    sp = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    inputs = [{"prompt_token_ids": p} for p in prompts]
+    alone = [q8_llm.generate([x], sp, use_tqdm=False)[0].outputs[0].token_ids for x in inputs]
+    batched = [o.outputs[0].token_ids for o in q8_llm.generate(inputs, sp, use_tqdm=False)]
+    assert batched == alone
+    for extra in (dict(max_num_batched_tokens=16),
+                  dict(speculative_config={"method": "ngram", "num_speculative_tokens": 5, "adaptive": False})):
+        llm = LLM(show_progress=False, num_kv_blocks=512, gguf_activations="q8", **extra)
+        outs = llm.generate(inputs, sp, use_tqdm=False)
+        assert [o.outputs[0].token_ids for o in outs] == alone, extra
+        if "speculative_config" in extra:
+            assert llm.llm_engine.get_stats().spec_decode.num_accepted_tokens > 0
+
+
+def test_bad_gguf_activations_value_is_refused():
+    with pytest.raises(ValueError, match="gguf_activations"):
+        LLM(gguf_activations="int4", show_progress=False)

@@ -162,3 +162,61 @@ def test_bad_shapes_are_refused():
     with pytest.raises(ValueError, match="fp32 CPU rows"):
         gguf_quant.linear(torch.randn(2, 64, dtype=torch.float64), w)
 
+
+
+def q8_emulation(x: torch.Tensor, w: QuantizedTensor, bias=None) -> torch.Tensor:
+    """The activation-quantized mode's arithmetic in float64: x rounded per 32 values to llama.cpp's Q8_1
+    (d = max|x| / 127, q = round(x * (1 / d)) ties to even, in fp32), times the exact weight values."""
+    m, cols = x.shape
+    blocks = x.reshape(m, cols // 32, 32)
+    d = blocks.abs().amax(-1, keepdim=True) / 127.0
+    inv = torch.where(d != 0, 1.0 / d, torch.zeros_like(d))
+    q = torch.round(blocks * inv)
+    xq = (q.double() * d.double()).reshape(m, cols)
+    y = xq @ w.dequantize().double().T
+    return (y + bias.double() if bias is not None else y).float()
+
+
+ACT_Q8_FORMATS = sorted(gguf_quant.ACT_Q8_FORMATS)
+
+
+@pytest.mark.parametrize("qtype", ACT_Q8_FORMATS)
+@pytest.mark.parametrize("m", [1, 2, 5, 8, 9, 70])
+def test_q8_activations_are_the_exact_q8_emulation(qtype, m):
+    """Integer dot products: equal to the emulation up to fp32 summation order; every row the same
+    whatever the number of rows; within ~1% of the fp32 path."""
+    rows, cols = 37, 512
+    g = torch.Generator().manual_seed(qtype * 11 + m)
+    w = random_blocks(qtype, rows, cols, seed=qtype + 40 * m)
+    x = torch.randn(m, cols, generator=g) * torch.rand(m, cols // 32, 1, generator=g).repeat(1, 1, 32).reshape(m, cols)
+    b = torch.randn(rows, generator=g)
+    exact = gguf_quant.linear(x, w, b)
+    w.quantize_activations = True
+    got = gguf_quant.linear(x, w, b)
+    torch.testing.assert_close(got, q8_emulation(x, w, b), atol=2e-4, rtol=1e-5)
+    assert not torch.equal(got, exact)  # the activations really were rounded
+    torch.testing.assert_close(got, exact, atol=0.02 * exact.abs().max().item(), rtol=0.02)
+    one_by_one = torch.cat([gguf_quant.linear(x[i:i + 1], w, b) for i in range(m)])
+    assert torch.equal(got, one_by_one)
+
+
+def test_q8_activations_leave_the_k_quants_exact():
+    """The K-quants have no integer route: they stay on fp32 activations."""
+    x = torch.randn(12, 512, generator=torch.Generator().manual_seed(3))
+    for m in (1, 3, 12):
+        w = random_blocks(12, 20, 512, seed=12)
+        exact = gguf_quant.linear(x[:m], w)
+        w.quantize_activations = True
+        assert torch.equal(gguf_quant.linear(x[:m], w), exact)
+
+
+def test_q8_activations_portable_build(portable_kernels):
+    """The plain C build's integer dot products give the same emulated values."""
+    rows, cols = 21, 512
+    for qtype in ACT_Q8_FORMATS:
+        w = random_blocks(qtype, rows, cols, seed=300 + qtype)
+        x = torch.randn(3, cols, generator=torch.Generator().manual_seed(qtype))
+        y = torch.empty(3, rows)
+        portable_kernels.quant_linear_f32(qtype | gguf_quant.ACT_Q8_FLAG, x.data_ptr(), cols, w.data.data_ptr(),
+                                          w.data.shape[1], None, y.data_ptr(), rows, 3, cols, rows, 2)
+        torch.testing.assert_close(y, q8_emulation(x, w), atol=2e-4, rtol=1e-5)

@@ -1323,7 +1323,7 @@ int64_t quant_block_bytes(int qt);
 static void project(const float *a, int64_t lda, const float *packed, const float *dense, const float *bias,
                     float *c, int64_t ldc, int64_t N, int64_t K, int64_t Nout, const uint8_t *quant, int qt,
                     int nthreads) {
-    if (quant) quant_linear_f32(qt, a, lda, quant, K / quant_block_elems(qt) * quant_block_bytes(qt), bias, c, ldc, N,
+    if (quant) quant_linear_f32(qt, a, lda, quant, K / quant_block_elems(qt & 0x7f) * quant_block_bytes(qt & 0x7f), bias, c, ldc, N,
                                 K, Nout, nthreads);
     else if (N == 1 && dense) gemv_f32(a, dense, bias, c, K, Nout, Nout, nthreads);
     else packed_gemm(a, lda, packed, bias, c, ldc, N, K, Nout, 0, nthreads);

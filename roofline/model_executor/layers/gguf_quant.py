@@ -43,6 +43,25 @@ cpu_ops.declare("quant_dequantize_f32", [ctypes.c_int, _P, _I, _I, _I, _P, ctype
 cpu_ops.declare("quant_linear_f32", [ctypes.c_int, _P, _I, _P, _I, _P, _P, _I, _I, _I, _I, ctypes.c_int])
 
 
+ACT_Q8_FLAG = 0x80  # quant_kernels.c's QT_ACT_Q8
+ACT_Q8_FORMATS = (2, 3, 8)  # Q4_0, Q4_1, Q8_0: the formats with an integer dot product
+GGUF_ACTIVATIONS = ("fp32", "q8")
+
+
+def quantize_activations(model: torch.nn.Module, mode: str) -> int:
+    """--gguf-activations: "q8" has every GGUF weight the model keeps in blocks (Q4_0, Q4_1, Q8_0) multiply
+    8-bit activations; returns how many weights that covers."""
+    if mode not in GGUF_ACTIVATIONS:
+        raise ValueError(f"gguf_activations must be one of {', '.join(GGUF_ACTIVATIONS)}, got {mode!r}")
+    n = 0
+    for module in model.modules():
+        q = getattr(module, "quant", None)
+        if isinstance(q, QuantizedTensor):
+            q.quantize_activations = mode == "q8"
+            n += q.qtype in ACT_Q8_FORMATS and mode == "q8"
+    return n
+
+
 def format_name(qtype: int) -> str:
     return FORMATS[qtype][0] if qtype in FORMATS else f"ggml type {qtype}"
 
@@ -59,6 +78,9 @@ class QuantizedTensor:
     data: torch.Tensor
     qtype: int
     cols: int
+    # the activations are quantized to 8 bits per 32 values for integer dot products with the blocks
+    # (quant_kernels.c, QT_ACT_Q8): Q4_0, Q4_1 and Q8_0 only; set by the worker (--gguf-activations q8)
+    quantize_activations: bool = False
 
     def __post_init__(self) -> None:
         if self.qtype not in FORMATS:
@@ -85,6 +107,11 @@ class QuantizedTensor:
     @property
     def format(self) -> str:
         return format_name(self.qtype)
+
+    @property
+    def kernel_type(self) -> int:
+        """The type the kernels are called with: the ggml id, with the activation-quantized mode's bit."""
+        return self.qtype | (ACT_Q8_FLAG if self.quantize_activations and self.qtype in ACT_Q8_FORMATS else 0)
 
     def dequantize(self) -> torch.Tensor:
         """fp32 [rows x cols] by gguf's own dequantization (the reference, and the fallback)."""
@@ -123,7 +150,7 @@ def linear(x: torch.Tensor, weight: QuantizedTensor, bias: Optional[torch.Tensor
     if m == 1 and not x.is_contiguous():
         x = x.contiguous()
     b = None if bias is None else bias.contiguous()
-    cpu_ops.library().quant_linear_f32(weight.qtype, x.data_ptr(), x.stride(0), weight.data.data_ptr(),
+    cpu_ops.library().quant_linear_f32(weight.kernel_type, x.data_ptr(), x.stride(0), weight.data.data_ptr(),
                                        weight.data.shape[1], None if b is None else b.data_ptr(), y.data_ptr(), n,
                                        m, weight.cols, n, torch.get_num_threads())
     return y

@@ -24,6 +24,7 @@
  *                         packed GEMM and running its register tiles over all rows -- a row's values are
  *                         those of gemm_packed_f32 over the dequantized weight, bit for bit, whatever M > 8.
  */
+#include <math.h>
 #include <omp.h>
 #include <stdint.h>
 #include <stdlib.h>
@@ -44,6 +45,7 @@ void gemm_packed_f32(const float *a, int64_t lda, const float *panels, const flo
 enum { QT_Q4_0 = 2, QT_Q4_1 = 3, QT_Q8_0 = 8, QT_Q4_K = 12, QT_Q5_K = 13, QT_Q6_K = 14 };
 
 #define QPANEL 16  /* GEMM_NR of cpu_kernels.c: output columns per packed panel */
+#define QT_ACT_Q8 0x80  /* or-ed into the type: quantize the activations to 8 bits (see below) */
 
 static inline float half_to_float(const uint8_t *p) {
 #ifdef __F16C__
@@ -369,6 +371,144 @@ static void quant_gemv_rows(int qt, const float *a, int64_t lda, const uint8_t *
     free(xp);
 }
 
+/* ---- activation-quantized mode (QT_ACT_Q8): integer dot products -------------------------------
+ * For Q4_0, Q4_1 and Q8_0 weights, the kernels can quantize each activation row to 8 bits per
+ * 32-value block, as llama.cpp does (its Q8_1: d = max|x| / 127, q = round(x * (1 / d)) ties to even,
+ * s = d * sum(q)), and take each block's dot product in integers (maddubs + madd: 32 products in four
+ * instructions, against the fp32 expansion's ~5 per 8 weights).  Per block:
+ *     Q4_1  w = dw * q + mw        dw * dx * sum(q * qx) + mw * s
+ *     Q4_0  w = dw * (q - 8)       dw * dx * sum(q * qx) - 8 * dw * s
+ *     Q8_0  w = dw * q             dw * dx * sum(q * qx)          (signed pairs by the sign trick)
+ * The weights are used exactly; the activations are rounded to ~2.5 significant digits, so results are
+ * close to, not equal to, the fp32 path's (tests bound the error and compare with an exact emulation).
+ * Every row's values are the same whatever the number of rows and whatever rows share its step, so
+ * batching, chunked prefill and speculative verification leave them unchanged. */
+
+typedef struct {
+    int8_t *q;  /* [M x K] */
+    float *d, *s;  /* [M x K / 32] */
+} act_q8_t;
+
+static void quantize_rows_q8(const float *a, int64_t lda, int M, int64_t K, act_q8_t *out) {
+    const int64_t nb = K / 32;
+    for (int m = 0; m < M; m++) {
+        const float *x = a + m * lda;
+        for (int64_t b = 0; b < nb; b++) {
+            const float *xb = x + b * 32;
+            float amax = 0.f;
+            for (int i = 0; i < 32; i++) {
+                const float v = xb[i] < 0 ? -xb[i] : xb[i];
+                amax = v > amax ? v : amax;
+            }
+            const float d = amax / 127.f, id = d != 0.f ? 1.f / d : 0.f;
+            int8_t *q = out->q + m * K + b * 32;
+            int sum = 0;
+            for (int i = 0; i < 32; i++) {
+                const float r = nearbyintf(xb[i] * id);  /* the current rounding mode: to nearest, ties to even */
+                q[i] = (int8_t)r;
+                sum += q[i];
+            }
+            out->d[m * nb + b] = d;
+            out->s[m * nb + b] = d * (float)sum;
+        }
+    }
+}
+
+static inline int takes_act_q8(int qt) { return qt == QT_Q4_0 || qt == QT_Q4_1 || qt == QT_Q8_0; }
+
+/* out[m] = the block sums of weight row `row` with quantized rows m < M (module comment above) */
+static void dot_rows_q8(int qt, const uint8_t *row, const act_q8_t *x, int M, int64_t K, float *out) {
+    const int64_t bb = quant_block_bytes(qt), nb = K / 32;
+#ifdef QUANT_AVX2
+    const __m256i ones = _mm256_set1_epi16(1);
+    const __m128i m4 = _mm_set1_epi8(0x0f);
+    __m256 acc[QROWS_MAX];
+    float side[QROWS_MAX];
+    for (int m = 0; m < M; m++) {
+        acc[m] = _mm256_setzero_ps();
+        side[m] = 0.f;
+    }
+    for (int64_t b = 0; b < nb; b++) {
+        const uint8_t *blk = row + b * bb;
+        if (b + 4 < nb) _mm_prefetch((const char *)(blk + 4 * bb), _MM_HINT_T0);
+        const float dw = half_to_float(blk);
+        __m256i w8;
+        float mw = 0.f;
+        if (qt == QT_Q8_0) {
+            w8 = _mm256_loadu_si256((const __m256i *)(blk + 2));
+        } else {
+            const __m128i raw = _mm_loadu_si128((const __m128i *)(blk + (qt == QT_Q4_1 ? 4 : 2)));
+            w8 = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(raw, 4), m4), _mm_and_si128(raw, m4));
+            mw = qt == QT_Q4_1 ? half_to_float(blk + 2) : -8.f * dw;
+        }
+        const __m256i wabs = qt == QT_Q8_0 ? _mm256_sign_epi8(w8, w8) : w8;
+        for (int m = 0; m < M; m++) {
+            __m256i x8 = _mm256_loadu_si256((const __m256i *)(x->q + m * K + b * 32));
+            if (qt == QT_Q8_0) x8 = _mm256_sign_epi8(x8, w8);
+            const __m256i p = _mm256_madd_epi16(_mm256_maddubs_epi16(wabs, x8), ones);
+            acc[m] = _mm256_fmadd_ps(_mm256_set1_ps(dw * x->d[m * nb + b]), _mm256_cvtepi32_ps(p), acc[m]);
+            side[m] += mw * x->s[m * nb + b];
+        }
+    }
+    for (int m = 0; m < M; m++) out[m] = hsum8(acc[m]) + side[m];
+#else
+    for (int m = 0; m < M; m++) {
+        float sum = 0.f;
+        for (int64_t b = 0; b < nb; b++) {
+            const uint8_t *blk = row + b * bb;
+            const float dw = half_to_float(blk);
+            const int8_t *qx = x->q + m * K + b * 32;
+            int isum = 0;
+            float mw = 0.f;
+            if (qt == QT_Q8_0) {
+                for (int i = 0; i < 32; i++) isum += (int)(int8_t)blk[2 + i] * qx[i];
+            } else {
+                const uint8_t *qs = blk + (qt == QT_Q4_1 ? 4 : 2);
+                for (int i = 0; i < 16; i++) isum += (qs[i] & 15) * qx[i] + (qs[i] >> 4) * qx[i + 16];
+                mw = qt == QT_Q4_1 ? half_to_float(blk + 2) : -8.f * dw;
+            }
+            sum += dw * x->d[m * nb + b] * (float)isum + mw * x->s[m * nb + b];
+        }
+        out[m] = sum;
+    }
+#endif
+}
+
+#define Q8_TILE 32  /* weight rows a thread takes at a time, kept in L1 while every row group passes over them */
+
+/* C [M x N] in the activation-quantized mode, any M: the rows are quantized once, then each thread takes
+ * tiles of Q8_TILE weight rows and runs every group of QROWS_MAX rows over them (a row's values never
+ * depend on M or on the rows beside it) */
+static void quant_linear_q8(int qt, const float *a, int64_t lda, const uint8_t *w, int64_t row_bytes,
+                            const float *bias, float *c, int64_t ldc, int64_t M, int64_t K, int64_t N, int nthreads) {
+    const int64_t nb = K / 32, ntiles = (N + Q8_TILE - 1) / Q8_TILE;
+    act_q8_t x;
+    x.q = (int8_t *)malloc((size_t)(M * K));
+    x.d = (float *)malloc((size_t)(M * nb) * sizeof(float));
+    x.s = (float *)malloc((size_t)(M * nb) * sizeof(float));
+#pragma omp parallel for num_threads(nthreads) schedule(static) if (M * K > 32768)
+    for (int64_t m0 = 0; m0 < M; m0 += QROWS_MAX) {
+        act_q8_t part = {x.q + m0 * K, x.d + m0 * nb, x.s + m0 * nb};
+        quantize_rows_q8(a + m0 * lda, lda, (int)(M - m0 < QROWS_MAX ? M - m0 : QROWS_MAX), K, &part);
+    }
+#pragma omp parallel for num_threads(nthreads) schedule(static) if (N * K > 32768)
+    for (int64_t t = 0; t < ntiles; t++) {
+        const int64_t n1 = (t + 1) * Q8_TILE < N ? (t + 1) * Q8_TILE : N;
+        for (int64_t m0 = 0; m0 < M; m0 += QROWS_MAX) {
+            const int mm = (int)(M - m0 < QROWS_MAX ? M - m0 : QROWS_MAX);
+            const act_q8_t part = {x.q + m0 * K, x.d + m0 * nb, x.s + m0 * nb};
+            for (int64_t n = t * Q8_TILE; n < n1; n++) {
+                float s[QROWS_MAX];
+                dot_rows_q8(qt, w + n * row_bytes, &part, mm, K, s);
+                for (int m = 0; m < mm; m++) c[(m0 + m) * ldc + n] = bias ? s[m] + bias[n] : s[m];
+            }
+        }
+    }
+    free(x.q);
+    free(x.d);
+    free(x.s);
+}
+
 /* ---- more rows: weight rows expanded into packed panels ------------------------------------- */
 
 #ifdef QUANT_AVX2
@@ -463,7 +603,10 @@ static void quant_gemm(int qt, const float *a, int64_t lda, const uint8_t *w, in
  * apart); C's rows ldc apart.  K must be a multiple of the format's block (GGUF guarantees it). */
 void quant_linear_f32(int qt, const float *a, int64_t lda, const uint8_t *w, int64_t row_bytes, const float *bias,
                       float *c, int64_t ldc, int64_t M, int64_t K, int64_t N, int nthreads) {
-    if (M == 1) quant_gemv(qt, a, w, row_bytes, bias, c, K, N, nthreads);
+    const int act_q8 = qt & QT_ACT_Q8;
+    qt &= ~QT_ACT_Q8;
+    if (act_q8 && takes_act_q8(qt)) quant_linear_q8(qt, a, lda, w, row_bytes, bias, c, ldc, M, K, N, nthreads);
+    else if (M == 1) quant_gemv(qt, a, w, row_bytes, bias, c, K, N, nthreads);
     else if (M <= QROWS_MAX) quant_gemv_rows(qt, a, lda, w, row_bytes, bias, c, ldc, (int)M, K, N, nthreads);
     else quant_gemm(qt, a, lda, w, row_bytes, bias, c, ldc, M, K, N, nthreads);
 }

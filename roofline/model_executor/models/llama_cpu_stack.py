@@ -91,7 +91,7 @@ class CpuLayerStack:
                 if lin.quant is not None:
                     self._keep.append(lin.quant.data)
                     self.table[i, quant_slot] = lin.quant.data.data_ptr()
-                    self.table[i, QUANT_TYPES] |= lin.quant.qtype << (8 * j)
+                    self.table[i, QUANT_TYPES] |= lin.quant.kernel_type << (8 * j)
                 elif self.single_rows:
                     w = lin.weight.detach()
                     self._keep.append(w)
