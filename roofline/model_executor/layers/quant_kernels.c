@@ -416,10 +416,11 @@ static void quantize_rows_q8(const float *a, int64_t lda, int M, int64_t K, act_
 
 static inline int takes_act_q8(int qt) { return qt == QT_Q4_0 || qt == QT_Q4_1 || qt == QT_Q8_0; }
 
-/* out[m] = the block sums of weight row `row` with quantized rows m < M (module comment above) */
-static void dot_rows_q8(int qt, const uint8_t *row, const act_q8_t *x, int M, int64_t K, float *out) {
-    const int64_t bb = quant_block_bytes(qt), nb = K / 32;
 #ifdef QUANT_AVX2
+/* dot_rows_q8 for a constant M (inlined into a switch), so every accumulator stays in a register */
+static inline __attribute__((always_inline)) void dot_rows_q8_avx2(int qt, const uint8_t *row, const act_q8_t *x,
+                                                                 const int M, int64_t K, float *out) {
+    const int64_t bb = quant_block_bytes(qt), nb = K / 32;
     const __m256i ones = _mm256_set1_epi16(1);
     const __m128i m4 = _mm_set1_epi8(0x0f);
     __m256 acc[QROWS_MAX];
@@ -431,17 +432,26 @@ static void dot_rows_q8(int qt, const uint8_t *row, const act_q8_t *x, int M, in
     for (int64_t b = 0; b < nb; b++) {
         const uint8_t *blk = row + b * bb;
         if (b + 4 < nb) _mm_prefetch((const char *)(blk + 4 * bb), _MM_HINT_T0);
-        const float dw = half_to_float(blk);
-        __m256i w8;
-        float mw = 0.f;
+        float dw, mw = 0.f;
+        __m256i w8, wabs;
         if (qt == QT_Q8_0) {
+            dw = half_to_float(blk);
             w8 = _mm256_loadu_si256((const __m256i *)(blk + 2));
+            wabs = _mm256_sign_epi8(w8, w8);
         } else {
             const __m128i raw = _mm_loadu_si128((const __m128i *)(blk + (qt == QT_Q4_1 ? 4 : 2)));
-            w8 = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(raw, 4), m4), _mm_and_si128(raw, m4));
-            mw = qt == QT_Q4_1 ? half_to_float(blk + 2) : -8.f * dw;
+            w8 = wabs = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(raw, 4), m4), _mm_and_si128(raw, m4));
+            if (qt == QT_Q4_1) {  /* d and m converted together */
+                int32_t dm;
+                memcpy(&dm, blk, sizeof dm);
+                const __m128 f = _mm_cvtph_ps(_mm_cvtsi32_si128(dm));
+                dw = _mm_cvtss_f32(f);
+                mw = _mm_cvtss_f32(_mm_movehdup_ps(f));
+            } else {
+                dw = half_to_float(blk);
+                mw = -8.f * dw;
+            }
         }
-        const __m256i wabs = qt == QT_Q8_0 ? _mm256_sign_epi8(w8, w8) : w8;
         for (int m = 0; m < M; m++) {
             __m256i x8 = _mm256_loadu_si256((const __m256i *)(x->q + m * K + b * 32));
             if (qt == QT_Q8_0) x8 = _mm256_sign_epi8(x8, w8);
@@ -451,7 +461,24 @@ static void dot_rows_q8(int qt, const uint8_t *row, const act_q8_t *x, int M, in
         }
     }
     for (int m = 0; m < M; m++) out[m] = hsum8(acc[m]) + side[m];
+}
+#endif
+
+/* out[m] = the block sums of weight row `row` with quantized rows m < M (module comment above) */
+static void dot_rows_q8(int qt, const uint8_t *row, const act_q8_t *x, int M, int64_t K, float *out) {
+#ifdef QUANT_AVX2
+    switch (M) {
+    case 1: dot_rows_q8_avx2(qt, row, x, 1, K, out); return;
+    case 2: dot_rows_q8_avx2(qt, row, x, 2, K, out); return;
+    case 3: dot_rows_q8_avx2(qt, row, x, 3, K, out); return;
+    case 4: dot_rows_q8_avx2(qt, row, x, 4, K, out); return;
+    case 5: dot_rows_q8_avx2(qt, row, x, 5, K, out); return;
+    case 6: dot_rows_q8_avx2(qt, row, x, 6, K, out); return;
+    case 7: dot_rows_q8_avx2(qt, row, x, 7, K, out); return;
+    default: dot_rows_q8_avx2(qt, row, x, QROWS_MAX, K, out); return;
+    }
 #else
+    const int64_t bb = quant_block_bytes(qt), nb = K / 32;
     for (int m = 0; m < M; m++) {
         float sum = 0.f;
         for (int64_t b = 0; b < nb; b++) {
