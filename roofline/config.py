@@ -17,6 +17,7 @@ from roofline.kv_transfer.config import KVTransferConfig
 
 GiB = 1 << 30
 GGUF_WEIGHTS = ("native", "dequantize")  # how a GGUF file's quantized layers are computed
+CPU_ISAS = ("auto", "avx512", "avx2", "neon", "portable")  # builds of the native CPU kernels
 GGUF_ACTIVATIONS = ("fp32", "q8")  # what the native kernels multiply the blocks with
 
 
@@ -124,6 +125,13 @@ class DeviceConfig:
     device: str = "cpu"
     attention_backend: str = "auto"  # auto | torch | cpu | triton
     enforce_eager: bool = False
+    # the CPU fast paths (one place: the worker applies them, worker.apply_cpu_settings)
+    cpu_kernels: bool = True  # the native C kernels (model_executor/layers/cpu_ops.py); off: torch ops
+    cpu_isa: str = "auto"  # the kernels' build: auto (the best this CPU runs) | avx512 | avx2 | neon | portable
+    cpu_layer_stack: bool = True  # Llama-family decoder stack in one native call (llama_cpu_stack.py)
+    cpu_greedy_head: bool = True  # greedy rows' LM head through the int8 screen (greedy_head.py)
+    cpu_moe_kernels: bool = True  # native per-expert GEMMs (moe/cpu_experts.py)
+    cpu_reuse_freed_memory: bool = True  # glibc keeps freed activation buffers for reuse (worker.py)
 
 
 @dataclass
@@ -273,6 +281,12 @@ class EngineArgs:
     # device
     attention_backend: str = "auto"
     enforce_eager: bool = False
+    cpu_kernels: bool = True
+    cpu_isa: str = "auto"
+    cpu_layer_stack: bool = True
+    cpu_greedy_head: bool = True
+    cpu_moe_kernels: bool = True
+    cpu_reuse_freed_memory: bool = True
     # observability
     step_roofline: bool = True
     roofline_hardware: Optional[str] = None
@@ -333,6 +347,8 @@ class EngineArgs:
                 errors.append(str(e))
         if self.gguf_weights not in GGUF_WEIGHTS:
             errors.append(f"gguf_weights must be one of {', '.join(GGUF_WEIGHTS)}, got {self.gguf_weights!r}")
+        if self.cpu_isa not in CPU_ISAS:
+            errors.append(f"cpu_isa must be one of {', '.join(CPU_ISAS)}, got {self.cpu_isa!r}")
         if self.gguf_activations not in GGUF_ACTIVATIONS:
             errors.append(f"gguf_activations must be one of {', '.join(GGUF_ACTIVATIONS)}, "
                           f"got {self.gguf_activations!r}")
@@ -424,7 +440,10 @@ class EngineArgs:
             distributed_backend=self.distributed_backend,
         )
         device_config = DeviceConfig(
-            device=device, attention_backend=self.attention_backend, enforce_eager=self.enforce_eager
+            device=device, attention_backend=self.attention_backend, enforce_eager=self.enforce_eager,
+            cpu_kernels=self.cpu_kernels, cpu_isa=self.cpu_isa, cpu_layer_stack=self.cpu_layer_stack,
+            cpu_greedy_head=self.cpu_greedy_head, cpu_moe_kernels=self.cpu_moe_kernels,
+            cpu_reuse_freed_memory=self.cpu_reuse_freed_memory,
         )
         observability = ObservabilityConfig(step_roofline=self.step_roofline, roofline_hardware=self.roofline_hardware)
         return EngineConfig(model_config, cache_config, scheduler_config, parallel_config, device_config, observability,
@@ -466,22 +485,15 @@ def cache_dir() -> Path:
 
 
 class Switch:
-    """A process-wide on/off switch for an optional fast path: the environment variable's setting
-    (read once; "0", "false", "no", "off" or empty mean off), unless forced at run time."""
+    """A process-wide on/off switch for an optional fast path: on unless set off.  The engine sets each
+    from its EngineConfig field (worker.apply_cpu_settings); tests and A/B benchmarks force them."""
 
-    def __init__(self, env_var: str, default: str = "1") -> None:
-        self.env_var, self.default = env_var, default
-        self.override: Optional[bool] = None  # set(): True / False, or None for the environment's
-        self._from_env: Optional[bool] = None
-
-    def from_env(self) -> bool:
-        if self._from_env is None:
-            value = env_flag(self.env_var, self.default).strip().lower()
-            self._from_env = value not in ("0", "false", "no", "off", "")
-        return self._from_env
+    def __init__(self, name: str) -> None:
+        self.name = name  # the EngineConfig field that sets it
+        self.override: Optional[bool] = None  # set(): True / False, or None for the default (on)
 
     def on(self) -> bool:
-        return self.override if self.override is not None else self.from_env()
+        return self.override if self.override is not None else True
 
     def set(self, value: Optional[bool]) -> None:
         self.override = value

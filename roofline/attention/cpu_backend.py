@@ -22,7 +22,7 @@ class CpuAttentionBackend(TorchAttentionBackend):
     def __init__(self) -> None:
         if not cpu_ops.available():
             raise ValueError("attention backend 'cpu' needs the native CPU kernels, which did not load "
-                             "(no C compiler, or ROOFLINE_CPU_KERNELS=0); use 'torch'")
+                             "(no C compiler, or --no-cpu-kernels); use 'torch'")
 
     def write_kv(self, key, value, kv_cache, slot_mapping) -> None:
         if cpu_ops.can_write_kv(key, value, kv_cache):

@@ -15,6 +15,16 @@ _HELP = {
     "load_format": "auto | safetensors | gguf | dummy (random weights)",
     "gguf_weights": "native (a GGUF file's Q4_0/Q4_1/Q8_0/Q4_K/Q5_K/Q6_K layers stay in their blocks and are "
                     "computed natively on the CPU) | dequantize (fp32 copies, as on GPUs)",
+    "cpu_kernels": "the native C kernels for CPU layers (attention, GEMMs, norms, ...); --no-cpu-kernels runs "
+                   "torch ops instead",
+    "cpu_isa": "which build of the native CPU kernels to load: auto (the best this CPU runs) | avx512 | avx2 | "
+               "neon | portable (plain C)",
+    "cpu_layer_stack": "Llama-family models: a step's whole decoder stack in one native call (tp 1)",
+    "cpu_greedy_head": "greedy rows' LM head through an int8 screen that computes only the candidates' fp32 "
+                       "logits (the same token, bit for bit)",
+    "cpu_moe_kernels": "MoE layers: native per-expert GEMMs on packed weights",
+    "cpu_reuse_freed_memory": "have glibc keep freed activation buffers (up to 32 MiB) for reuse instead of "
+                              "unmapping them (Linux)",
     "gguf_activations": "fp32 (native blocks times fp32 activations: exact) | q8 (activations quantized to 8 "
                         "bits per 32 values, as llama.cpp does, for integer dot products with Q4_0/Q4_1/Q8_0 "
                         "blocks: faster decode, close to fp32 but not equal)",

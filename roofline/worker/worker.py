@@ -71,7 +71,7 @@ def zeros_on_huge_pages(shape, dtype: torch.dtype) -> torch.Tensor:
 
 _M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3  # glibc mallopt parameters
 _MMAP_THRESHOLD_MAX = 32 << 20  # glibc's ceiling for it on 64-bit
-REUSE_FREED_MEMORY = Switch("ROOFLINE_CPU_REUSE_FREED_MEMORY")
+REUSE_FREED_MEMORY = Switch("cpu_reuse_freed_memory")
 
 
 def reuse_freed_cpu_memory() -> bool:
@@ -80,7 +80,7 @@ def reuse_freed_cpu_memory() -> bool:
     allocates and frees the same activation sizes every layer; a prefill chunk's are MiBs, and glibc
     would hand each back to the OS and fault it in again, zeroed, on the next layer (2048-token chunks
     of the default model: ~5% of the step, SiLU-and-mul's output alone 145 -> 86 ms).  The process then
-    keeps its peak heap.  Linux/glibc only; off with ROOFLINE_CPU_REUSE_FREED_MEMORY=0.  Returns
+    keeps its peak heap.  Linux/glibc only; off with --no-cpu-reuse-freed-memory.  Returns
     whether it took effect."""
     if not REUSE_FREED_MEMORY.on() or not sys.platform.startswith("linux"):
         return False
@@ -91,6 +91,19 @@ def reuse_freed_cpu_memory() -> bool:
         return False
     mallopt.argtypes, mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
     return bool(mallopt(_M_MMAP_THRESHOLD, _MMAP_THRESHOLD_MAX)) and bool(mallopt(_M_TRIM_THRESHOLD, 2**31 - 1))
+
+
+def apply_cpu_settings(dc) -> None:
+    """The CPU fast paths' switches and the kernels' build from a DeviceConfig: the one place they are set
+    (process-wide: every engine of a process shares its kernels)."""
+    from roofline.model_executor.layers import greedy_head
+    from roofline.model_executor.layers.moe import cpu_experts
+
+    cpu_ops.select_isa(dc.cpu_isa)
+    for switch, value in ((cpu_ops.SWITCH, dc.cpu_kernels), (llama_cpu_stack.SWITCH, dc.cpu_layer_stack),
+                          (greedy_head.SWITCH, dc.cpu_greedy_head), (cpu_experts.SWITCH, dc.cpu_moe_kernels),
+                          (REUSE_FREED_MEMORY, dc.cpu_reuse_freed_memory)):
+        switch.set(None if value else False)
 
 
 class Worker:
@@ -104,6 +117,7 @@ class Worker:
         self.dtype = resolve_dtype(config.model_config.dtype, dc.device)
         self.hf_config = config.model_config.hf_config
         if self.device.type == "cpu":
+            apply_cpu_settings(dc)
             reuse_freed_cpu_memory()
         t0 = time.monotonic()
         self.model = self._load_model(source, show_progress and rank == 0)

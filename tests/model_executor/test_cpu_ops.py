@@ -317,3 +317,30 @@ def test_argmax_rows_declines_what_it_cannot_take():
     assert cpu_ops.argmax_rows(torch.randn(3, 5).double()) is None
     assert cpu_ops.argmax_rows(torch.randn(5, 3).t()) is None  # rows not unit-stride
     assert cpu_ops.argmax_rows(torch.randn(4)) is None
+
+
+def test_builds_are_chosen_at_run_time():
+    """--cpu-isa: the best build this CPU runs by default; another one on request (loaded in place of the
+    first, same values within fp32 rounding); a build the CPU cannot run, or an unknown one, is refused."""
+    from roofline.model_executor.layers import gguf_quant
+    from tests.reference.quantized import random_blocks
+
+    isas = cpu_ops.supported_isas()
+    assert isas[-1] == "portable"
+    assert cpu_ops.available() and cpu_ops.loaded_isa() == isas[0]
+    w = random_blocks(3, 40, 256, seed=4)
+    x = torch.randn(3, 256, generator=torch.Generator().manual_seed(4))
+    best = gguf_quant.linear(x, w)
+    try:
+        cpu_ops.select_isa("portable")
+        assert cpu_ops.available() and cpu_ops.loaded_isa() == "portable"
+        torch.testing.assert_close(gguf_quant.linear(x, w), best, atol=1e-4, rtol=1e-5)
+    finally:
+        cpu_ops.select_isa("auto")
+    assert cpu_ops.available() and cpu_ops.loaded_isa() == isas[0]
+    with pytest.raises(ValueError, match="cpu_isa"):
+        cpu_ops.select_isa("sse2")
+    missing = [i for i in ("avx512", "avx2", "neon") if i not in isas]
+    if missing:
+        with pytest.raises(ValueError, match="does not run on this CPU"):
+            cpu_ops.select_isa(missing[0])

@@ -10,7 +10,8 @@ import pytest
 # Where a fresh 20 MiB tensor lands: inside glibc's [heap] (brk) region, or in a mapping of its own.
 PROBE = """
 import sys, torch
-from roofline.worker.worker import reuse_freed_cpu_memory
+from roofline.worker.worker import REUSE_FREED_MEMORY, reuse_freed_cpu_memory
+REUSE_FREED_MEMORY.set(False if sys.argv[2:] == ["switched-off"] else None)
 took = reuse_freed_cpu_memory() if sys.argv[1] == "on" else False
 t = torch.empty(5 << 20, dtype=torch.float32)
 p = t.data_ptr()
@@ -27,9 +28,9 @@ print(took, in_heap)
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc mallopt, /proc/self/maps")
 
 
-def _probe(mode: str, **env):
-    out = subprocess.run([sys.executable, "-c", PROBE, mode], capture_output=True, text=True, check=True,
-                         env=dict(os.environ, **env))
+def _probe(mode: str, *extra: str):
+    out = subprocess.run([sys.executable, "-c", PROBE, mode, *extra], capture_output=True, text=True, check=True,
+                         env=dict(os.environ))
     took, in_heap = out.stdout.split()
     return took == "True", in_heap == "True"
 
@@ -40,4 +41,5 @@ def test_large_buffers_come_from_the_heap():
 
 
 def test_switch_turns_it_off():
-    assert _probe("on", ROOFLINE_CPU_REUSE_FREED_MEMORY="0") == (False, False)
+    """--no-cpu-reuse-freed-memory (EngineConfig.cpu_reuse_freed_memory, applied by the worker)."""
+    assert _probe("on", "switched-off") == (False, False)

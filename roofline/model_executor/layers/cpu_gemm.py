@@ -12,7 +12,7 @@ decode batch sizes, where oneDNN with a pre-packed weight, used here before, rea
 Each packed module keeps its dense `weight` parameter too: single rows go through it (use_packed),
 and loaders, tied embeddings and tests read it.  That doubles the CPU memory of the weights, which
 pays on the small models a CPU serves.  Without the native kernels (no C
-compiler, ROOFLINE_CPU_KERNELS=0) nothing is packed and F.linear runs as before.
+compiler, --no-cpu-kernels) nothing is packed and F.linear runs as before.
 
 A single row (one stream decoding) is a GEMV, bound by streaming the weights: the native kernel
 (cpu_ops.gemv: each thread streams a run of whole weight rows) reads the dense [in x out] weight, which

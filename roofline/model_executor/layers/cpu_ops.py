@@ -9,7 +9,7 @@ The C files (cpu_kernels.c, and quant_kernels.c for GGUF block-quantized weights
 are compiled together, into one library, on first use with the system C compiler (`cc`, or $CC) into
 $XDG_CACHE_HOME/roofline (default ~/.cache/roofline), keyed by the source's hash and the CPU's
 flags; that takes well under a second and happens once per machine.  Without a compiler (or with
-ROOFLINE_CPU_KERNELS=0) `available()` is False and every caller keeps its torch code, which stays
+--no-cpu-kernels) `available()` is False and every caller keeps its torch code, which stays
 the reference the kernels are tested against.
 
 Contracts (all tensors fp32 on CPU, unit stride in the last dim):
@@ -46,11 +46,10 @@ from roofline.config import Switch, cache_dir, env_flag
 
 logger = logging.getLogger(__name__)
 
-ENV_VAR = "ROOFLINE_CPU_KERNELS"
 SOURCE = Path(__file__).with_name("cpu_kernels.c")
 SOURCES = (SOURCE, Path(__file__).with_name("quant_kernels.c"))  # one library: the quantized GEMM uses the packed one
 
-SWITCH = Switch(ENV_VAR)
+SWITCH = Switch("cpu_kernels")
 PANEL = 16  # output columns per packed panel (GEMM_NR in cpu_kernels.c); head sizes prefill takes
 GREEDY_HQ_MAX = 32767  # greedy_head's int16 hidden states: |hq| <= this (a block's int32 sum: 32 x 32767 x 127)
 
@@ -94,7 +93,55 @@ def _cpu_flags() -> str:
     return platform.processor()
 
 
-def _compile(sources: tuple[Path, ...], out: Path) -> None:
+# Builds of the kernels, best first: the compiler flags of each, and the CPU flags it needs.  The C code
+# has AVX2+FMA+F16C paths (__AVX2__ ...) and plain C loops for everything else; the AVX-512 build adds
+# what the compiler makes of the wider registers, NEON is the base of every aarch64 CPU (the plain loops
+# vectorized for it), portable runs anywhere.
+ISA_BUILDS = {
+    "avx512": (["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx2", "-mfma", "-mf16c"],
+               {"avx512f", "avx512bw", "avx512vl", "avx512dq", "avx2", "fma", "f16c"}),
+    "avx2": (["-mavx2", "-mfma", "-mf16c"], {"avx2", "fma", "f16c"}),
+    "neon": (["-march=armv8-a"], set()),
+    "portable": ([], set()),
+}
+_isa_request = "auto"
+_isa_loaded: Optional[str] = None
+
+
+def supported_isas() -> list[str]:
+    """The builds this CPU runs, best first (portable always)."""
+    machine = platform.machine().lower()
+    flags = set(_cpu_flags().split())
+    if machine in ("x86_64", "amd64", "i686", "i386"):
+        out = [name for name in ("avx512", "avx2") if ISA_BUILDS[name][1] <= flags]
+    elif machine in ("aarch64", "arm64"):
+        out = ["neon"]
+    else:
+        out = []
+    return out + ["portable"]
+
+
+def select_isa(name: str) -> None:
+    """--cpu-isa: which build to load (auto: the best supported_isas()); before the first kernel call,
+    or the library is loaded again.  A build this CPU cannot run is a ValueError naming the field."""
+    global _isa_request, _tried, _lib
+    if name != "auto" and name not in ISA_BUILDS:
+        raise ValueError(f"cpu_isa must be one of auto, {', '.join(ISA_BUILDS)}, got {name!r}")
+    if name != "auto" and name not in supported_isas():
+        raise ValueError(f"cpu_isa {name!r} does not run on this CPU (it runs: {', '.join(supported_isas())})")
+    with _lock:
+        if name != _isa_request:
+            _isa_request = name
+            if _tried and _isa_loaded != (supported_isas()[0] if name == "auto" else name):
+                _tried, _lib = False, None  # load the requested build at the next call
+
+
+def loaded_isa() -> Optional[str]:
+    """The build in use (None until loaded, or when the kernels are unavailable)."""
+    return _isa_loaded if _lib is not None else None
+
+
+def _compile(sources: tuple[Path, ...], out: Path, isa: str) -> None:
     cc = env_flag("CC") or shutil.which("cc") or shutil.which("gcc") or shutil.which("clang")
     if cc is None:
         raise RuntimeError("no C compiler found (cc, gcc or clang; or set CC)")
@@ -102,38 +149,51 @@ def _compile(sources: tuple[Path, ...], out: Path) -> None:
     out.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
     os.close(fd)
-    errors = []
     try:
-        for arch in (["-march=native"], []):  # -march=native for AVX2/AVX-512 code; plain as a fallback
-            r = subprocess.run(base + arch + [str(s) for s in sources] + ["-o", tmp, "-lm"], capture_output=True, text=True)
-            if r.returncode == 0:
-                os.replace(tmp, out)  # atomic: concurrent processes never load a half-written file
-                return
-            errors.append(r.stderr.strip()[-500:])
-        raise RuntimeError("compiling the native CPU kernels failed: " + " | ".join(errors))
+        r = subprocess.run(base + ISA_BUILDS[isa][0] + [str(s) for s in sources] + ["-o", tmp, "-lm"],
+                           capture_output=True, text=True)
+        if r.returncode != 0:
+            raise RuntimeError(f"compiling the {isa} build of the native CPU kernels failed: {r.stderr.strip()[-500:]}")
+        os.replace(tmp, out)  # atomic: concurrent processes never load a half-written file
     finally:
         if os.path.exists(tmp):
             os.unlink(tmp)
 
 
+def _build(isa: str) -> Path:
+    """The cached library of one build (compiled on first use)."""
+    source = b"".join(src.read_bytes() for src in SOURCES)
+    key = hashlib.sha256(source + isa.encode() + platform.machine().encode()).hexdigest()[:16]
+    path = cache_dir() / f"cpu_kernels-{isa}-{key}.so"
+    if not path.exists():
+        _compile(SOURCES, path, isa)
+    return path
+
+
 def _load() -> Optional[ctypes.CDLL]:
-    global _lib, _tried
+    global _lib, _tried, _isa_loaded
     with _lock:
         if _tried:
             return _lib
         _tried = True
         try:
-            source = b"".join(src.read_bytes() for src in SOURCES)
-            key = hashlib.sha256(source + _cpu_flags().encode() + platform.machine().encode()).hexdigest()[:16]
-            path = cache_dir() / f"cpu_kernels-{key}.so"
-            if not path.exists():
-                _compile(SOURCES, path)
+            candidates = supported_isas() if _isa_request == "auto" else [_isa_request]
+            errors = []
+            for isa in candidates:  # the best build that compiles
+                try:
+                    path = _build(isa)
+                    break
+                except RuntimeError as e:
+                    errors.append(str(e))
+            else:
+                raise RuntimeError(" | ".join(errors))
             torch.get_num_threads()  # torch (and its libgomp) is loaded first: one OpenMP runtime
             lib = ctypes.CDLL(str(path))
             for name, argtypes in _SIGNATURES.items():
                 fn = getattr(lib, name)
                 fn.argtypes, fn.restype = argtypes, _RESTYPES.get(name)
-            _lib = lib
+            _lib, _isa_loaded = lib, isa
+            logger.info("native CPU kernels: the %s build", isa)
         except Exception as e:  # no compiler, read-only cache, ...: the torch code runs instead
             logger.warning("native CPU kernels unavailable, using torch ops (%s)", e)
             _lib = None
@@ -165,7 +225,7 @@ def available() -> bool:
 
 
 def use_cpu_kernels(enabled: Optional[bool]) -> None:
-    """Force the kernels on (True, if they load) or off (False) for the process; None = the env default."""
+    """Force the kernels on (True, if they load) or off (False) for the process; None = the default (on)."""
     SWITCH.set(enabled)
 
 

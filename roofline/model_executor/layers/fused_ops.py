@@ -10,7 +10,7 @@ says yes, return the fused result instead of running their torch code:
 For CUDA tensors active(x) follows this module's switch: on by default, off with ROOFLINE_FUSED_OPS=0
 in the environment or, at run time, use_fused_ops(False) (use_fused_ops(None) goes back to the
 environment's setting); it stays off if triton cannot be imported.  For CPU tensors it follows
-cpu_ops's switch (ROOFLINE_CPU_KERNELS, cpu_ops.use_cpu_kernels) and holds for fp32 only.  The torch
+cpu_ops's switch (--cpu-kernels, cpu_ops.use_cpu_kernels) and holds for fp32 only.  The torch
 code stays the reference both kernel sets are tested against.
 
 This module does not import triton: triton_ops is imported on the first fused call (CUDA only), so

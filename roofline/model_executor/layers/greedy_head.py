@@ -28,7 +28,7 @@ run no faster than fp32 FMAs there, so batches of more than MAX_ROWS rows keep t
 applies to rows that sample greedily without logprobs, penalties or min_tokens suppression
 (ModelRunner picks them), tp 1, fp32 on the CPU, with the native kernels loaded; elsewhere the logits
 are computed as before.  Costs: the int8 copy (V x K bytes) and a
-float per token and block.  Switch: ROOFLINE_CPU_GREEDY_HEAD (on by default).
+float per token and block.  Switch: --cpu-greedy-head (on by default).
 """
 
 from __future__ import annotations
@@ -41,7 +41,7 @@ import torch
 from roofline.config import Switch
 from roofline.model_executor.layers import cpu_gemm, cpu_ops
 
-SWITCH = Switch("ROOFLINE_CPU_GREEDY_HEAD")
+SWITCH = Switch("cpu_greedy_head")
 
 W_MAX = 127  # int8 weights
 HQ_MAX = cpu_ops.GREEDY_HQ_MAX  # int16 hidden states (a block's int32 sum stays far from overflow)

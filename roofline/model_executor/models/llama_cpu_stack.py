@@ -16,7 +16,7 @@ modules), a gate/up
 projection without bias whose halves are 16-aligned and a head size that is a multiple of 16; and
 per step (`takes`) to batches of 2 or more rows and to single rows (one stream decoding), which go
 through the native GEMV over the dense [in x out]-major weights there as in the modules.
-Anywhere else the modules run, and they stay the reference.  Switch: ROOFLINE_CPU_LAYER_STACK
+Anywhere else the modules run, and they stay the reference.  Switch: --cpu-layer-stack
 (on by default; `SWITCH.forced(False)` for A/B runs).
 """
 
@@ -31,7 +31,7 @@ from roofline.attention.backend import AttentionMetadata
 from roofline.config import Switch
 from roofline.model_executor.layers import cpu_ops
 
-SWITCH = Switch("ROOFLINE_CPU_LAYER_STACK")
+SWITCH = Switch("cpu_layer_stack")
 
 # per-layer address slots, in the order of the enum in cpu_kernels.c
 (IN_NORM, QKV, QKV_BIAS, Q_NORM, K_NORM, O, O_BIAS, POST_NORM, GATE_UP, DOWN, DOWN_BIAS,

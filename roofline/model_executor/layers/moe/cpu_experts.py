@@ -11,7 +11,7 @@ the threaded GEMV for a single row) and combine in torch.
 `CpuExperts.build` makes, once after loading (cpu_prepare.prepare_model), a packed copy of every
 expert's two weights (cpu_ops.pack_panels) and lays the dense stacks out [in x out]-major per expert
 (the GEMV's layout; shapes unchanged).  Not bit-for-bit the torch reference (other summation order),
-within fp32 rounding of it (tested).  Switch: ROOFLINE_CPU_MOE (on by default; off runs the torch
+within fp32 rounding of it (tested).  Switch: --cpu-moe-kernels (on by default; off runs the torch
 reference, for A/B runs).
 """
 
@@ -26,7 +26,7 @@ from roofline.config import Switch
 from roofline.model_executor.layers import cpu_ops
 from roofline.model_executor.layers.moe.torch_experts import grouped_by_expert
 
-SWITCH = Switch("ROOFLINE_CPU_MOE")
+SWITCH = Switch("cpu_moe_kernels")
 
 
 def _gemv_major(w: torch.Tensor) -> torch.Tensor:
