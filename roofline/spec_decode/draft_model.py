@@ -24,7 +24,7 @@ import torch
 
 from roofline.core.scheduler_output import ScheduledRequest
 from roofline.model_executor.layers.sampler import adjusted_logits, exponential_noise, sampling_probs
-from roofline.spec_decode.proposer import ProposalBatch, Proposals, Proposer, TargetForward
+from roofline.spec_decode.proposer import ModelBasedProposer, ProposalBatch, Proposals, TargetForward
 from roofline.spec_decode.rejection_sampler import position_states
 
 
@@ -38,15 +38,7 @@ class TargetStep:
     prepare: Callable  # ModelRunner._prepare: ScheduledRequests -> (input_ids, positions, meta)
 
 
-class DraftModelProposer(Proposer):
-    needs_target_step = True
-
-    def __init__(self, model: torch.nn.Module, kv_caches: list[torch.Tensor], k: int, max_positions: int) -> None:
-        """max_positions: positions the draft may be run at (its rotary table, the engine's max_model_len)."""
-        self.model = model
-        self.kv_caches = kv_caches
-        self.num_lookahead_slots = k
-        self.max_positions = max_positions
+class DraftModelProposer(ModelBasedProposer):
 
     @torch.inference_mode()
     def follow_target(self, forward: TargetForward) -> None:
@@ -59,14 +51,10 @@ class DraftModelProposer(Proposer):
     def propose(self, batch: ProposalBatch) -> Proposals:
         t: TargetStep = batch.target
         k = batch.k
-        # requests whose k draft positions all fit (one at the end of its room proposes nothing)
-        fit = [i for i, r in enumerate(batch.req_ids) if t.next_position[r] + k <= self.max_positions]
-        if k <= 0 or not fit:
+        started = self.start(batch)
+        if started is None:
             return Proposals([[] for _ in batch.req_ids])
-        rids = [batch.req_ids[i] for i in fit]
-        states = [t.states[r] for r in rids]
-        drafts: list[list[int]] = [[] for _ in rids]
-        probs: list[list[torch.Tensor]] = [[] for _ in rids]
+        fit, rids, states, drafts, probs = started
         tokens = [batch.token_ids[i][-1] for i in fit]
         for step in range(k):  # 2. k decode steps
             items = [ScheduledRequest(r, t.next_position[r] + step, [tok], t.block_ids[r], True)

@@ -23,7 +23,7 @@ import torch
 
 from roofline.core.scheduler_output import ScheduledRequest
 from roofline.spec_decode.draft_model import TargetStep, draw_drafts, gather_proposals
-from roofline.spec_decode.proposer import ProposalBatch, Proposals, Proposer, TargetForward
+from roofline.spec_decode.proposer import ModelBasedProposer, ProposalBatch, Proposals, TargetForward
 
 
 def known_tokens(state, start: int, end: int) -> list[int]:
@@ -36,15 +36,11 @@ def known_tokens(state, start: int, end: int) -> list[int]:
     return part
 
 
-class MTPProposer(Proposer):
-    needs_target_step = True
+class MTPProposer(ModelBasedProposer):
     needs_target_hidden = True
 
     def __init__(self, module: torch.nn.Module, kv_caches: list[torch.Tensor], k: int, max_positions: int) -> None:
-        self.module = module
-        self.kv_caches = kv_caches
-        self.num_lookahead_slots = k
-        self.max_positions = max_positions
+        super().__init__(module, kv_caches, k, max_positions)
         self._first: dict[str, torch.Tensor] = {}  # sampled request -> module output at its last valid row
 
     @torch.inference_mode()
@@ -61,7 +57,7 @@ class MTPProposer(Proposer):
                 last_rows[s.req_id] = len(nxt) + newest - 1 - s.num_computed_tokens
             nxt += following + [0] * (c - len(following))
         ids = torch.tensor(nxt, dtype=torch.int64, device=forward.input_ids.device)
-        y = self.module(ids, forward.positions, forward.hidden, self.kv_caches, forward.meta)
+        y = self.model(ids, forward.positions, forward.hidden, self.kv_caches, forward.meta)
         self._first = {rid: y[row] for rid, row in last_rows.items()}
 
     @torch.inference_mode()
@@ -69,21 +65,17 @@ class MTPProposer(Proposer):
         """2. k drafts per request (module docstring)."""
         t: TargetStep = batch.target
         k = batch.k
-        fit = [i for i, r in enumerate(batch.req_ids)
-               if r in self._first and t.next_position[r] + k <= self.max_positions]
-        if k <= 0 or not fit:
+        started = self.start(batch, usable=lambda r: r in self._first)
+        if started is None:
             return Proposals([[] for _ in batch.req_ids])
-        rids = [batch.req_ids[i] for i in fit]
-        states = [t.states[r] for r in rids]
-        drafts: list[list[int]] = [[] for _ in rids]
-        probs: list[list[torch.Tensor]] = [[] for _ in rids]
+        fit, rids, states, drafts, probs = started
         y = torch.stack([self._first[r] for r in rids])
         for step in range(k):
-            tokens = draw_drafts(self.module.compute_logits(y), states, drafts, probs)
+            tokens = draw_drafts(self.model.compute_logits(y), states, drafts, probs)
             if step == k - 1:
                 break
             items = [ScheduledRequest(r, t.next_position[r] + step, [tok], t.block_ids[r], True)
                      for r, tok in zip(rids, tokens)]
             input_ids, positions, meta = t.prepare(items)
-            y = self.module(input_ids, positions, y, self.kv_caches, meta)
+            y = self.model(input_ids, positions, y, self.kv_caches, meta)
         return gather_proposals(len(batch.req_ids), fit, drafts, probs)

@@ -65,3 +65,29 @@ class Proposer(ABC):
 
     @abstractmethod
     def propose(self, batch: ProposalBatch) -> Proposals: ...
+
+
+class ModelBasedProposer(Proposer):
+    """A proposer that runs a model of its own on the target's workers (a draft model, an MTP module):
+    a KV pool in the target's block geometry and k lookahead slots past a sampling request's step."""
+
+    needs_target_step = True
+
+    def __init__(self, model: torch.nn.Module, kv_caches: list[torch.Tensor], k: int, max_positions: int) -> None:
+        """max_positions: positions the model may be run at (its rotary table, the engine's max_model_len)."""
+        self.model = model
+        self.kv_caches = kv_caches
+        self.num_lookahead_slots = k
+        self.max_positions = max_positions
+
+    def start(self, batch: ProposalBatch, usable=None):
+        """The requests that propose this step -- their k draft positions fit (one at the end of its room
+        proposes nothing) and usable(req_id) -- as (batch indices, req ids, sampling states, empty drafts
+        and q rows per request); None when none does."""
+        t = batch.target
+        fit = [i for i, r in enumerate(batch.req_ids)
+               if (usable is None or usable(r)) and t.next_position[r] + batch.k <= self.max_positions]
+        if batch.k <= 0 or not fit:
+            return None
+        rids = [batch.req_ids[i] for i in fit]
+        return fit, rids, [t.states[r] for r in rids], [[] for _ in rids], [[] for _ in rids]
