@@ -395,19 +395,50 @@ static void quantize_rows_q8(const float *a, int64_t lda, int M, int64_t K, act_
         const float *x = a + m * lda;
         for (int64_t b = 0; b < nb; b++) {
             const float *xb = x + b * 32;
-            float amax = 0.f;
-            for (int i = 0; i < 32; i++) {
-                const float v = xb[i] < 0 ? -xb[i] : xb[i];
-                amax = v > amax ? v : amax;
-            }
-            const float d = amax / 127.f, id = d != 0.f ? 1.f / d : 0.f;
             int8_t *q = out->q + m * K + b * 32;
+            float amax = 0.f;
+#ifdef QUANT_AVX2
+            const __m256 sign = _mm256_set1_ps(-0.0f);
+            __m256 v[4], mx = _mm256_setzero_ps();
+            for (int g = 0; g < 4; g++) {
+                v[g] = _mm256_loadu_ps(xb + 8 * g);
+                mx = _mm256_max_ps(mx, _mm256_andnot_ps(sign, v[g]));
+            }
+            __m128 h = _mm_max_ps(_mm256_castps256_ps128(mx), _mm256_extractf128_ps(mx, 1));
+            h = _mm_max_ps(h, _mm_movehl_ps(h, h));
+            h = _mm_max_ss(h, _mm_movehdup_ps(h));
+            amax = _mm_cvtss_f32(h);
+#else
+            for (int i = 0; i < 32; i++) {
+                const float av = xb[i] < 0 ? -xb[i] : xb[i];
+                amax = av > amax ? av : amax;
+            }
+#endif
+            const float d = amax / 127.f, id = d != 0.f ? 1.f / d : 0.f;
             int sum = 0;
+#ifdef QUANT_AVX2
+            const __m256 vid = _mm256_set1_ps(id);
+            __m256i qi[4];
+            for (int g = 0; g < 4; g++)  /* x * id rounded to nearest, ties to even (as nearbyintf) */
+                qi[g] = _mm256_cvtps_epi32(_mm256_round_ps(_mm256_mul_ps(v[g], vid),
+                                                           _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+            /* int32 -> int8 in order: packs interleave the 128-bit lanes, the permute puts them back */
+            const __m256i p16a = _mm256_packs_epi32(qi[0], qi[1]), p16b = _mm256_packs_epi32(qi[2], qi[3]);
+            const __m256i p8 = _mm256_permutevar8x32_epi32(_mm256_packs_epi16(p16a, p16b),
+                                                           _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+            _mm256_storeu_si256((__m256i *)q, p8);
+            const __m256i s32 = _mm256_add_epi32(_mm256_add_epi32(qi[0], qi[1]), _mm256_add_epi32(qi[2], qi[3]));
+            __m128i s4 = _mm_add_epi32(_mm256_castsi256_si128(s32), _mm256_extracti128_si256(s32, 1));
+            s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0x4e));
+            s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0xb1));
+            sum = _mm_cvtsi128_si32(s4);
+#else
             for (int i = 0; i < 32; i++) {
                 const float r = nearbyintf(xb[i] * id);  /* the current rounding mode: to nearest, ties to even */
                 q[i] = (int8_t)r;
                 sum += q[i];
             }
+#endif
             out->d[m * nb + b] = d;
             out->s[m * nb + b] = d * (float)sum;
         }
