@@ -151,9 +151,12 @@ def test_q8_activations_stay_close_to_fp32(default_llm, q8_llm):
             assert abs(a.outputs[0].logprobs[i][ta[i]].logprob - b.outputs[0].logprobs[i][tb[i]].logprob) < 0.25
 
 
-def test_q8_activations_leave_greedy_unchanged_by_batching_chunking_and_speculation(q8_llm):
-    """A row's values never depend on the rows beside it, so in q8 mode too: one at a time = batched =
-    chunked prefill (budget 16) = speculative decoding (ngram, 1 + k rows verified)."""
+def test_q8_activations_leave_greedy_unchanged_by_batching(q8_llm):
+    """A row's matmul values never depend on the rows beside it, so in q8 mode a request decodes the
+    same tokens alone and in a batch.  (Speculative verification and prefill chunks also run attention
+    for several queries at once, whose fp32 sums differ slightly from one query's; the activations'
+    rounding can amplify that into another token, so q8 mode does not promise those invariances: W7
+    reports same_tokens.)"""
     import json
 
     tok = q8_llm.llm_engine.tokenizer
@@ -165,13 +168,6 @@ def test_q8_activations_leave_greedy_unchanged_by_batching_chunking_and_speculat
     alone = [q8_llm.generate([x], sp, use_tqdm=False)[0].outputs[0].token_ids for x in inputs]
     batched = [o.outputs[0].token_ids for o in q8_llm.generate(inputs, sp, use_tqdm=False)]
     assert batched == alone
-    for extra in (dict(max_num_batched_tokens=16),
-                  dict(speculative_config={"method": "ngram", "num_speculative_tokens": 5, "adaptive": False})):
-        llm = LLM(show_progress=False, num_kv_blocks=512, gguf_activations="q8", **extra)
-        outs = llm.generate(inputs, sp, use_tqdm=False)
-        assert [o.outputs[0].token_ids for o in outs] == alone, extra
-        if "speculative_config" in extra:
-            assert llm.llm_engine.get_stats().spec_decode.num_accepted_tokens > 0
 
 
 def test_bad_gguf_activations_value_is_refused():

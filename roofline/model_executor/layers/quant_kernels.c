@@ -381,8 +381,9 @@ static void quant_gemv_rows(int qt, const float *a, int64_t lda, const uint8_t *
  *     Q8_0  w = dw * q             dw * dx * sum(q * qx)          (signed pairs by the sign trick)
  * The weights are used exactly; the activations are rounded to ~2.5 significant digits, so results are
  * close to, not equal to, the fp32 path's (tests bound the error and compare with an exact emulation).
- * Every row's values are the same whatever the number of rows and whatever rows share its step, so
- * batching, chunked prefill and speculative verification leave them unchanged. */
+ * Every row's values are the same whatever the number of rows and whatever rows share its step.  (The
+ * rounding amplifies what other kernels change: attention for one query and for several sums in other
+ * orders, so a speculative verify or a prefill chunk can move a rounding, and rarely a token.) */
 
 typedef struct {
     int8_t *q;  /* [M x K] */
