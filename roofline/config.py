@@ -126,7 +126,7 @@ class DeviceConfig:
     attention_backend: str = "auto"  # auto | torch | cpu | triton
     enforce_eager: bool = False
     # the CPU fast paths (one place: the worker applies them, worker.apply_cpu_settings)
-    cpu_kernels: bool = True  # the native C kernels (model_executor/layers/cpu_ops.py); off: torch ops
+    cpu_kernels: bool = True  # the native C kernels (cpu/ops.py); off: torch ops
     cpu_isa: str = "auto"  # the kernels' build: auto (the best this CPU runs) | avx512 | avx2 | neon | portable
     cpu_layer_stack: bool = True  # Llama-family decoder stack in one native call (llama_cpu_stack.py)
     cpu_greedy_head: bool = True  # greedy rows' LM head through the int8 screen (greedy_head.py)

@@ -20,7 +20,7 @@ def test_default_on_and_forcing():
 
 
 def test_engine_config_sets_the_cpu_switches():
-    from roofline.model_executor.layers import cpu_ops, greedy_head
+    from roofline.cpu import ops as cpu_ops, greedy_head
     from roofline.model_executor.layers.moe import cpu_experts
     from roofline.model_executor.models import llama_cpu_stack
     from roofline.worker.worker import REUSE_FREED_MEMORY, apply_cpu_settings

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from roofline.attention.backend import AttentionMetadata
 from roofline.attention.torch_backend import TorchAttentionBackend
-from roofline.model_executor.layers import cpu_ops
+from roofline.cpu import ops as cpu_ops
 
 
 class CpuAttentionBackend(TorchAttentionBackend):

@@ -12,7 +12,7 @@ def get_attention_backend(name: str, device: str) -> AttentionBackend:
     if name == "auto":
         name = "torch"
         if device.startswith("cpu"):
-            from roofline.model_executor.layers import cpu_ops
+            from roofline.cpu import ops as cpu_ops
 
             name = "cpu" if cpu_ops.available() else "torch"
         elif device.startswith("cuda"):

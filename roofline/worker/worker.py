@@ -18,7 +18,8 @@ from roofline.attention.selector import get_attention_backend
 from roofline.config import GiB, EngineConfig, Switch
 from roofline.core.scheduler_output import ModelRunnerOutput, SchedulerOutput, StepParallelStats
 from roofline.distributed.parallel_state import collective_stats, get_layout
-from roofline.model_executor.layers import cpu_ops, cpu_prepare, gguf_quant
+from roofline.cpu import ops as cpu_ops, gguf_quant
+from roofline.model_executor.layers import cpu_prepare
 from roofline.model_executor.loader.source import ModelSource
 from roofline.model_executor.loader.weights import gguf_weights, init_dummy_weights, safetensors_weights
 from roofline.model_executor.models import llama_cpu_stack
@@ -96,7 +97,7 @@ def reuse_freed_cpu_memory() -> bool:
 def apply_cpu_settings(dc) -> None:
     """The CPU fast paths' switches and the kernels' build from a DeviceConfig: the one place they are set
     (process-wide: every engine of a process shares its kernels)."""
-    from roofline.model_executor.layers import greedy_head
+    from roofline.cpu import greedy_head
     from roofline.model_executor.layers.moe import cpu_experts
 
     cpu_ops.select_isa(dc.cpu_isa)

@@ -16,7 +16,7 @@ from roofline.attention.mla.backend import (
     gather_latent,
     get_mla_backend,
 )
-from roofline.model_executor.layers import cpu_ops
+from roofline.cpu import ops as cpu_ops
 from tests.attention import paged_batches
 
 H, P, V, L, R = 4, 16, 12, 32, 8  # heads, nope dim, value dim, latent rank, rope dim

@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from roofline import LLM, SamplingParams
-from roofline.model_executor.layers import cpu_ops
-from roofline.model_executor.layers.gguf_quant import FORMATS
+from roofline.cpu import ops as cpu_ops
+from roofline.cpu.gguf_quant import FORMATS
 from roofline.model_executor.models import llama_cpu_stack
 from tests.reference.hf_models import build_tiny_model, hf_greedy, hf_logprobs, random_prompts
 from tests.reference.quantized import quantized_layer_weights, serve_blocks

@@ -117,7 +117,7 @@ def test_prompt_logprobs_match_hf(device, tiny_models):
 def test_parity_above_runs_the_cpu_fast_path(default_llm):
     """The HF-parity tests check what users run: on CPU, the native-kernel attention backend and the
     projections computed on the file's quantized blocks (when this machine can build the kernels)."""
-    from roofline.model_executor.layers import cpu_gemm, cpu_ops
+    from roofline.cpu import gemm as cpu_gemm, ops as cpu_ops
 
     model = default_llm.llm_engine.executor.worker.model
     attn = model.model.layers[0].self_attn

@@ -50,7 +50,7 @@ def test_moe_greedy_matches_hf(moe_models, arch, variant):
 
 def test_moe_models_take_the_cpu_expert_path_not_the_layer_stack(moe_models):
     """On CPU the experts run on the packed native kernels; the dense-only layer stack stays off."""
-    from roofline.model_executor.layers import cpu_ops
+    from roofline.cpu import ops as cpu_ops
     from roofline.model_executor.layers.moe import FusedMoE
 
     for arch in ARCHS:

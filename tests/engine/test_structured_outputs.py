@@ -151,7 +151,7 @@ def test_unconstrained_rows_unchanged_bit_for_bit(default_llm):
 
 
 def test_constrained_rows_skip_the_greedy_head(default_llm, monkeypatch):
-    from roofline.model_executor.layers import greedy_head
+    from roofline.cpu import greedy_head
 
     seen = []
     real = greedy_head.GreedyScreen.tokens

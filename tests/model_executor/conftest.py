@@ -6,7 +6,7 @@ import subprocess
 
 import pytest
 
-from roofline.model_executor.layers import cpu_ops
+from roofline.cpu import ops as cpu_ops
 
 
 @pytest.fixture(scope="session")

@@ -4,7 +4,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from roofline.model_executor.layers import cpu_gemm, cpu_ops, cpu_prepare
+from roofline.cpu import gemm as cpu_gemm, ops as cpu_ops
+from roofline.model_executor.layers import cpu_prepare
 from roofline.model_executor.layers.linear import QKVParallelLinear, RowParallelLinear
 from roofline.model_executor.layers.vocab_embedding import ParallelLMHead
 

@@ -12,7 +12,8 @@ import torch.nn.functional as F
 from roofline.attention.backend import write_kv_torch
 from roofline.attention.selector import get_attention_backend
 from roofline.attention.cpu_backend import CpuAttentionBackend
-from roofline.model_executor.layers import cpu_ops, fused_ops
+from roofline.cpu import ops as cpu_ops
+from roofline.model_executor.layers import fused_ops
 from roofline.model_executor.layers.activation import SiluAndMul
 from roofline.model_executor.layers.norm import RMSNorm
 from roofline.model_executor.layers.rotary import RotaryEmbedding
@@ -224,7 +225,7 @@ def test_without_a_compiler_everything_falls_back_to_torch(tmp_path):
     """A fresh process with no usable compiler and an empty cache: a warning, the torch path, and
     generation still works."""
     code = (
-        "from roofline.model_executor.layers import cpu_ops\n"
+        "from roofline.cpu import ops as cpu_ops\n"
         "from roofline.attention.selector import get_attention_backend\n"
         "assert not cpu_ops.available()\n"
         "assert get_attention_backend('auto', 'cpu').name == 'torch'\n"
@@ -322,7 +323,7 @@ def test_argmax_rows_declines_what_it_cannot_take():
 def test_builds_are_chosen_at_run_time():
     """--cpu-isa: the best build this CPU runs by default; another one on request (loaded in place of the
     first, same values within fp32 rounding); a build the CPU cannot run, or an unknown one, is refused."""
-    from roofline.model_executor.layers import gguf_quant
+    from roofline.cpu import gguf_quant
     from tests.reference.quantized import random_blocks
 
     isas = cpu_ops.supported_isas()

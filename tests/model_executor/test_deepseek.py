@@ -105,7 +105,7 @@ def test_greedy_matches_hf(deepseek, name, variant):
     if variant == "default":
         assert stats.prefix_cache_hits > 0
         attn = llm.llm_engine.executor.worker.model.model.layers[0].self_attn
-        from roofline.model_executor.layers import cpu_ops
+        from roofline.cpu import ops as cpu_ops
 
         assert attn.backend.name == ("cpu" if cpu_ops.available() else "torch")  # the native decode kernel
     if variant.startswith("preempt"):

@@ -6,8 +6,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from roofline.model_executor.layers import cpu_gemm, cpu_ops, gguf_quant
-from roofline.model_executor.layers.gguf_quant import FORMATS, QuantizedTensor
+from roofline.cpu import gemm as cpu_gemm, ops as cpu_ops, gguf_quant
+from roofline.cpu.gguf_quant import FORMATS, QuantizedTensor
 from tests.reference.quantized import random_blocks
 
 pytestmark = pytest.mark.skipif(not cpu_ops.available(), reason="native CPU kernels unavailable (no C compiler)")

@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from roofline import LLM, SamplingParams
-from roofline.model_executor.layers import cpu_gemm, cpu_ops, greedy_head
-from roofline.model_executor.layers.greedy_head import GreedyScreen, route_runs_for
+from roofline.cpu import gemm as cpu_gemm, ops as cpu_ops, greedy_head
+from roofline.cpu.greedy_head import GreedyScreen, route_runs_for
 
 pytestmark = pytest.mark.skipif(not cpu_ops.available(), reason="native CPU kernels not built here")
 

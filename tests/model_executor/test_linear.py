@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from roofline.model_executor.layers import cpu_ops
+from roofline.cpu import ops as cpu_ops
 from roofline.model_executor.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from tests.reference.quantized import random_blocks
 

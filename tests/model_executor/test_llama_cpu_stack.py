@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from roofline import LLM, SamplingParams
-from roofline.model_executor.layers import cpu_ops
+from roofline.cpu import ops as cpu_ops
 from roofline.model_executor.models import llama_cpu_stack
 from tests.reference.hf_models import build_tiny_model, random_prompts
 

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from roofline.distributed.parallel_state import tp_group_as
-from roofline.model_executor.layers import cpu_ops
+from roofline.cpu import ops as cpu_ops
 from roofline.model_executor.layers.moe import FusedMoE, RoutingConfig, cpu_experts, select_experts
 from roofline.model_executor.layers.moe.torch_experts import torch_experts
 

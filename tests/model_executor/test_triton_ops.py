@@ -21,7 +21,8 @@ if not torch.cuda.is_available():
         importlib.reload(_mod)
 pytest.importorskip("triton")
 
-from roofline.model_executor.layers import cpu_ops, fused_ops, triton_ops  # noqa: E402
+from roofline.cpu import ops as cpu_ops
+from roofline.model_executor.layers import fused_ops, triton_ops  # noqa: E402
 from roofline.model_executor.layers.activation import SiluAndMul  # noqa: E402
 from roofline.model_executor.layers.norm import RMSNorm  # noqa: E402
 from roofline.model_executor.layers.rotary import RotaryEmbedding  # noqa: E402

@@ -7,7 +7,7 @@ import gguf
 import numpy as np
 import torch
 
-from roofline.model_executor.layers.gguf_quant import FORMATS, QuantizedTensor
+from roofline.cpu.gguf_quant import FORMATS, QuantizedTensor
 
 # byte offsets of each format's fp16 scale fields inside a block (the rest: quants and packed scales)
 HALF_FIELDS = {2: (0,), 3: (0, 2), 8: (0,), 12: (0, 2), 13: (0, 2), 14: (208,)}

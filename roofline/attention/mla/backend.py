@@ -135,7 +135,7 @@ class CpuMLAAttentionBackend(MLAAttentionBackend):
     name = "cpu"
 
     def latent_attention(self, q_abs, cache, meta, scale, latent_rank):
-        from roofline.model_executor.layers import cpu_ops
+        from roofline.cpu import ops as cpu_ops
 
         if not cpu_ops.can_mla_decode(q_abs, cache):
             return super().latent_attention(q_abs, cache, meta, scale, latent_rank)

@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import torch
 
-from roofline.model_executor.layers import cpu_gemm
-from roofline.model_executor.layers.greedy_head import GreedyScreen
+from roofline.cpu import gemm as cpu_gemm
+from roofline.cpu.greedy_head import GreedyScreen
 from roofline.model_executor.layers.linear import LinearBase
 from roofline.model_executor.layers.vocab_embedding import ParallelLMHead, VocabParallelEmbedding
 

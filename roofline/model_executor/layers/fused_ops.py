@@ -24,7 +24,7 @@ from typing import Optional
 import torch
 
 from roofline.config import Switch
-from roofline.model_executor.layers import cpu_ops
+from roofline.cpu import ops as cpu_ops
 
 ENV_VAR = "ROOFLINE_FUSED_OPS"
 SWITCH = Switch(ENV_VAR)

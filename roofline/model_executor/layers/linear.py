@@ -17,8 +17,8 @@ import torch
 from torch import nn
 
 from roofline.distributed.parallel_state import get_tp_rank, get_tp_size, tp_all_reduce
-from roofline.model_executor.layers import cpu_gemm
-from roofline.model_executor.layers.gguf_quant import QuantizedTensor
+from roofline.cpu import gemm as cpu_gemm
+from roofline.cpu.gguf_quant import QuantizedTensor
 
 
 def _divide(n: int, d: int, what: str) -> int:

@@ -16,7 +16,7 @@ from typing import Optional
 import torch
 
 from roofline.core.scheduler_output import PositionLogprobs, SamplingSpec
-from roofline.model_executor.layers import cpu_ops
+from roofline.cpu import ops as cpu_ops
 
 
 @dataclass

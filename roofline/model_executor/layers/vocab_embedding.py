@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from roofline.distributed.parallel_state import get_tp_rank, get_tp_size, tp_all_gather, tp_all_reduce
-from roofline.model_executor.layers import cpu_gemm, greedy_head
+from roofline.cpu import gemm as cpu_gemm, greedy_head
 
 
 class VocabParallelEmbedding(nn.Module):

@@ -17,8 +17,8 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from roofline.model_executor.layers import gguf_quant
-from roofline.model_executor.layers.gguf_quant import QuantizedTensor
+from roofline.cpu import gguf_quant
+from roofline.cpu.gguf_quant import QuantizedTensor
 
 
 def safetensors_weights(path: str, show_progress: bool = True) -> Iterator[tuple[str, torch.Tensor]]:

@@ -28,9 +28,9 @@ from torch import nn
 from roofline.attention import kv_spec
 from roofline.attention.backend import AttentionBackend, AttentionMetadata
 from roofline.distributed import pipeline
-from roofline.model_executor.layers import cpu_gemm
+from roofline.cpu import gemm as cpu_gemm
 from roofline.model_executor.layers.activation import SiluAndMul
-from roofline.model_executor.layers.gguf_quant import QuantizedTensor
+from roofline.cpu.gguf_quant import QuantizedTensor
 from roofline.model_executor.layers.linear import (
     LinearBase,
     MergedColumnParallelLinear,

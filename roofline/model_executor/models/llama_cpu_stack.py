@@ -29,7 +29,7 @@ import torch
 from roofline.attention import kv_spec
 from roofline.attention.backend import AttentionMetadata
 from roofline.config import Switch
-from roofline.model_executor.layers import cpu_ops
+from roofline.cpu import ops as cpu_ops
 
 SWITCH = Switch("cpu_layer_stack")
 

@@ -23,7 +23,7 @@ from typing import Optional
 import torch
 
 from roofline.config import Switch
-from roofline.model_executor.layers import cpu_ops
+from roofline.cpu import ops as cpu_ops
 from roofline.model_executor.layers.moe.torch_experts import grouped_by_expert
 
 SWITCH = Switch("cpu_moe_kernels")

@@ -28,8 +28,8 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-from roofline.model_executor.layers import cpu_ops, gguf_quant
-from roofline.model_executor.layers.gguf_quant import QuantizedTensor
+from roofline.cpu import ops as cpu_ops, gguf_quant
+from roofline.cpu.gguf_quant import QuantizedTensor
 
 # One row uses the dense weight: the native GEMV streams it from memory faster than a one-row panel tile.
 PACKED_MIN_ROWS = 2

@@ -24,7 +24,7 @@ from typing import Optional
 import numpy as np
 import torch
 
-from roofline.model_executor.layers import cpu_ops
+from roofline.cpu import ops as cpu_ops
 
 # ggml type id -> (name, values per block, bytes per block), as in ggml.h / gguf.constants
 FORMATS = {

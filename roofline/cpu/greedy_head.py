@@ -39,7 +39,7 @@ from typing import Optional
 import torch
 
 from roofline.config import Switch
-from roofline.model_executor.layers import cpu_gemm, cpu_ops
+from roofline.cpu import gemm as cpu_gemm, ops as cpu_ops
 
 SWITCH = Switch("cpu_greedy_head")
 
