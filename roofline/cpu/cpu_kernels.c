@@ -1310,11 +1310,41 @@ enum { L_IN_NORM, L_QKV, L_QKV_BIAS, L_Q_NORM, L_K_NORM, L_O, L_O_BIAS, L_POST_N
 /* L_*_QUANT: a projection kept in GGUF blocks (quant_kernels.c; its packed/dense slots are then 0);
  * L_QUANT_TYPES: not an address but their ggml types, 8 bits each: qkv | o << 8 | gate_up << 16 | down << 24 */
 
-/* quant_kernels.c (the same library) */
-void quant_linear_f32(int qt, const float *a, int64_t lda, const uint8_t *w, int64_t row_bytes, const float *bias,
-                      float *c, int64_t ldc, int64_t M, int64_t K, int64_t N, int nthreads);
+/* quant_kernels.c (the same library): the GGUF block formats */
 int64_t quant_block_elems(int qt);
 int64_t quant_block_bytes(int qt);
+int quant_rows_route(int qt, int64_t M);
+void quant_rows_f32(int qt, const float *a, int64_t lda, const uint8_t *w, int64_t row_bytes, const float *bias,
+                    float *c, int64_t ldc, int64_t M, int64_t K, int64_t N, int nthreads);
+void quant_expand_panel(int qt, const uint8_t *w, int64_t row_bytes, int64_t n0, int64_t nn, int64_t K,
+                        float *panel, float *rowbuf);
+
+/* C [M x N] = A [M x K] (row stride lda) W^T (+ bias), W [N x K] in GGUF blocks of type qt (rows row_bytes
+ * apart; QT_ACT_Q8 or-ed in for the activation-quantized mode); C's rows ldc apart.  K a multiple of the
+ * format's block.  Few rows (or the q8 mode) take quant_kernels.c's rows routes; more rows expand 16
+ * weight rows at a time into one panel of the packed GEMM (a thread's own buffer, in L2) and run every
+ * row over it: a row's values are then gemm_packed_f32's over the dequantized weight, bit for bit. */
+void quant_linear_f32(int qt, const float *a, int64_t lda, const uint8_t *w, int64_t row_bytes, const float *bias,
+                      float *c, int64_t ldc, int64_t M, int64_t K, int64_t N, int nthreads) {
+    if (quant_rows_route(qt, M)) {
+        quant_rows_f32(qt, a, lda, w, row_bytes, bias, c, ldc, M, K, N, nthreads);
+        return;
+    }
+    const int64_t np = (N + GEMM_NR - 1) / GEMM_NR;
+#pragma omp parallel num_threads(nthreads) if (np > 1)
+    {
+        float *panel = (float *)malloc((size_t)(K * GEMM_NR) * sizeof(float));
+        float *rowbuf = (float *)malloc((size_t)K * sizeof(float));
+#pragma omp for schedule(static)
+        for (int64_t p = 0; p < np; p++) {
+            const int64_t n0 = p * GEMM_NR, nn = N - n0 < GEMM_NR ? N - n0 : GEMM_NR;
+            quant_expand_panel(qt, w, row_bytes, n0, nn, K, panel, rowbuf);
+            packed_gemm(a, lda, panel, bias ? bias + n0 : 0, c + n0, ldc, M, K, nn, 0, 1);
+        }
+        free(panel);
+        free(rowbuf);
+    }
+}
 
 /* c = a W^T (+ bias) for rows a [N x K] (row stride lda) -> c [N x Nout] (row stride ldc): the route
  * cpu_gemm.linear takes for the same rows, so values match the modules' bit for bit.  Batches of 2+

@@ -1,6 +1,6 @@
 /* Native CPU kernels over GGUF block-quantized weights (Q4_0, Q4_1, Q8_0, Q4_K, Q5_K, Q6_K), called
- * through ctypes by gguf_quant.py; compiled into the same library as cpu_kernels.c (cpu_ops.py), whose
- * packed GEMM and layer stack they share.
+ * by cpu_kernels.c's quant_linear_f32 (which gguf_quant.py calls through ctypes, and the layer stack
+ * directly); compiled into the same library (ops.py).
  *
  * A weight [N x K] stays in its file layout: row n is K / QK blocks of its format, `row_bytes` apart.
  * Every kernel expands a block in registers to exactly the values gguf's dequantization
@@ -15,14 +15,16 @@
  * (fp16 -> fp32 conversions are exact.)  Built with -ffp-contract=off, so nothing else fuses.
  *
  *   quant_dequantize_f32  rows of blocks -> fp32 [rows x K] (the reference the tests compare with gguf)
- *   quant_linear_f32      C [M x N] = A [M x K] W^T (+ bias): one row (M == 1) by a threaded GEMV that
- *                         streams each weight row once (threads split the output rows; each row's sum
- *                         has one fixed order, whatever the thread count); 2..8 rows (a decode verifying
- *                         speculative drafts, a few decodes) by the same GEMV decoding each weight block once
- *                         for a group of rows -- every row's values are the one-row GEMV's, bit for bit;
- *                         more rows by expanding 16 weight rows at a time into one panel of cpu_kernels.c's
- *                         packed GEMM and running its register tiles over all rows -- a row's values are
- *                         those of gemm_packed_f32 over the dequantized weight, bit for bit, whatever M > 8.
+ *   quant_rows_f32        C [M x N] = A [M x K] W^T (+ bias) for the row counts quant_rows_route takes: one
+ *                         row by a threaded GEMV that streams each weight row once (threads split the output
+ *                         rows; each row's sum has one fixed order, whatever the thread count); 2..8 rows
+ *                         (a decode verifying speculative drafts, a few decodes) by the same GEMV decoding
+ *                         each weight block once for a group of rows -- every row's values are the one-row
+ *                         GEMV's, bit for bit; the activation-quantized mode (QT_ACT_Q8) for any rows
+ *   quant_expand_panel    16 weight rows expanded into one panel of cpu_kernels.c's packed GEMM, which
+ *                         quant_linear_f32 there runs over more rows (its values: gemm_packed_f32's over the
+ *                         dequantized weight, bit for bit, whatever M > 8)
+ * This file calls nothing of cpu_kernels.c: the GEMM driver lives there and calls these.
  */
 #include <math.h>
 #include <omp.h>
@@ -37,9 +39,6 @@
 #include <immintrin.h>
 #endif
 
-/* cpu_kernels.c (the same library) */
-void gemm_packed_f32(const float *a, int64_t lda, const float *panels, const float *bias, float *c, int64_t ldc,
-                     int64_t M, int64_t K, int64_t N, int nthreads);
 
 /* ggml's type ids */
 enum { QT_Q4_0 = 2, QT_Q4_1 = 3, QT_Q8_0 = 8, QT_Q4_K = 12, QT_Q5_K = 13, QT_Q6_K = 14 };
@@ -612,8 +611,8 @@ static inline void transpose8(const float *src, int64_t lds, float *dst, int64_t
 
 /* rows n0 .. n0+nn of W expanded into one panel [K x 16] (zero past nn), the layout of pack_panels_f32;
  * rowbuf holds K floats */
-static void expand_panel(int qt, const uint8_t *w, int64_t row_bytes, int64_t n0, int64_t nn, int64_t K,
-                         float *panel, float *rowbuf) {
+void quant_expand_panel(int qt, const uint8_t *w, int64_t row_bytes, int64_t n0, int64_t nn, int64_t K,
+                        float *panel, float *rowbuf) {
 #ifdef QUANT_AVX2
     if (qt == QT_Q4_0 || qt == QT_Q4_1 || qt == QT_Q8_0) {  /* a block of 16 rows at a time, 8x8 transposes */
         const int64_t bb = quant_block_bytes(qt);
@@ -638,34 +637,19 @@ static void expand_panel(int qt, const uint8_t *w, int64_t row_bytes, int64_t n0
     }
 }
 
-static void quant_gemm(int qt, const float *a, int64_t lda, const uint8_t *w, int64_t row_bytes, const float *bias,
-                       float *c, int64_t ldc, int64_t M, int64_t K, int64_t N, int nthreads) {
-    const int64_t np = (N + QPANEL - 1) / QPANEL;
-    /* each thread expands a panel into its own buffer (L2) and runs every row over it (a prefill chunk's
-     * rows too: re-reading them from L3 per panel costs less than expanding the weight into memory) */
-#pragma omp parallel num_threads(nthreads) if (np > 1)
-    {
-        float *panel = (float *)malloc((size_t)(K * QPANEL) * sizeof(float));
-        float *rowbuf = (float *)malloc((size_t)K * sizeof(float));
-#pragma omp for schedule(static)
-        for (int64_t p = 0; p < np; p++) {
-            const int64_t n0 = p * QPANEL, nn = N - n0 < QPANEL ? N - n0 : QPANEL;
-            expand_panel(qt, w, row_bytes, n0, nn, K, panel, rowbuf);
-            gemm_packed_f32(a, lda, panel, bias ? bias + n0 : 0, c + n0, ldc, M, K, nn, 1);
-        }
-        free(panel);
-        free(rowbuf);
-    }
+/* Which route quant_linear_f32 (cpu_kernels.c) takes for M rows of type qt (with QT_ACT_Q8): 1 for this
+ * file's rows routes (quant_rows_f32), 0 for the packed GEMM over expanded panels (quant_expand_panel). */
+int quant_rows_route(int qt, int64_t M) {
+    return ((qt & QT_ACT_Q8) && takes_act_q8(qt & ~QT_ACT_Q8)) || M <= QROWS_MAX;
 }
 
-/* C [M x N] = A [M x K] (row stride lda) W^T (+ bias), W [N x K] in blocks of format qt (rows row_bytes
- * apart); C's rows ldc apart.  K must be a multiple of the format's block (GGUF guarantees it). */
-void quant_linear_f32(int qt, const float *a, int64_t lda, const uint8_t *w, int64_t row_bytes, const float *bias,
-                      float *c, int64_t ldc, int64_t M, int64_t K, int64_t N, int nthreads) {
+/* C [M x N] = A [M x K] W^T (+ bias) by the rows routes: activation-quantized (QT_ACT_Q8), one-row GEMV,
+ * or the multi-row GEMV -- for the M quant_rows_route accepts */
+void quant_rows_f32(int qt, const float *a, int64_t lda, const uint8_t *w, int64_t row_bytes, const float *bias,
+                    float *c, int64_t ldc, int64_t M, int64_t K, int64_t N, int nthreads) {
     const int act_q8 = qt & QT_ACT_Q8;
     qt &= ~QT_ACT_Q8;
     if (act_q8 && takes_act_q8(qt)) quant_linear_q8(qt, a, lda, w, row_bytes, bias, c, ldc, M, K, N, nthreads);
     else if (M == 1) quant_gemv(qt, a, w, row_bytes, bias, c, K, N, nthreads);
-    else if (M <= QROWS_MAX) quant_gemv_rows(qt, a, lda, w, row_bytes, bias, c, ldc, (int)M, K, N, nthreads);
-    else quant_gemm(qt, a, lda, w, row_bytes, bias, c, ldc, M, K, N, nthreads);
+    else quant_gemv_rows(qt, a, lda, w, row_bytes, bias, c, ldc, (int)M, K, N, nthreads);
 }
