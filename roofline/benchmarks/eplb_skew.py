@@ -4,8 +4,9 @@ A tiny Mixtral (16 experts, top-2, random weights written by transformers' `save
 prefers a few experts: every token's embedding carries a constant in dimension 0, which survives the
 residual stream, and the router's rows of the hot experts (those only rank 0 holds at the start) weigh that
 dimension, so most tokens pick them (`--skew` scales the preference; 0 leaves the router uniform).  The
-engine runs it expert-parallel over `--ranks` CPU ranks (gloo) with EPLB on: `--requests` requests decode in
-one batch; the first rebalance comes after `--step-interval` steps, and a second one `--step-interval` steps
+engine runs it expert-parallel over `--ranks` CPU ranks (gloo) with EPLB on, the ranks one tensor-parallel
+group (`--layout tp`) or data-parallel attention ranks (`--layout dp`, each its own share of the requests):
+`--requests` requests decode together; the first rebalance comes after `--step-interval` steps, and a second one `--step-interval` steps
 later measures what the tokens did under the first rebalance's placement.
 
 Reported: balancedness (mean / max tokens per rank, per MoE layer, from the window) before EPLB and after
@@ -123,7 +124,9 @@ def run(args: argparse.Namespace) -> int:
             eplb = {"window_size": args.step_interval, "step_interval": args.step_interval,
                     "num_redundant_experts": args.redundant, "log_balancedness": False}
             llm = LLM(d, dtype="float32", device="cpu", num_kv_blocks=1024, show_progress=False,
-                      tensor_parallel_size=args.ranks, enable_expert_parallel=True, enable_eplb=True,
+                      tensor_parallel_size=args.ranks if args.layout == "tp" else 1,
+                      data_parallel_size=args.ranks if args.layout == "dp" else 1,
+                      enable_expert_parallel=True, enable_eplb=True,
                       eplb_config=json.dumps(eplb), max_num_seqs=args.requests)
             try:
                 res = _decode_steps(llm, args.requests, args.prompt_len, 3 * args.step_interval + 4,
@@ -131,13 +134,14 @@ def run(args: argparse.Namespace) -> int:
             finally:
                 llm.llm_engine.shutdown()
             res["planner_a2a_bytes_per_step"] = planner_a2a_bytes(d, args.ranks, args.requests, args.redundant)
-        res.update(skew=skew, ranks=args.ranks, requests=args.requests, redundant_experts=args.redundant)
+        res.update(skew=skew, ranks=args.ranks, layout=args.layout, requests=args.requests,
+                   redundant_experts=args.redundant)
         results.append(res)
     if args.json:
         print(json.dumps(results, indent=2))
         return 0
     for r in results:
-        print(f"skew {r['skew']}: balancedness {r.get('balancedness_before')} before EPLB -> "
+        print(f"{r['layout']} x {r['ranks']}, skew {r['skew']}: balancedness {r.get('balancedness_before')} before EPLB -> "
               f"{r.get('balancedness_measured_after')} after (predicted {r.get('balancedness_predicted_after')}); "
               f"decode step {r['step_ms_before_median']:.1f} -> {r['step_ms_after_median']:.1f} ms; all-to-all "
               f"{r.get('a2a_bytes_per_step_before', 0):.0f} -> {r.get('a2a_bytes_per_step_after', 0):.0f} B/step "
@@ -149,6 +153,10 @@ def register(bench_subparsers: Any) -> None:
     p = bench_subparsers.add_parser("eplb", help="expert parallelism under a skewed router, before and after EPLB",
                                     description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--ranks", type=int, default=4, help="expert-parallel CPU ranks (default 4)")
+    p.add_argument("--layout", choices=("tp", "dp"), default="tp",
+                   help="the ranks as one tensor-parallel group (tp: every rank runs the whole batch's attention, "
+                        "heads split) or as data-parallel attention (dp: each rank its own requests); the "
+                        "experts are spread over all of them either way")
     p.add_argument("--requests", type=int, default=32, help="requests decoding in one batch (default 32)")
     p.add_argument("--prompt-len", type=int, default=16)
     p.add_argument("--step-interval", type=int, default=12, help="EPLB window and interval, in steps (default 12)")

@@ -11,9 +11,11 @@ import pytest
 from roofline.benchmarks import eplb_skew
 
 
-def test_skewed_router_is_rebalanced_on_two_ranks(capsys):
-    args = argparse.Namespace(ranks=2, requests=8, prompt_len=8, step_interval=4, redundant=4, skew=[0.08],
-                              json=True)
+@pytest.mark.parametrize("layout", ["tp", "dp"])
+def test_skewed_router_is_rebalanced_on_two_ranks(capsys, layout):
+    """As one tensor-parallel group, and as data-parallel attention (each rank its own requests)."""
+    args = argparse.Namespace(ranks=2, layout=layout, requests=8, prompt_len=8, step_interval=4, redundant=4,
+                              skew=[0.08], json=True)
     assert eplb_skew.run(args) == 0
     import json
 
