@@ -152,7 +152,7 @@ class LlamaModel(nn.Module):
     @property
     def stage_layers(self) -> list["LlamaDecoderLayer"]:
         """This pipeline stage's layers, in order (every layer without pipeline parallelism)."""
-        return list(self.layers[self.start_layer : self.end_layer])
+        return [self.layers[i] for i in range(self.start_layer, self.end_layer)]  # (a slice builds a ModuleList)
 
     def forward(self, input_ids, positions, kv_caches: list[torch.Tensor], meta: AttentionMetadata,
                 output_rows: Optional[torch.Tensor] = None,
