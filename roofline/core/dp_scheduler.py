@@ -29,11 +29,8 @@ class DataParallelScheduler:
         if len(schedulers) < 2:
             raise ValueError("data-parallel scheduling needs at least two DP ranks")
         self.ranks = schedulers
-        self.rank_of: dict[str, int] = {}  # engine request id -> DP rank
-        self._group_rank: dict[str, int] = {}  # user request id -> DP rank (its completions follow it)
         self.requests_assigned = [0] * len(schedulers)  # user requests placed on each rank so far
         self._turn = 0
-        self.config = schedulers[0].config
         self.num_lookahead_slots = 0  # speculative decoding needs data_parallel_size 1 (config check)
         self.draft_length_policy = None
         self.kv_transfer = None  # KV connectors need data_parallel_size 1 (config check)
@@ -44,16 +41,20 @@ class DataParallelScheduler:
         return len(self.ranks)
 
     # ---- intake -------------------------------------------------------------------------------
+    def rank_holding(self, request_id: str) -> Optional[int]:
+        """The DP rank whose scheduler holds this (unfinished) request, None if none does."""
+        return next((d for d, s in enumerate(self.ranks) if request_id in s.requests), None)
+
     def add_request(self, request: Request) -> None:
-        if request.request_id in self.rank_of:
+        if self.rank_holding(request.request_id) is not None:
             raise ValueError(f"request id {request.request_id!r} is already in use")
-        dp = self._group_rank.get(request.group_id)
+        # a later completion of an n > 1 request joins its siblings (they share the prompt's blocks)
+        dp = next((d for d, s in enumerate(self.ranks)
+                   if request.index and any(r.group_id == request.group_id for r in s.requests.values())), None)
         if dp is None:
             dp = self.choose_rank(request)
-            self._group_rank[request.group_id] = dp
             self.requests_assigned[dp] += 1
         self.ranks[dp].add_request(request)
-        self.rank_of[request.request_id] = dp
 
     def load(self, dp: int) -> int:
         """Unfinished engine requests on DP rank dp."""
@@ -83,27 +84,9 @@ class DataParallelScheduler:
         return n
 
     def finish_requests(self, request_ids: Iterable[str], status: RequestStatus) -> list[Request]:
-        by_rank: dict[int, list[str]] = {}
-        for rid in request_ids:
-            dp = self.rank_of.get(rid)
-            if dp is not None:
-                by_rank.setdefault(dp, []).append(rid)
-        done = []
-        for dp, ids in by_rank.items():
-            done += self.ranks[dp].finish_requests(ids, status)
-        self._forget(done)
-        return done
-
-    def _forget(self, reqs: Iterable[Request]) -> None:
-        for r in reqs:
-            self.rank_of.pop(r.request_id, None)
-            if not any(rid in self.rank_of for rid in self._siblings(r)):
-                self._group_rank.pop(r.group_id, None)
-
-    @staticmethod
-    def _siblings(r: Request) -> list[str]:
-        n = r.sampling_params.n
-        return [r.group_id] if n == 1 else [f"{r.group_id}#{i}" for i in range(n)]
+        """Each rank finishes the ones it holds (a rank skips ids it does not know)."""
+        ids = list(request_ids)
+        return [r for s in self.ranks for r in s.finish_requests(ids, status)]
 
     def has_unfinished_requests(self) -> bool:
         return any(s.has_unfinished_requests() for s in self.ranks)
@@ -148,12 +131,7 @@ class DataParallelScheduler:
 
     def update_from_output(self, out: SchedulerOutput, result: ModelRunnerOutput) -> list[tuple[Request, int]]:
         """Each rank takes its part's results (a rank reads only its own requests' entries)."""
-        touched = []
-        for s, part in zip(self.ranks, out.data_parallel):
-            got = s.update_from_output(part, result)
-            touched += got
-            self._forget([r for r, _ in got if r.is_finished])
-        return touched
+        return [t for s, part in zip(self.ranks, out.data_parallel) for t in s.update_from_output(part, result)]
 
     def get_stats(self) -> SchedulerStats:
         per = [s.get_stats() for s in self.ranks]
@@ -165,8 +143,7 @@ class DataParallelScheduler:
             num_cached_blocks=sum(p.num_cached_blocks for p in per),
             prefix_cache_queries=sum(p.prefix_cache_queries for p in per),
             prefix_cache_hits=sum(p.prefix_cache_hits for p in per),
-            num_preemptions=sum(p.num_preemptions for p in per))
-
-    def rank_loads(self) -> list[tuple[int, int]]:
-        """(running, waiting) requests per DP rank."""
-        return [(len(s.running), len(s.waiting) + len(s.swapped)) for s in self.ranks]
+            num_preemptions=sum(p.num_preemptions for p in per),
+            data_parallel_running=[p.num_running for p in per],
+            data_parallel_waiting=[p.num_waiting + p.num_swapped for p in per],
+            data_parallel_requests=list(self.requests_assigned))

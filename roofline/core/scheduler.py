@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Iterable, Optional
 
 from roofline.config import CacheConfig, SchedulerConfig
@@ -63,6 +63,11 @@ class SchedulerStats:
     prefix_cache_hits: int
     num_preemptions: int
     spec_decode: Optional["SpecDecodeStats"] = None
+    # data-parallel attention (dp_scheduler.py): per DP rank, requests running / waiting now and user
+    # requests placed so far; empty with one rank
+    data_parallel_running: list[int] = field(default_factory=list)
+    data_parallel_waiting: list[int] = field(default_factory=list)
+    data_parallel_requests: list[int] = field(default_factory=list)
 
 
 def sampling_spec(request: Request) -> SamplingSpec:

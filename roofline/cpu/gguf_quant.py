@@ -5,10 +5,12 @@ one format (Q4_0, Q4_1, Q8_0, Q4_K, Q5_K, Q6_K), held as uint8 [rows x row_bytes
 block runs, so the loaders' row operations (llama.cpp's Q/K row permutation undone, shards of a fused
 QKV or gate/up projection placed at their row offsets) apply to the bytes as to fp32 rows.
 
-`linear(x, weight, bias)` computes F.linear(x, dequantize(weight), bias) with quant_kernels.c, which
-expands blocks in registers to exactly gguf.quants.dequantize's values and accumulates in fp32: a single
-row by a GEMV that reads each block once; more rows through the packed GEMM of cpu_kernels.c over
-panels expanded on the fly (bit-identical to cpu_ops.gemm_packed over the dequantized weight).
+`linear(x, weight, bias)` computes F.linear(x, dequantize(weight), bias) with the native kernels, which
+expand blocks in registers to exactly gguf.quants.dequantize's values and accumulate in fp32: 1..8 rows
+by a GEMV that decodes each block once (every row the one-row GEMV's values); more rows through the
+packed GEMM of cpu_kernels.c over panels expanded on the fly (bit-identical to cpu_ops.gemm_packed over
+the dequantized weight).  With `quantize_activations` (--gguf-activations q8) Q4_0/Q4_1/Q8_0 blocks
+multiply 8-bit activations instead (quant_kernels.c's QT_ACT_Q8).
 
 Which formats and why: the default model's file is Q4_1 with a Q8_0 embedding; Q4_0 is the other
 legacy 4-bit format; community "Q4_K_M" / "Q5_K_M" files mix Q4_K, Q5_K and Q6_K.  Other formats are
@@ -24,6 +26,7 @@ from typing import Optional
 import numpy as np
 import torch
 
+from roofline.config import GGUF_ACTIVATIONS
 from roofline.cpu import ops as cpu_ops
 
 # ggml type id -> (name, values per block, bytes per block), as in ggml.h / gguf.constants
@@ -45,7 +48,6 @@ cpu_ops.declare("quant_linear_f32", [ctypes.c_int, _P, _I, _P, _I, _P, _P, _I, _
 
 ACT_Q8_FLAG = 0x80  # quant_kernels.c's QT_ACT_Q8
 ACT_Q8_FORMATS = (2, 3, 8)  # Q4_0, Q4_1, Q8_0: the formats with an integer dot product
-GGUF_ACTIVATIONS = ("fp32", "q8")
 
 
 def quantize_activations(model: torch.nn.Module, mode: str) -> int:

@@ -7,8 +7,9 @@ kernels do each of those in one call and read K/V straight from the paged cache.
 
 The C files (cpu_kernels.c, and quant_kernels.c for GGUF block-quantized weights: gguf_quant.py)
 are compiled together, into one library, on first use with the system C compiler (`cc`, or $CC) into
-$XDG_CACHE_HOME/roofline (default ~/.cache/roofline), keyed by the source's hash and the CPU's
-flags; that takes well under a second and happens once per machine.  Without a compiler (or with
+$XDG_CACHE_HOME/roofline (default ~/.cache/roofline), one build per instruction set (ISA_BUILDS: the
+best this CPU runs, or --cpu-isa's), keyed by the sources' hash and the build; that takes about a
+second and happens once per machine and build.  Without a compiler (or with
 --no-cpu-kernels) `available()` is False and every caller keeps its torch code, which stays
 the reference the kernels are tested against.
 
@@ -42,12 +43,12 @@ from typing import Optional
 
 import torch
 
-from roofline.config import Switch, cache_dir, env_flag
+from roofline.config import CPU_ISAS, Switch, cache_dir, env_flag
 
 logger = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("cpu_kernels.c")
-SOURCES = (SOURCE, Path(__file__).with_name("quant_kernels.c"))  # one library: the quantized GEMM uses the packed one
+SOURCES = (SOURCE, Path(__file__).with_name("quant_kernels.c"))  # one library: the quantized linear uses the packed GEMM
 
 SWITCH = Switch("cpu_kernels")
 PANEL = 16  # output columns per packed panel (GEMM_NR in cpu_kernels.c); head sizes prefill takes
@@ -104,6 +105,7 @@ ISA_BUILDS = {
     "neon": (["-march=armv8-a"], set()),
     "portable": ([], set()),
 }
+assert set(CPU_ISAS) == {"auto", *ISA_BUILDS}, "config.CPU_ISAS names these builds"
 _isa_request = "auto"
 _isa_loaded: Optional[str] = None
 
@@ -125,15 +127,13 @@ def select_isa(name: str) -> None:
     """--cpu-isa: which build to load (auto: the best supported_isas()); before the first kernel call,
     or the library is loaded again.  A build this CPU cannot run is a ValueError naming the field."""
     global _isa_request, _tried, _lib
-    if name != "auto" and name not in ISA_BUILDS:
-        raise ValueError(f"cpu_isa must be one of auto, {', '.join(ISA_BUILDS)}, got {name!r}")
+    if name not in CPU_ISAS:
+        raise ValueError(f"cpu_isa must be one of {', '.join(CPU_ISAS)}, got {name!r}")
     if name != "auto" and name not in supported_isas():
         raise ValueError(f"cpu_isa {name!r} does not run on this CPU (it runs: {', '.join(supported_isas())})")
     with _lock:
-        if name != _isa_request:
-            _isa_request = name
-            if _tried and _isa_loaded != (supported_isas()[0] if name == "auto" else name):
-                _tried, _lib = False, None  # load the requested build at the next call
+        if name != _isa_request:  # load the requested build at the next call (a build loaded before is
+            _isa_request, _tried, _lib = name, False, None  # the same file: the loader hands it back)
 
 
 def loaded_isa() -> Optional[str]:

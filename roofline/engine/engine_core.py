@@ -449,11 +449,9 @@ class EngineCore:
 
     def get_stats(self) -> EngineStats:
         s = self.scheduler.get_stats()
-        dp = self.scheduler if isinstance(self.scheduler, DataParallelScheduler) else None
-        loads = dp.rank_loads() if dp is not None else []
         return EngineStats(
-            data_parallel_running=[r for r, _ in loads], data_parallel_waiting=[w for _, w in loads],
-            data_parallel_requests=list(dp.requests_assigned) if dp is not None else [],
+            data_parallel_running=s.data_parallel_running, data_parallel_waiting=s.data_parallel_waiting,
+            data_parallel_requests=s.data_parallel_requests,
             num_running=s.num_running, num_waiting=s.num_waiting + s.num_swapped,
             kv_cache_usage=s.kv_cache_usage, num_total_blocks=s.num_total_blocks,
             num_free_blocks=s.num_free_blocks, num_cached_blocks=s.num_cached_blocks,

@@ -66,9 +66,6 @@ class ModelRunner:
         # pipeline stages: all but the first receive (hidden, residual), all but the last send them on
         self.receives_hidden, self.samples = not pp.is_first_rank, pp.is_last_rank
         self.stage_wait_s = 0.0  # time spent waiting for the previous stage's hidden states (idle)
-        # data-parallel attention: another DP rank runs a batch this step, so a step with nothing to run
-        # here must still join the expert-parallel MoE layers' exchanges (set by the Worker per step)
-        self.join_expert_exchanges_when_idle = False
 
     @property
     def model_dtype(self) -> torch.dtype:
@@ -248,13 +245,15 @@ class ModelRunner:
         return drafts
 
     @torch.inference_mode()
-    def execute(self, out: SchedulerOutput) -> ModelRunnerOutput:
+    def execute(self, out: SchedulerOutput, join_exchanges_when_idle: bool = False) -> ModelRunnerOutput:
+        """join_exchanges_when_idle: another data-parallel rank runs a batch this step, so a step with
+        nothing to run here still joins the expert-parallel MoE layers' exchanges."""
         failed = self._update_states(out)
         self._move_blocks(out)
         result = ModelRunnerOutput(req_ids=[], sampled_token_ids=[], logprobs=[], prompt_logprobs={}, failed=failed)
         items = [s for s in out.scheduled if s.req_id in self.states]
         if not items:
-            if self.join_expert_exchanges_when_idle:
+            if join_exchanges_when_idle:
                 join_expert_exchanges(self.model)
             return result
         # decodes first (stable order otherwise)

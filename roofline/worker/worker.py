@@ -329,14 +329,14 @@ class Worker:
 
     def execute(self, out: SchedulerOutput) -> ModelRunnerOutput:
         assert self.runner is not None, "init_kv_cache first"
+        others_run = False
         if out.data_parallel:  # data-parallel attention: this DP rank's part; idle, it still joins the MoE exchanges
             others_run = any(p.scheduled for p in out.data_parallel)
             out = out.data_parallel_part(get_layout().coords(self.rank).dp)
-            self.runner.join_expert_exchanges_when_idle = others_run
         connector, plan = self.kv_connector, out.kv_connector_metadata
         if connector is not None and plan is not None:
             connector.start_load_kv(plan)
-        result = self.runner.execute(out)
+        result = self.runner.execute(out, join_exchanges_when_idle=others_run)
         if connector is not None:
             if plan is not None:
                 connector.save_kv(plan)

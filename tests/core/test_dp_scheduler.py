@@ -54,7 +54,7 @@ def test_new_requests_spread_over_the_least_loaded_ranks():
     s.finish_requests(["r0", "r3"], RequestStatus.FINISHED_ABORTED)  # both on rank 0 (turns 0, 3)
     assert s.load(0) == 1
     s.add_request(req("late", [99] * 9))
-    assert s.rank_of["late"] == 0  # now the least loaded
+    assert s.rank_holding("late") == 0  # now the least loaded
 
 
 def test_a_request_goes_where_its_prefix_is_cached_when_the_loads_are_close():
@@ -62,11 +62,11 @@ def test_a_request_goes_where_its_prefix_is_cached_when_the_loads_are_close():
     shared = list(range(1, 13))  # three full blocks
     s.add_request(req("a", shared + [50]))
     s.add_request(req("b", [60] * 13))
-    first = {r: s.rank_of[r] for r in ("a", "b")}
+    first = {r: s.rank_holding(r) for r in ("a", "b")}
     run_to_end(s)  # a's blocks are now in its rank's prefix cache
     s.add_request(req("c", [61] * 13))  # no hit anywhere: least loaded, in turn
     s.add_request(req("d", shared + [51, 52]))  # loads 1 / 0 or 0 / 1: within the slack, the hit wins
-    assert s.rank_of["d"] == first["a"]
+    assert s.rank_holding("d") == first["a"]
     out = s.schedule()
     part = out.data_parallel[first["a"]]
     assert {x.req_id for x in part.scheduled} >= {"d"}
@@ -83,10 +83,10 @@ def test_the_completions_of_one_request_stay_on_one_rank():
     kids[0].forks_pending = kids[1:]
     for k in kids:
         s.add_request(k)
-    assert {s.rank_of[k.request_id] for k in kids} == {1}
+    assert {s.rank_holding(k.request_id) for k in kids} == {1}
     assert s.requests_assigned == [1, 1]
     run_to_end(s)
-    assert s.rank_of == {} and s._group_rank == {}
+    assert not any(rank.requests for rank in s.ranks) and s.rank_holding("g#0") is None
 
 
 def test_each_part_indexes_its_own_pool_and_all_blocks_come_back():
@@ -97,7 +97,7 @@ def test_each_part_indexes_its_own_pool_and_all_blocks_come_back():
     assert len(out.data_parallel) == 2
     assert [x.req_id for x in out.scheduled] == [x.req_id for p in out.data_parallel for x in p.scheduled]
     for d, part in enumerate(out.data_parallel):
-        assert {x.req_id for x in part.scheduled} == {r for r, dd in s.rank_of.items() if dd == d}
+        assert {x.req_id for x in part.scheduled} == set(s.ranks[d].requests)
         blocks = [b for x in part.scheduled for b in x.block_ids]
         assert len(blocks) == len(set(blocks)) and max(blocks) < 8  # rank d's own 8 blocks
     slim = out.for_workers()
@@ -108,6 +108,7 @@ def test_each_part_indexes_its_own_pool_and_all_blocks_come_back():
         assert rank.kv.pool.num_free_blocks == rank.kv.pool.num_blocks
     st = s.get_stats()
     assert st.num_free_blocks == st.num_total_blocks == 16 and st.num_running == 0
+    assert st.data_parallel_running == [0, 0] and st.data_parallel_requests == [2, 2]
 
 
 def test_restricted_keeps_each_parts_requests():

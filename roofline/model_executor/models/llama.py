@@ -280,9 +280,6 @@ class LlamaForCausalLM(nn.Module):
     def _load_tensor(self, name: str, tensor: torch.Tensor, params: dict[str, nn.Parameter]) -> Optional[str]:
         return load_named_tensor(self, name, tensor, params, self.stacked_params)
 
-    def _owner(self, param_name: str) -> nn.Module:
-        return self.get_submodule(param_name.rsplit(".", 1)[0])
-
 
 def load_named_tensor(model: nn.Module, name: str, tensor, params: dict[str, nn.Parameter],
                       stacked_params) -> Optional[str]:

@@ -155,11 +155,9 @@ class FusedMoE(nn.Module):
 
     def join_exchange(self) -> None:
         """This rank's part of the layer's token exchange with no tokens (join_expert_exchanges)."""
-        k = self.routing.top_k
-        x = self.w2_weight.new_zeros(0, self.hidden_size)
-        ids = torch.zeros(0, k, dtype=torch.int64, device=x.device)
-        self.exchange(x, torch.zeros(0, k, dtype=torch.float32, device=x.device), ids, self.expert_map.per_rank,
-                      self.ep_group, self._local_experts)
+        k, x = self.routing.top_k, self.w2_weight.new_zeros(0, self.hidden_size)
+        self._expert_parallel(x, torch.zeros(0, k, dtype=torch.float32, device=x.device),
+                              torch.zeros(0, k, dtype=torch.int64, device=x.device))
 
     def _expert_parallel(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """This TP rank's share of the tokens through the EP exchange; other shares' rows stay zero."""
