@@ -112,3 +112,53 @@ def test_dp2_eplb_rebalances_mid_generation_greedy_unchanged(moe_models):  # noq
         _check_pools_idle(llm)
     finally:
         llm.llm_engine.shutdown()
+
+
+def test_dp2_a_failing_request_fails_alone_and_every_pool_gets_its_blocks_back(moe_models, monkeypatch):  # noqa: F811
+    """Fault isolation re-runs a data-parallel step in halves (each DP rank's part restricted alike, the
+    idle rank joining the exchanges): the poisoned request fails, the others keep HF's tokens."""
+    path, prompts, reference = moe_models["mixtral"]
+    llm = _llm(path, data_parallel_size=2, enable_expert_parallel=True)
+    try:
+        engine = llm.llm_engine
+        real = engine.executor.execute
+        poisoned = set()
+
+        def execute(out):
+            if any(s.req_id in poisoned for s in out.scheduled):
+                raise ValueError("poisoned request")
+            return real(out)
+
+        monkeypatch.setattr(engine.executor, "execute", execute)
+        poisoned.add(f"llm-{next(llm._counter) + 3}")  # the third prompt of the next call
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY, use_tqdm=False)
+        assert outs[2].error and "poisoned request" in outs[2].error
+        assert outs[2].outputs[0].finish_reason == "error"
+        for i in (0, 1, 3, 4):
+            assert outs[i].error is None and outs[i].outputs[0].token_ids == reference[i]
+        _check_pools_idle(llm)
+    finally:
+        llm.llm_engine.shutdown()
+
+
+def test_dp2_a_killed_rank_gives_a_clear_error_not_a_hang(moe_models):  # noqa: F811
+    """SIGKILL DP rank 1 mid-generation: rank 0 waits for its output (or in an exchange with it); the
+    engine fails naming rank 1, fast."""
+    import threading
+    import time
+
+    path, prompts, _ = moe_models["mixtral"]
+    llm = _llm(path, data_parallel_size=2, enable_expert_parallel=True)
+    try:
+        llm.generate([{"prompt_token_ids": prompts[0]}], GREEDY, use_tqdm=False)
+        killer = threading.Timer(0.5, llm.llm_engine.executor.ranks.by_rank(1).proc.kill)
+        killer.start()
+        t0 = time.monotonic()
+        with pytest.raises(RuntimeError, match="rank 1"):
+            while time.monotonic() - t0 < 30:
+                llm.generate([{"prompt_token_ids": p} for p in prompts],
+                             SamplingParams(temperature=0, max_tokens=64, ignore_eos=True), use_tqdm=False)
+        killer.join()
+        assert time.monotonic() - t0 < 20
+    finally:
+        llm.llm_engine.shutdown()

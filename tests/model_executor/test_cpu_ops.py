@@ -345,3 +345,24 @@ def test_builds_are_chosen_at_run_time():
     if missing:
         with pytest.raises(ValueError, match="does not run on this CPU"):
             cpu_ops.select_isa(missing[0])
+
+
+def test_portable_build_greedy_matches_hf(tiny_models):
+    """--cpu-isa portable (the plain C loops, as on CPUs without AVX2): the engine's greedy tokens are
+    still HF transformers'; the next engine with --cpu-isa auto loads the best build again."""
+    from roofline import LLM, SamplingParams
+    from tests.reference.hf_models import hf_greedy, random_prompts
+
+    path, hf = tiny_models["llama"]
+    prompts = random_prompts(3, 384, 3, 30, seed=9)
+    sp = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
+    try:
+        llm = LLM(path, dtype="float32", device="cpu", num_kv_blocks=64, show_progress=False, cpu_isa="portable")
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], sp, use_tqdm=False)
+        assert cpu_ops.loaded_isa() == "portable"
+        assert [o.outputs[0].token_ids for o in outs] == [hf_greedy(hf, p, 10) for p in prompts]
+        stats = llm.llm_engine.get_stats()
+        assert stats.num_free_blocks == stats.num_total_blocks
+    finally:
+        cpu_ops.select_isa("auto")
+    assert cpu_ops.available() and cpu_ops.loaded_isa() == cpu_ops.supported_isas()[0]
