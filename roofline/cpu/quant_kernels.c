@@ -19,8 +19,10 @@
  *                         row by a threaded GEMV that streams each weight row once (threads split the output
  *                         rows; each row's sum has one fixed order, whatever the thread count); 2..8 rows
  *                         (a decode verifying speculative drafts, a few decodes) by the same GEMV decoding
- *                         each weight block once for a group of rows -- every row's values are the one-row
- *                         GEMV's, bit for bit; the activation-quantized mode (QT_ACT_Q8) for any rows
+ *                         each weight block once for a group of rows (three in the AVX2 build, all of them in
+ *                         the AVX-512 build's sixteen-lane registers) -- every row's values are the one-row
+ *                         GEMV's, bit for bit, and the same in both builds; the activation-quantized mode
+ *                         (QT_ACT_Q8) for any rows
  *   quant_expand_panel    16 weight rows expanded into one panel of cpu_kernels.c's packed GEMM, which
  *                         quant_linear_f32 there runs over more rows (its values: gemm_packed_f32's over the
  *                         dequantized weight, bit for bit, whatever M > 8)
@@ -35,6 +37,9 @@
 #if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 #include <immintrin.h>
 #define QUANT_AVX2 1
+#if defined(__AVX512F__) && defined(__AVX512VL__)
+#define QUANT_AVX512 1  /* the AVX-512 build: the GEMVs take a block's weights sixteen at a time */
+#endif
 #elif defined(__F16C__)
 #include <immintrin.h>
 #endif
@@ -196,43 +201,96 @@ static inline float hsum8(__m256 v) {
  * shifts and masks.  That nibble is value (g / 2) * 16 + 4 * (l % 4) + 2 * (g % 2) + l / 4 of the block,
  * so x is read permuted the same way (permute_x, once per GEMV).  w = fma(d, q, m) (Q4_1; Q4_0 passes
  * m = -8d: d*q - 8d = d*(q-8) exactly, one rounding of an exact value), then four FMAs. */
-static inline void nibble_weights(const uint8_t *qs, __m256 d, __m256 m, __m256 *w) {
-    const __m256i q = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)qs));
-    const __m256i mask = _mm256_set1_epi32(15);
-    for (int g = 0; g < 4; g++) {
-        const __m256i shift = _mm256_setr_epi32(0, 0, 0, 0, 8, 8, 8, 8);
-        const __m256i sg = _mm256_add_epi32(shift, _mm256_set1_epi32(16 * (g % 2) + 4 * (g / 2)));
-        const __m256 v = _mm256_cvtepi32_ps(_mm256_and_si256(_mm256_srlv_epi32(q, sg), mask));
-        w[g] = _mm256_fmadd_ps(d, v, m);
-    }
+static inline __m256 nibble_group(__m256i q, __m256 d, __m256 m, int g) {
+    const __m256i shift = _mm256_setr_epi32(0, 0, 0, 0, 8, 8, 8, 8);
+    const __m256i sg = _mm256_add_epi32(shift, _mm256_set1_epi32(16 * (g % 2) + 4 * (g / 2)));
+    const __m256 v = _mm256_cvtepi32_ps(_mm256_and_si256(_mm256_srlv_epi32(q, sg), _mm256_set1_epi32(15)));
+    return _mm256_fmadd_ps(d, v, m);
 }
 
-static inline void dot_nibbles(const uint8_t *qs, __m256 d, __m256 m, const float *xp, __m256 *acc) {
-    __m256 w[4];
-    nibble_weights(qs, d, m, w);
-    for (int g = 0; g < 4; g++) acc[g] = _mm256_fmadd_ps(_mm256_loadu_ps(xp + 8 * g), w[g], acc[g]);
-}
+/* One 32-value block (Q4_0, Q4_1 or Q8_0) ready to give its weights eight at a time: group g's eight in
+ * dot_row's order and roundings (4-bit formats: the permuted order above).  A caller takes a group's
+ * weights just before it uses them, so only one group's are live beside the accumulators. */
+typedef struct {
+    __m256i q;        /* 4-bit formats: the block's 16 bytes in both lanes */
+    __m256 d, m;      /* the scale, and the offset (Q4_1's m; Q4_0's -8d) */
+    const int8_t *q8; /* Q8_0: the block's 32 values */
+} block_decoder_t;
 
-/* a 32-value block's weights in dot_row's order and roundings: w[g] holds the values group g multiplies
- * (4-bit formats: the permuted order of dot_nibbles) */
-static inline void block_weights(int qt, const uint8_t *blk, __m256 *w) {
-    if (qt == QT_Q4_1) {
+static inline block_decoder_t block_decoder(int qt, const uint8_t *blk) {
+    block_decoder_t b;
+    if (qt == QT_Q4_1) {  /* d and m converted together */
         int32_t dm;
         memcpy(&dm, blk, sizeof dm);
         const __m128 f = _mm_cvtph_ps(_mm_cvtsi32_si128(dm));
-        nibble_weights(blk + 4, _mm256_broadcastss_ps(f), _mm256_broadcastss_ps(_mm_movehdup_ps(f)), w);
-        return;
+        b.d = _mm256_broadcastss_ps(f);
+        b.m = _mm256_broadcastss_ps(_mm_movehdup_ps(f));
+        b.q = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)(blk + 4)));
+        b.q8 = 0;
+        return b;
     }
-    const __m256 d = _mm256_set1_ps(half_to_float(blk));
+    b.d = _mm256_set1_ps(half_to_float(blk));
     if (qt == QT_Q4_0) {
-        nibble_weights(blk + 2, d, _mm256_mul_ps(d, _mm256_set1_ps(-8.0f)), w);
-        return;
+        b.m = _mm256_mul_ps(b.d, _mm256_set1_ps(-8.0f));
+        b.q = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)(blk + 2)));
+        b.q8 = 0;
+    } else {
+        b.m = _mm256_setzero_ps();
+        b.q = _mm256_setzero_si256();
+        b.q8 = (const int8_t *)(blk + 2);
     }
-    for (int g = 0; g < 4; g++)
-        w[g] = _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(blk + 2 + 8 * g)))));
+    return b;
 }
 
-/* x [K] in the order dot_nibbles reads a 4-bit block's values */
+static inline __m256 block_group(int qt, const block_decoder_t *b, int g) {
+    if (qt == QT_Q8_0)
+        return _mm256_mul_ps(b->d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(b->q8 + 8 * g)))));
+    return nibble_group(b->q, b->d, b->m, g);
+}
+
+#ifdef QUANT_AVX512
+/* block_group for groups 2h and 2h+1 at once (lanes 0-7 and 8-15): the same values, lane for lane, so
+ * an accumulator of sixteen lanes is two of block_group's eight-lane accumulators */
+static inline __m512 block_pair(int qt, const block_decoder_t *b, int h) {
+    const __m512 d = _mm512_broadcastss_ps(_mm256_castps256_ps128(b->d));
+    if (qt == QT_Q8_0)
+        return _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(b->q8 + 16 * h)))));
+    const __m512i q = _mm512_broadcast_i32x4(_mm256_castsi256_si128(b->q));
+    const __m512i shift = _mm512_add_epi32(_mm512_setr_epi32(0, 0, 0, 0, 8, 8, 8, 8, 16, 16, 16, 16, 24, 24, 24, 24),
+                                           _mm512_set1_epi32(4 * h));
+    const __m512 v = _mm512_cvtepi32_ps(_mm512_and_si512(_mm512_srlv_epi32(q, shift), _mm512_set1_epi32(15)));
+    return _mm512_fmadd_ps(d, v, _mm512_broadcastss_ps(_mm256_castps256_ps128(b->m)));
+}
+
+/* the sum dot_row's four eight-lane accumulators give, from two sixteen-lane ones holding them in order */
+static inline float hsum_pairs(__m512 a01, __m512 a23) {
+    const __m256 a0 = _mm512_castps512_ps256(a01), a1 = _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(a01), 1));
+    const __m256 a2 = _mm512_castps512_ps256(a23), a3 = _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(a23), 1));
+    return hsum8(_mm256_add_ps(_mm256_add_ps(a0, a1), _mm256_add_ps(a2, a3)));
+}
+
+/* out[m] = x_m . row for MM rows (a constant after inlining: the 2 x MM accumulators stay in registers,
+ * 16 of 32 at most) -- each row's products and order exactly those of the eight-lane code */
+static inline __attribute__((always_inline)) void dot_rows_pairs(int qt, const uint8_t *row, int64_t bb,
+                                                                 const float *x, int64_t ldx, const int MM,
+                                                                 int64_t nb, float *out) {
+    __m512 acc[8][2];
+    for (int m = 0; m < MM; m++) acc[m][0] = acc[m][1] = _mm512_setzero_ps();
+    for (int64_t b = 0; b < nb; b++) {
+        const uint8_t *blk = row + b * bb;
+        if (b + 4 < nb) _mm_prefetch((const char *)(blk + 4 * bb), _MM_HINT_T0);
+        const block_decoder_t dec = block_decoder(qt, blk);
+        for (int h = 0; h < 2; h++) {
+            const __m512 w = block_pair(qt, &dec, h);
+            for (int m = 0; m < MM; m++)
+                acc[m][h] = _mm512_fmadd_ps(_mm512_loadu_ps(x + m * ldx + b * 32 + 16 * h), w, acc[m][h]);
+        }
+    }
+    for (int m = 0; m < MM; m++) out[m] = hsum_pairs(acc[m][0], acc[m][1]);
+}
+#endif
+
+/* x [K] in the order nibble_group gives a 4-bit block's values */
 static void permute_x(const float *x, int64_t K, float *xp) {
     for (int64_t b = 0; b < K; b += 32)
         for (int g = 0; g < 4; g++)
@@ -245,28 +303,19 @@ static float dot_row(int qt, const uint8_t *row, const float *x, int64_t K) {
     const int64_t qk = quant_block_elems(qt), bb = quant_block_bytes(qt), nb = K / qk;
 #ifdef QUANT_AVX2
     if (qt == QT_Q4_0 || qt == QT_Q4_1 || qt == QT_Q8_0) {
+#ifdef QUANT_AVX512
+        float out;
+        dot_rows_pairs(qt, row, bb, x, 0, 1, nb, &out);
+        return out;
+#endif
         __m256 acc[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
         for (int64_t b = 0; b < nb; b++) {
             const uint8_t *blk = row + b * bb;
-            const float *xb = x + b * 32;
+            const float *xb = x + b * 32;  /* 4-bit formats: x comes permuted (permute_x) */
             if (b + 4 < nb) _mm_prefetch((const char *)(blk + 4 * bb), _MM_HINT_T0);
-            if (qt == QT_Q4_1) {  /* x comes permuted (permute_x); d and m converted together */
-                int32_t dm;
-                memcpy(&dm, blk, sizeof dm);
-                const __m128 f = _mm_cvtph_ps(_mm_cvtsi32_si128(dm));
-                dot_nibbles(blk + 4, _mm256_broadcastss_ps(f), _mm256_broadcastss_ps(_mm_movehdup_ps(f)), xb, acc);
-                continue;
-            }
-            const __m256 d = _mm256_set1_ps(half_to_float(blk));
-            if (qt == QT_Q4_0) {
-                dot_nibbles(blk + 2, d, _mm256_mul_ps(d, _mm256_set1_ps(-8.0f)), xb, acc);
-            } else {
-                for (int g = 0; g < 4; g++) {
-                    const __m128i q = _mm_loadl_epi64((const __m128i *)(blk + 2 + 8 * g));
-                    const __m256 w = _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(q)));
-                    acc[g] = _mm256_fmadd_ps(_mm256_loadu_ps(xb + 8 * g), w, acc[g]);
-                }
-            }
+            const block_decoder_t dec = block_decoder(qt, blk);
+            for (int g = 0; g < 4; g++)
+                acc[g] = _mm256_fmadd_ps(_mm256_loadu_ps(xb + 8 * g), block_group(qt, &dec, g), acc[g]);
         }
         return hsum8(_mm256_add_ps(_mm256_add_ps(acc[0], acc[1]), _mm256_add_ps(acc[2], acc[3])));
     }
@@ -305,31 +354,62 @@ static void quant_gemv(int qt, const float *x, const uint8_t *w, int64_t row_byt
 /* ---- a few rows: each weight row decoded once for all of them --------------------------------- */
 
 #define QROWS_MAX 8  /* up to this many rows (a decode verifying drafts, a few decodes): quant_gemv_rows */
-#define QROWS_GROUP 3  /* rows whose accumulators stay in registers together (4 x 3 of 16) */
+#define QROWS_GROUP 3  /* rows whose accumulators stay in registers together (4 x 3 of 16 ymm) */
+
+#ifdef QUANT_AVX2
+/* dot_rows for a group of MM rows, MM a constant (inlined into a switch) so that every accumulator stays
+ * in a register: with a run-time row count the compiler keeps them in memory and every FMA waits on a
+ * store and a load */
+static inline __attribute__((always_inline)) void dot_rows_group(int qt, const uint8_t *row, int64_t bb,
+                                                                 const float *x, int64_t ldx, const int MM,
+                                                                 int64_t nb, float *out) {
+    __m256 acc[QROWS_GROUP][4];
+    for (int m = 0; m < MM; m++)
+        for (int g = 0; g < 4; g++) acc[m][g] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < nb; b++) {
+        const uint8_t *blk = row + b * bb;
+        if (b + 4 < nb) _mm_prefetch((const char *)(blk + 4 * bb), _MM_HINT_T0);
+        const block_decoder_t dec = block_decoder(qt, blk);
+        for (int g = 0; g < 4; g++) {  /* a group's weights used up before the next: fewer registers live */
+            const __m256 w = block_group(qt, &dec, g);
+            for (int m = 0; m < MM; m++)
+                acc[m][g] = _mm256_fmadd_ps(_mm256_loadu_ps(x + m * ldx + b * 32 + 8 * g), w, acc[m][g]);
+        }
+    }
+    for (int m = 0; m < MM; m++)
+        out[m] = hsum8(_mm256_add_ps(_mm256_add_ps(acc[m][0], acc[m][1]), _mm256_add_ps(acc[m][2], acc[m][3])));
+}
+#endif
 
 /* out[m] = x_m . row for M <= QROWS_MAX rows x_m = x + m * ldx: for every m exactly dot_row(row, x_m)
- * -- the same products in the same order -- with each block's weights expanded once per group of rows */
+ * -- the same products in the same order -- with each block's weights expanded once per group of rows
+ * (groups as even as the group size allows: 4 rows go 2 + 2, not 3 + 1) */
 static void dot_rows(int qt, const uint8_t *row, const float *x, int64_t ldx, int M, int64_t K, float *out) {
     const int64_t qk = quant_block_elems(qt), bb = quant_block_bytes(qt), nb = K / qk;
 #ifdef QUANT_AVX2
     if (qt == QT_Q4_0 || qt == QT_Q4_1 || qt == QT_Q8_0) {
-        for (int m0 = 0; m0 < M; m0 += QROWS_GROUP) {
-            const int mm = M - m0 < QROWS_GROUP ? M - m0 : QROWS_GROUP;
-            __m256 acc[QROWS_GROUP][4];
-            for (int m = 0; m < QROWS_GROUP; m++)
-                for (int g = 0; g < 4; g++) acc[m][g] = _mm256_setzero_ps();
-            for (int64_t b = 0; b < nb; b++) {
-                const uint8_t *blk = row + b * bb;
-                if (b + 4 < nb) _mm_prefetch((const char *)(blk + 4 * bb), _MM_HINT_T0);
-                __m256 w[4];
-                block_weights(qt, blk, w);
-                for (int m = 0; m < mm; m++) {
-                    const float *xb = x + (m0 + m) * ldx + b * 32;
-                    for (int g = 0; g < 4; g++) acc[m][g] = _mm256_fmadd_ps(_mm256_loadu_ps(xb + 8 * g), w[g], acc[m][g]);
-                }
+#ifdef QUANT_AVX512
+        switch (M) {  /* every row in one pass */
+        case 1: dot_rows_pairs(qt, row, bb, x, ldx, 1, nb, out); return;
+        case 2: dot_rows_pairs(qt, row, bb, x, ldx, 2, nb, out); return;
+        case 3: dot_rows_pairs(qt, row, bb, x, ldx, 3, nb, out); return;
+        case 4: dot_rows_pairs(qt, row, bb, x, ldx, 4, nb, out); return;
+        case 5: dot_rows_pairs(qt, row, bb, x, ldx, 5, nb, out); return;
+        case 6: dot_rows_pairs(qt, row, bb, x, ldx, 6, nb, out); return;
+        case 7: dot_rows_pairs(qt, row, bb, x, ldx, 7, nb, out); return;
+        default: dot_rows_pairs(qt, row, bb, x, ldx, QROWS_MAX, nb, out); return;
+        }
+#endif
+        const int groups = (M + QROWS_GROUP - 1) / QROWS_GROUP;
+        for (int m0 = 0, left = groups; m0 < M; left--) {
+            const int mm = (M - m0 + left - 1) / left;
+            const float *xg = x + m0 * ldx;
+            switch (mm) {
+            case 1: dot_rows_group(qt, row, bb, xg, ldx, 1, nb, out + m0); break;
+            case 2: dot_rows_group(qt, row, bb, xg, ldx, 2, nb, out + m0); break;
+            default: dot_rows_group(qt, row, bb, xg, ldx, 3, nb, out + m0); break;
             }
-            for (int m = 0; m < mm; m++)
-                out[m0 + m] = hsum8(_mm256_add_ps(_mm256_add_ps(acc[m][0], acc[m][1]), _mm256_add_ps(acc[m][2], acc[m][3])));
+            m0 += mm;
         }
         return;
     }

@@ -132,6 +132,32 @@ def test_gemm_reads_strided_rows():
     torch.testing.assert_close(gguf_quant.linear(x, w), reference(x, w.dequantize()), atol=5e-4, rtol=1e-4)
 
 
+@pytest.mark.parametrize("qtype", [2, 3, 8])  # the formats with hand-vectorized GEMVs: Q4_0, Q4_1, Q8_0
+def test_every_vector_build_gives_the_gemvs_the_same_values(qtype):
+    """The AVX2 build (eight lanes, rows in groups of three) and the AVX-512 build (sixteen lanes, every
+    row in one pass): for 1..8 rows each row's values are the one-row GEMV's, and the two builds agree bit
+    for bit -- the same products in the same order -- so --cpu-isa never changes a token."""
+    rows, cols = 37, 768
+    g = torch.Generator().manual_seed(qtype)
+    w = random_blocks(qtype, rows, cols, seed=17 + qtype)
+    x = torch.randn(8, cols, generator=g)
+    builds = [isa for isa in cpu_ops.supported_isas() if isa != "portable"]
+    results = {}
+    try:
+        for isa in builds:
+            cpu_ops.select_isa(isa)
+            assert cpu_ops.available() and cpu_ops.loaded_isa() == isa
+            one_by_one = torch.cat([gguf_quant.linear(x[i:i + 1], w) for i in range(8)])
+            for m in range(1, 9):
+                assert torch.equal(gguf_quant.linear(x[:m], w), one_by_one[:m]), (isa, m)
+            results[isa] = one_by_one
+    finally:
+        cpu_ops.select_isa("auto")
+    for isa in builds[1:]:
+        assert torch.equal(results[isa], results[builds[0]]), (isa, builds[0])
+    torch.testing.assert_close(results[builds[0]], reference(x, w.dequantize()), atol=5e-4, rtol=1e-4)
+
+
 @pytest.mark.parametrize("qtype", sorted(FORMATS))
 def test_portable_build_gives_the_same_values(portable_kernels, qtype):
     """The plain C build (no AVX2: other CPUs, aarch64): the same exact expansion and fp32 products."""
