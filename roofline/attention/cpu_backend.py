@@ -4,7 +4,9 @@ Decode rows (one query each) go to cpu_ops.paged_decode_attention, which reads K
 the paged cache through the block tables (no gather into a padded copy, no K/V repeat for GQA).
 Prefill chunks go to cpu_ops.paged_prefill_attention: causal attention as two small GEMMs per
 (request, KV head, tile of query rows) on the same register tiles as the projections, K/V read
-through the block tables (~2.5x torch's SDPA on gathered copies at 64-256-token prompts).  Cache
+through the block tables (~2.5x torch's SDPA on gathered copies at 64-256-token prompts); a request
+of at most 8 rows (a decode verifying its drafts) attends there as that many decodes, each row bit for
+bit a decode's at its causal length (faster than the tiles at any context measured).  Cache
 writes are one memcpy per token row.  Chosen by attention_backend="auto" on CPU whenever the kernels
 load; fp32 only (anything else falls back to the torch code).
 """

@@ -881,11 +881,11 @@ static float row_max(const float *s, int64_t n) {
     return m;
 }
 
-void paged_prefill_attention_f32(const float *q, int64_t q_row_stride, float *out, const float *key_cache,
-                                 const float *value_cache, const int32_t *block_tables, int64_t bt_stride,
-                                 const int32_t *qsl, const int32_t *seq_lens, int64_t num_reqs, int64_t num_heads,
-                                 int64_t num_kv_heads, int64_t head_dim, int64_t block_size, float scale,
-                                 int nthreads) {
+static void prefill_attention_tiles(const float *q, int64_t q_row_stride, float *out, const float *key_cache,
+                                    const float *value_cache, const int32_t *block_tables, int64_t bt_stride,
+                                    const int32_t *qsl, const int32_t *seq_lens, int64_t num_reqs,
+                                    int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t block_size,
+                                    float scale, int nthreads) {
     const int64_t G = num_heads / num_kv_heads, D = head_dim, tok_stride = num_kv_heads * D;
     const int64_t P = G >= PF_ROWS ? 1 : PF_ROWS / G;  /* positions per item */
     const int64_t max_rows = P * G;
@@ -975,6 +975,47 @@ void paged_prefill_attention_f32(const float *q, int64_t q_row_stride, float *ou
     free(kt);
     free(first);
     free(pfirst);
+}
+
+#define DECODE_LIKE_ROWS 8  /* requests of up to this many rows attend as decodes */
+
+/* Causal attention of requests' query rows (prefill chunks, or a decode with its speculative drafts):
+ * request r's rows qsl[r] .. qsl[r+1] are the last of its seq_lens[r] cached tokens.  A request of at
+ * most DECODE_LIKE_ROWS rows attends as that many decodes, row i with its own causal length (the decode
+ * kernel reads K and V in place where the tiles would transpose every key first; a verified draft's
+ * attention is then a plain decode's, bit for bit); longer ones by the tiles above.  Consecutive
+ * requests of one kind go in one call. */
+void paged_prefill_attention_f32(const float *q, int64_t q_row_stride, float *out, const float *key_cache,
+                                 const float *value_cache, const int32_t *block_tables, int64_t bt_stride,
+                                 const int32_t *qsl, const int32_t *seq_lens, int64_t num_reqs, int64_t num_heads,
+                                 int64_t num_kv_heads, int64_t head_dim, int64_t block_size, float scale,
+                                 int nthreads) {
+    int32_t *vt = 0, *vl = 0;
+    for (int64_t r0 = 0; r0 < num_reqs;) {
+        const int short_run = qsl[r0 + 1] - qsl[r0] <= DECODE_LIKE_ROWS;
+        int64_t r1 = r0 + 1;
+        while (r1 < num_reqs && (qsl[r1 + 1] - qsl[r1] <= DECODE_LIKE_ROWS) == short_run) r1++;
+        if (!short_run) {
+            prefill_attention_tiles(q, q_row_stride, out, key_cache, value_cache, block_tables + r0 * bt_stride,
+                                    bt_stride, qsl + r0, seq_lens + r0, r1 - r0, num_heads, num_kv_heads,
+                                    head_dim, block_size, scale, nthreads);
+        } else {  /* one table row and causal length per query row */
+            const int64_t first = qsl[r0], rows = qsl[r1] - first;
+            vt = (int32_t *)realloc(vt, (size_t)(rows * bt_stride) * sizeof(int32_t));
+            vl = (int32_t *)realloc(vl, (size_t)rows * sizeof(int32_t));
+            for (int64_t r = r0; r < r1; r++)
+                for (int64_t i = qsl[r]; i < qsl[r + 1]; i++) {
+                    memcpy(vt + (i - first) * bt_stride, block_tables + r * bt_stride, (size_t)bt_stride * sizeof(int32_t));
+                    vl[i - first] = seq_lens[r] - (qsl[r + 1] - i) + 1;
+                }
+            paged_decode_attention_f32(q + first * q_row_stride, q_row_stride, out + first * num_heads * head_dim,
+                                       key_cache, value_cache, vt, bt_stride, vl, rows, num_heads, num_kv_heads,
+                                       head_dim, block_size, scale, nthreads);
+        }
+        r0 = r1;
+    }
+    free(vt);
+    free(vl);
 }
 
 /* out[r] = the index of the first maximum of row r (x[r * ld + 0 .. n)); a NaN counts as the maximum

@@ -170,6 +170,30 @@ def test_prefill_chunks_native(block_size, num_heads, num_kv_heads, head_dim, th
     torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("rows", [2, 6, 8])
+def test_a_few_rows_attend_exactly_as_decodes(rows):
+    """A request of up to 8 query rows (a decode verifying its drafts) attends as that many decodes:
+    each row's output is, bit for bit, a decode's at that row's causal length -- so speculation leaves a
+    verified token's attention what it would have been without it.  A longer request keeps the tiles
+    (same values within rounding, not bit for bit)."""
+    specs = [(40, 1), (70, rows), (33, 20)]
+    meta, q, k, v, cache, _ = make_batch(specs, block_size=16, num_heads=9, num_kv_heads=3, head_dim=64, seed=rows)
+    write_kv_torch(k, v, cache, meta.slot_mapping)
+    scale = 0.125
+    got = torch.empty_like(q)
+    cpu_ops.paged_prefill_attention(q, cache, meta.block_tables, meta.query_start_loc, meta.seq_lens, scale, got)
+    qsl, lens = meta.query_start_loc.tolist(), meta.seq_lens.tolist()
+    for r in range(len(specs)):
+        n = qsl[r + 1] - qsl[r]
+        own = torch.tensor([lens[r] - n + i + 1 for i in range(n)], dtype=torch.int32)
+        as_decodes = cpu_ops.paged_decode_attention(q[qsl[r]:qsl[r + 1]].contiguous(), cache,
+                                                    meta.block_tables[r:r + 1].expand(n, -1), own, scale)
+        if n <= 8:
+            assert torch.equal(got[qsl[r]:qsl[r + 1]], as_decodes), r
+        else:
+            torch.testing.assert_close(got[qsl[r]:qsl[r + 1]], as_decodes, atol=1e-5, rtol=1e-5)
+
+
 def test_prefill_head_size_off_the_tiles_falls_back():
     """A head size that is not a multiple of 16 keeps the SDPA path, with the same result."""
     meta, q, k, v, cache, _ = make_batch([(0, 20), (7, 9)], block_size=16, num_heads=4, num_kv_heads=2, head_dim=24)
