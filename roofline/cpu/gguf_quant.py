@@ -44,6 +44,7 @@ cpu_ops.declare("quant_block_elems", [ctypes.c_int], _I)
 cpu_ops.declare("quant_block_bytes", [ctypes.c_int], _I)
 cpu_ops.declare("quant_dequantize_f32", [ctypes.c_int, _P, _I, _I, _I, _P, ctypes.c_int])
 cpu_ops.declare("quant_linear_f32", [ctypes.c_int, _P, _I, _P, _I, _P, _P, _I, _I, _I, _I, ctypes.c_int])
+cpu_ops.declare("quant_rows_route", [ctypes.c_int, _I], ctypes.c_int)  # 1: M rows take the GEMV routes
 
 
 ACT_Q8_FLAG = 0x80  # quant_kernels.c's QT_ACT_Q8

@@ -21,11 +21,12 @@
  *                         (a decode verifying speculative drafts, a few decodes) by the same GEMV decoding
  *                         each weight block once for a group of rows (three in the AVX2 build, all of them in
  *                         the AVX-512 build's sixteen-lane registers) -- every row's values are the one-row
- *                         GEMV's, bit for bit, and the same in both builds; the activation-quantized mode
+ *                         GEMV's, bit for bit, and the same in both builds (the AVX-512 build takes up to 32
+ *                         rows of these formats so, eight at a time); the activation-quantized mode
  *                         (QT_ACT_Q8) for any rows
  *   quant_expand_panel    16 weight rows expanded into one panel of cpu_kernels.c's packed GEMM, which
  *                         quant_linear_f32 there runs over more rows (its values: gemm_packed_f32's over the
- *                         dequantized weight, bit for bit, whatever M > 8)
+ *                         dequantized weight, bit for bit, whatever M past the rows routes)
  * This file calls nothing of cpu_kernels.c: the GEMM driver lives there and calls these.
  */
 #include <math.h>
@@ -354,6 +355,15 @@ static void quant_gemv(int qt, const float *x, const uint8_t *w, int64_t row_byt
 /* ---- a few rows: each weight row decoded once for all of them --------------------------------- */
 
 #define QROWS_MAX 8  /* up to this many rows (a decode verifying drafts, a few decodes): quant_gemv_rows */
+#ifdef QUANT_AVX512
+/* The AVX-512 build takes Q4_0 / Q4_1 / Q8_0 rows up to this many by the few-rows GEMV too, eight at a
+ * time: faster than expanding panels for the packed GEMM there (2 threads, a 1536 x 576 Q4_1 weight:
+ * 16 rows 182 -> 117 us, 32 rows 297 -> 236 us; even at 64), and a decode batch's rows stay each the
+ * one-row GEMV's */
+#define QROWS_ROUTE_MAX 32
+#else
+#define QROWS_ROUTE_MAX QROWS_MAX
+#endif
 #define QROWS_GROUP 3  /* rows whose accumulators stay in registers together (4 x 3 of 16 ymm) */
 
 #ifdef QUANT_AVX2
@@ -429,23 +439,29 @@ static void dot_rows(int qt, const uint8_t *row, const float *x, int64_t ldx, in
     for (int m = 0; m < M; m++) out[m] = s[m];
 }
 
-/* C [M x N] for 2 <= M <= QROWS_MAX: every row's values are the one-row GEMV's, bit for bit */
+/* C [M x N] for 2 <= M <= QROWS_MAX (QROWS_ROUTE_MAX for the vectorized formats), QROWS_MAX rows at a
+ * time: every row's values are the one-row GEMV's, bit for bit */
 static void quant_gemv_rows(int qt, const float *a, int64_t lda, const uint8_t *w, int64_t row_bytes,
                             const float *bias, float *c, int64_t ldc, int M, int64_t K, int64_t N, int nthreads) {
     float *xp = 0;
+    for (int m0 = 0; m0 < M; m0 += QROWS_MAX) {  /* QROWS_MAX rows at a time: their activations stay in L1 */
+        const int mm = M - m0 < QROWS_MAX ? M - m0 : QROWS_MAX;
+        const float *x = a + m0 * lda;
+        int64_t ldx = lda;
 #ifdef QUANT_AVX2
-    if (qt == QT_Q4_0 || qt == QT_Q4_1) {
-        xp = (float *)malloc((size_t)(M * K) * sizeof(float));
-        for (int m = 0; m < M; m++) permute_x(a + m * lda, K, xp + m * K);
-        a = xp;
-        lda = K;
-    }
+        if (qt == QT_Q4_0 || qt == QT_Q4_1) {  /* one small buffer, reused (a large one per call costs page faults) */
+            if (!xp) xp = (float *)malloc((size_t)(QROWS_MAX * K) * sizeof(float));
+            for (int m = 0; m < mm; m++) permute_x(x + m * lda, K, xp + m * K);
+            x = xp;
+            ldx = K;
+        }
 #endif
 #pragma omp parallel for num_threads(nthreads) schedule(static) if (N * K > 32768)
-    for (int64_t n = 0; n < N; n++) {
-        float s[QROWS_MAX];
-        dot_rows(qt, w + n * row_bytes, a, lda, M, K, s);
-        for (int m = 0; m < M; m++) c[m * ldc + n] = bias ? s[m] + bias[n] : s[m];
+        for (int64_t n = 0; n < N; n++) {
+            float s[QROWS_MAX];
+            dot_rows(qt, w + n * row_bytes, x, ldx, mm, K, s);
+            for (int m = 0; m < mm; m++) c[(m0 + m) * ldc + n] = bias ? s[m] + bias[n] : s[m];
+        }
     }
     free(xp);
 }
@@ -720,7 +736,9 @@ void quant_expand_panel(int qt, const uint8_t *w, int64_t row_bytes, int64_t n0,
 /* Which route quant_linear_f32 (cpu_kernels.c) takes for M rows of type qt (with QT_ACT_Q8): 1 for this
  * file's rows routes (quant_rows_f32), 0 for the packed GEMM over expanded panels (quant_expand_panel). */
 int quant_rows_route(int qt, int64_t M) {
-    return ((qt & QT_ACT_Q8) && takes_act_q8(qt & ~QT_ACT_Q8)) || M <= QROWS_MAX;
+    const int base = qt & ~QT_ACT_Q8;
+    return ((qt & QT_ACT_Q8) && takes_act_q8(base)) || M <= QROWS_MAX ||
+           (M <= QROWS_ROUTE_MAX && (base == QT_Q4_0 || base == QT_Q4_1 || base == QT_Q8_0));
 }
 
 /* C [M x N] = A [M x K] W^T (+ bias) by the rows routes: activation-quantized (QT_ACT_Q8), one-row GEMV,

@@ -103,12 +103,14 @@ def test_a_few_rows_are_the_one_row_gemv_bit_for_bit(qtype, m, threads):
     torch.testing.assert_close(got, reference(x, w.dequantize(), b), atol=5e-4, rtol=1e-4)
 
 
-# M: past the few-rows route, uneven tiles, one row block, one more (the whole-weight route), many
+# M: past the few-rows route (the AVX-512 build's few-rows route for Q4_0/Q4_1/Q8_0 up to 32 rows), uneven
+# tiles, one row block, one more (the whole-weight route), many
 @pytest.mark.parametrize("qtype", sorted(FORMATS))
-@pytest.mark.parametrize("m", [9, 13, 96, 97, 300])
+@pytest.mark.parametrize("m", [9, 13, 32, 33, 96, 97, 300])
 @pytest.mark.parametrize("threads", [1, 2])
 def test_gemm_is_the_packed_gemm_over_the_dequantized_weight(qtype, m, threads):
-    """More rows: bit-identical to cpu_ops.gemm_packed over gguf's dequantized weight, any M past 8."""
+    """More rows: bit-identical to cpu_ops.gemm_packed over gguf's dequantized weight for any M past the
+    rows routes; rows the route still takes (quant_rows_route) are each the one-row GEMV's."""
     rows, cols = 53, 512  # 53 outputs: four panels, the last zero padded
     g = torch.Generator().manual_seed(m * 10 + qtype)
     w = random_blocks(qtype, rows, cols, seed=m + qtype)
@@ -119,7 +121,11 @@ def test_gemm_is_the_packed_gemm_over_the_dequantized_weight(qtype, m, threads):
     torch.set_num_threads(threads)
     try:
         got = gguf_quant.linear(x, w, b)
-        want = cpu_ops.gemm_packed(x, cpu_gemm.pack(dense), rows, b)
+        if cpu_ops.library().quant_rows_route(qtype, m):
+            assert qtype in (2, 3, 8) and m <= 32 and cpu_ops.loaded_isa() == "avx512"
+            want = torch.cat([gguf_quant.linear(x[i:i + 1], w, b) for i in range(m)])
+        else:
+            want = cpu_ops.gemm_packed(x, cpu_gemm.pack(dense), rows, b)
     finally:
         torch.set_num_threads(before)
     assert torch.equal(got, want)
