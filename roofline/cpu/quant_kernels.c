@@ -334,6 +334,32 @@ static float dot_row(int qt, const uint8_t *row, const float *x, int64_t K) {
     return s;
 }
 
+#ifdef QUANT_AVX512
+/* dot_row for two weight rows at once (Q4_0, Q4_1, Q8_0), each with its own accumulators in dot_row's
+ * order, so each value is dot_row's bit for bit: one row's sum is a chain of dependent FMAs, one per
+ * block per accumulator, and two independent chains keep the FMA units busy while a lone chain waits
+ * on its latency; the activations are loaded once for both.  (The AVX-512 build: 10-14% faster per
+ * GEMV here; with AVX2's sixteen registers the two rows spill and it was 5-10% slower.) */
+static void dot_row_pair(int qt, const uint8_t *row0, const uint8_t *row1, const float *x, int64_t K, float *out) {
+    const int64_t bb = quant_block_bytes(qt), nb = K / 32;
+    __m512 acc[2][2] = {{_mm512_setzero_ps(), _mm512_setzero_ps()}, {_mm512_setzero_ps(), _mm512_setzero_ps()}};
+    for (int64_t b = 0; b < nb; b++) {
+        if (b + 4 < nb) {
+            _mm_prefetch((const char *)(row0 + (b + 4) * bb), _MM_HINT_T0);
+            _mm_prefetch((const char *)(row1 + (b + 4) * bb), _MM_HINT_T0);
+        }
+        const block_decoder_t d0 = block_decoder(qt, row0 + b * bb), d1 = block_decoder(qt, row1 + b * bb);
+        for (int h = 0; h < 2; h++) {
+            const __m512 xv = _mm512_loadu_ps(x + b * 32 + 16 * h);
+            acc[0][h] = _mm512_fmadd_ps(xv, block_pair(qt, &d0, h), acc[0][h]);
+            acc[1][h] = _mm512_fmadd_ps(xv, block_pair(qt, &d1, h), acc[1][h]);
+        }
+    }
+    out[0] = hsum_pairs(acc[0][0], acc[0][1]);
+    out[1] = hsum_pairs(acc[1][0], acc[1][1]);
+}
+#endif
+
 static void quant_gemv(int qt, const float *x, const uint8_t *w, int64_t row_bytes, const float *bias, float *y,
                        int64_t K, int64_t N, int nthreads) {
     float *xp = 0;
@@ -342,6 +368,20 @@ static void quant_gemv(int qt, const float *x, const uint8_t *w, int64_t row_byt
         xp = (float *)malloc((size_t)K * sizeof(float));
         permute_x(x, K, xp);
         x = xp;
+    }
+#endif
+#ifdef QUANT_AVX512
+    if (qt == QT_Q4_0 || qt == QT_Q4_1 || qt == QT_Q8_0) {  /* weight rows two at a time (dot_row_pair) */
+#pragma omp parallel for num_threads(nthreads) schedule(static) if (N * K > 32768)
+        for (int64_t p = 0; p < (N + 1) / 2; p++) {
+            const int64_t n = 2 * p;
+            float s[2];
+            if (n + 1 < N) dot_row_pair(qt, w + n * row_bytes, w + (n + 1) * row_bytes, x, K, s);
+            else s[0] = dot_row(qt, w + n * row_bytes, x, K);
+            for (int64_t i = n; i < n + 2 && i < N; i++) y[i] = bias ? s[i - n] + bias[i] : s[i - n];
+        }
+        free(xp);
+        return;
     }
 #endif
 #pragma omp parallel for num_threads(nthreads) schedule(static) if (N * K > 32768)
