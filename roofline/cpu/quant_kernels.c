@@ -584,12 +584,44 @@ static void quantize_rows_q8(const float *a, int64_t lda, int M, int64_t K, act_
 static inline int takes_act_q8(int qt) { return qt == QT_Q4_0 || qt == QT_Q4_1 || qt == QT_Q8_0; }
 
 #ifdef QUANT_AVX2
+/* one weight block for the integer dots: its scale dw and offset mw (Q4_1's m, Q4_0's -8d), its values
+ * w8 as bytes and |w8| (Q8_0; the 4-bit formats are unsigned already) */
+static inline __attribute__((always_inline)) void q8_weight_block(int qt, const uint8_t *blk, float *dw, float *mw,
+                                                                  __m256i *w8, __m256i *wabs) {
+    if (qt == QT_Q8_0) {
+        *dw = half_to_float(blk);
+        *mw = 0.f;
+        *w8 = _mm256_loadu_si256((const __m256i *)(blk + 2));
+        *wabs = _mm256_sign_epi8(*w8, *w8);
+        return;
+    }
+    const __m128i m4 = _mm_set1_epi8(0x0f);
+    const __m128i raw = _mm_loadu_si128((const __m128i *)(blk + (qt == QT_Q4_1 ? 4 : 2)));
+    *w8 = *wabs = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(raw, 4), m4), _mm_and_si128(raw, m4));
+    if (qt == QT_Q4_1) {  /* d and m converted together */
+        int32_t dm;
+        memcpy(&dm, blk, sizeof dm);
+        const __m128 f = _mm_cvtph_ps(_mm_cvtsi32_si128(dm));
+        *dw = _mm_cvtss_f32(f);
+        *mw = _mm_cvtss_f32(_mm_movehdup_ps(f));
+    } else {
+        *dw = half_to_float(blk);
+        *mw = -8.f * *dw;
+    }
+}
+
+/* one block's integer dot of weights and a quantized row, scaled into that row's accumulator */
+static inline __attribute__((always_inline)) __m256 q8_block_dot(int qt, __m256i w8, __m256i wabs, __m256i x8,
+                                                                 float scale, __m256 acc) {
+    if (qt == QT_Q8_0) x8 = _mm256_sign_epi8(x8, w8);
+    const __m256i p = _mm256_madd_epi16(_mm256_maddubs_epi16(wabs, x8), _mm256_set1_epi16(1));
+    return _mm256_fmadd_ps(_mm256_set1_ps(scale), _mm256_cvtepi32_ps(p), acc);
+}
+
 /* dot_rows_q8 for a constant M (inlined into a switch), so every accumulator stays in a register */
 static inline __attribute__((always_inline)) void dot_rows_q8_avx2(int qt, const uint8_t *row, const act_q8_t *x,
                                                                  const int M, int64_t K, float *out) {
     const int64_t bb = quant_block_bytes(qt), nb = K / 32;
-    const __m256i ones = _mm256_set1_epi16(1);
-    const __m128i m4 = _mm_set1_epi8(0x0f);
     __m256 acc[QROWS_MAX];
     float side[QROWS_MAX];
     for (int m = 0; m < M; m++) {
@@ -599,35 +631,42 @@ static inline __attribute__((always_inline)) void dot_rows_q8_avx2(int qt, const
     for (int64_t b = 0; b < nb; b++) {
         const uint8_t *blk = row + b * bb;
         if (b + 4 < nb) _mm_prefetch((const char *)(blk + 4 * bb), _MM_HINT_T0);
-        float dw, mw = 0.f;
+        float dw, mw;
         __m256i w8, wabs;
-        if (qt == QT_Q8_0) {
-            dw = half_to_float(blk);
-            w8 = _mm256_loadu_si256((const __m256i *)(blk + 2));
-            wabs = _mm256_sign_epi8(w8, w8);
-        } else {
-            const __m128i raw = _mm_loadu_si128((const __m128i *)(blk + (qt == QT_Q4_1 ? 4 : 2)));
-            w8 = wabs = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(raw, 4), m4), _mm_and_si128(raw, m4));
-            if (qt == QT_Q4_1) {  /* d and m converted together */
-                int32_t dm;
-                memcpy(&dm, blk, sizeof dm);
-                const __m128 f = _mm_cvtph_ps(_mm_cvtsi32_si128(dm));
-                dw = _mm_cvtss_f32(f);
-                mw = _mm_cvtss_f32(_mm_movehdup_ps(f));
-            } else {
-                dw = half_to_float(blk);
-                mw = -8.f * dw;
-            }
-        }
+        q8_weight_block(qt, blk, &dw, &mw, &w8, &wabs);
         for (int m = 0; m < M; m++) {
-            __m256i x8 = _mm256_loadu_si256((const __m256i *)(x->q + m * K + b * 32));
-            if (qt == QT_Q8_0) x8 = _mm256_sign_epi8(x8, w8);
-            const __m256i p = _mm256_madd_epi16(_mm256_maddubs_epi16(wabs, x8), ones);
-            acc[m] = _mm256_fmadd_ps(_mm256_set1_ps(dw * x->d[m * nb + b]), _mm256_cvtepi32_ps(p), acc[m]);
+            const __m256i x8 = _mm256_loadu_si256((const __m256i *)(x->q + m * K + b * 32));
+            acc[m] = q8_block_dot(qt, w8, wabs, x8, dw * x->d[m * nb + b], acc[m]);
             side[m] += mw * x->s[m * nb + b];
         }
     }
     for (int m = 0; m < M; m++) out[m] = hsum8(acc[m]) + side[m];
+}
+
+/* dot_rows_q8_avx2 for one quantized row and two weight rows: each value the one-row sum bit for bit,
+ * two independent chains instead of one waiting on its FMA latency */
+static void dot_row_q8_pair(int qt, const uint8_t *row0, const uint8_t *row1, const act_q8_t *x, int64_t K,
+                            float *out) {
+    const int64_t bb = quant_block_bytes(qt), nb = K / 32;
+    __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
+    float side0 = 0.f, side1 = 0.f;
+    for (int64_t b = 0; b < nb; b++) {
+        if (b + 4 < nb) {
+            _mm_prefetch((const char *)(row0 + (b + 4) * bb), _MM_HINT_T0);
+            _mm_prefetch((const char *)(row1 + (b + 4) * bb), _MM_HINT_T0);
+        }
+        float dw0, mw0, dw1, mw1;
+        __m256i w80, wabs0, w81, wabs1;
+        q8_weight_block(qt, row0 + b * bb, &dw0, &mw0, &w80, &wabs0);
+        q8_weight_block(qt, row1 + b * bb, &dw1, &mw1, &w81, &wabs1);
+        const __m256i x8 = _mm256_loadu_si256((const __m256i *)(x->q + b * 32));
+        acc0 = q8_block_dot(qt, w80, wabs0, x8, dw0 * x->d[b], acc0);
+        acc1 = q8_block_dot(qt, w81, wabs1, x8, dw1 * x->d[b], acc1);
+        side0 += mw0 * x->s[b];
+        side1 += mw1 * x->s[b];
+    }
+    out[0] = hsum8(acc0) + side0;
+    out[1] = hsum8(acc1) + side1;
 }
 #endif
 
@@ -693,6 +732,15 @@ static void quant_linear_q8(int qt, const float *a, int64_t lda, const uint8_t *
             const act_q8_t part = {x.q + m0 * K, x.d + m0 * nb, x.s + m0 * nb};
             for (int64_t n = t * Q8_TILE; n < n1; n++) {
                 float s[QROWS_MAX];
+#ifdef QUANT_AVX2
+                if (mm == 1 && n + 1 < n1) {  /* a lone row: weight rows two at a time */
+                    dot_row_q8_pair(qt, w + n * row_bytes, w + (n + 1) * row_bytes, &part, K, s);
+                    c[m0 * ldc + n] = bias ? s[0] + bias[n] : s[0];
+                    n++;
+                    c[m0 * ldc + n] = bias ? s[1] + bias[n] : s[1];
+                    continue;
+                }
+#endif
                 dot_rows_q8(qt, w + n * row_bytes, &part, mm, K, s);
                 for (int m = 0; m < mm; m++) c[(m0 + m) * ldc + n] = bias ? s[m] + bias[n] : s[m];
             }
