@@ -168,12 +168,13 @@ class LlamaModel(nn.Module):
         keep = output_rows if self.is_last_stage else None
         if keep is not None and x.is_cpu and not cpu_gemm.routes_alike(x.shape[0], keep.shape[0]):
             keep = None  # a lone row would take the GEMV route, not its batch's: taken after the norm instead
-        layers = self.stage_layers
         # every layer shares one rope table: look it up once per step, not once per layer
-        cos_sin = layers[0].self_attn.rotary.cos_sin(positions, x.dtype) if layers else None
+        cos_sin = (self.layers[self.start_layer].self_attn.rotary.cos_sin(positions, x.dtype)
+                   if self.end_layer > self.start_layer else None)
         if self.cpu_stack is not None and self.cpu_stack.takes(x):
             x = self.cpu_stack(x, cos_sin, kv_caches, meta, keep)  # the same kernels, called from C
         else:
+            layers = self.stage_layers
             last = len(layers) - 1
             for i, (layer, kv_cache) in enumerate(zip(layers, kv_caches)):
                 x, residual = layer(positions, x, residual, kv_cache, meta, cos_sin, keep if i == last else None)
