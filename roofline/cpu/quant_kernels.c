@@ -308,7 +308,7 @@ static float dot_row(int qt, const uint8_t *row, const float *x, int64_t K) {
         float out;
         dot_rows_pairs(qt, row, bb, x, 0, 1, nb, &out);
         return out;
-#endif
+#else  /* its own loop: routed through dot_rows_group it measured 3-6% slower */
         __m256 acc[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
         for (int64_t b = 0; b < nb; b++) {
             const uint8_t *blk = row + b * bb;
@@ -319,6 +319,7 @@ static float dot_row(int qt, const uint8_t *row, const float *x, int64_t K) {
                 acc[g] = _mm256_fmadd_ps(_mm256_loadu_ps(xb + 8 * g), block_group(qt, &dec, g), acc[g]);
         }
         return hsum8(_mm256_add_ps(_mm256_add_ps(acc[0], acc[1]), _mm256_add_ps(acc[2], acc[3])));
+#endif
     }
 #endif
     float vals[256];
