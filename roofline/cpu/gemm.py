@@ -23,7 +23,7 @@ two are even, ~15-16 GB/s over the default model's projections).
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Iterable, Optional
 
 import torch
 import torch.nn.functional as F
@@ -53,9 +53,14 @@ def use_packed(x: torch.Tensor) -> bool:
     return x.shape[0] >= PACKED_MIN_ROWS
 
 
-def routes_alike(rows_a: int, rows_b: int) -> bool:
-    """Whether batches of these many rows take the same route (so a row comes out the same bits in either)."""
-    return (rows_a >= PACKED_MIN_ROWS) == (rows_b >= PACKED_MIN_ROWS)
+def routes_alike(rows_a: int, rows_b: int, quant_types: Iterable[int] = ()) -> bool:
+    """Whether batches of these many rows take the same route (so a row comes out the same bits in either):
+    the fp32 weights' (GEMV or packed) and, for weights kept in GGUF blocks of these kernel types, theirs
+    (the GEMV routes or the packed GEMM: gguf_quant.rows_route)."""
+    if rows_a == rows_b:
+        return True
+    return ((rows_a >= PACKED_MIN_ROWS) == (rows_b >= PACKED_MIN_ROWS)
+            and all(gguf_quant.rows_route(t, rows_a) == gguf_quant.rows_route(t, rows_b) for t in quant_types))
 
 
 def _takes_packed(x: torch.Tensor, packed: Optional[torch.Tensor]) -> bool:

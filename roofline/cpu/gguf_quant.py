@@ -160,6 +160,12 @@ def linear(x: torch.Tensor, weight: QuantizedTensor, bias: Optional[torch.Tensor
     return y
 
 
+def rows_route(kernel_type: int, rows: int) -> bool:
+    """Whether `rows` rows of a weight of this kernel type take the GEMV routes, each row the one-row
+    GEMV's values (quant_kernels.c's quant_rows_route), rather than the packed GEMM."""
+    return bool(cpu_ops.library().quant_rows_route(kernel_type, rows))
+
+
 def weight_bytes_by_format(model: torch.nn.Module) -> dict[str, int]:
     """The bytes a model's weights occupy as its layers compute on them, by format ("Q4_1", "float32",
     ...): blocks where a layer keeps them (a module's `quant`), every other parameter once (tied ones

@@ -132,6 +132,26 @@ def test_gemm_is_the_packed_gemm_over_the_dequantized_weight(qtype, m, threads):
     torch.testing.assert_close(got, reference(x, dense, b), atol=5e-4, rtol=1e-4)
 
 
+@pytest.mark.parametrize("qtype", [3, 12])  # Q4_1 (the rows routes reach 32 rows in the AVX-512 build), Q4_K
+def test_routes_alike_knows_the_quantized_routes(qtype):
+    """cpu_gemm.routes_alike with a block weight's kernel type says yes only where a batch's kept rows
+    come out the same bits as in the whole batch (LlamaModel shrinks the last layer to the rows it keeps
+    on that word), and no across the GEMV / GEMM boundary."""
+    rows, cols = 37, 512
+    w = random_blocks(qtype, rows, cols, seed=300 + qtype)
+    x = torch.randn(48, cols, generator=torch.Generator().manual_seed(qtype))
+    said = {}
+    for a, b in [(5, 3), (8, 2), (9, 3), (20, 6), (32, 8), (33, 8), (48, 6), (48, 40)]:
+        said[a, b] = cpu_gemm.routes_alike(a, b, [w.kernel_type])
+        if said[a, b]:
+            torch.testing.assert_close(gguf_quant.linear(x[a - b:a], w), gguf_quant.linear(x[:a], w)[a - b:],
+                                       atol=0, rtol=0)
+    assert said[5, 3] and said[48, 40] and not said[33, 8] and not said[48, 6]  # in any build
+    assert not cpu_gemm.routes_alike(2, 1) and cpu_gemm.routes_alike(48, 6)  # fp32 alone: GEMV vs packed
+    w.quantize_activations = True  # q8 mode: one route for any rows
+    assert cpu_gemm.routes_alike(48, 6, [w.kernel_type]) == (qtype in gguf_quant.ACT_Q8_FORMATS)
+
+
 def test_gemm_reads_strided_rows():
     w = random_blocks(3, 40, 256, seed=9)
     x = torch.randn(9, 300, generator=torch.Generator().manual_seed(9))[:, 20:276]  # rows 300 floats apart

@@ -149,6 +149,14 @@ class LlamaModel(nn.Module):
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps) if self.is_last_stage else pipeline.MissingLayer()
         self.cpu_stack = None  # llama_cpu_stack.CpuLayerStack where it applies (set after loading, CPU)
 
+    def _last_layer_quant_types(self) -> list[int]:
+        """Kernel types of the weights the stage's last layer keeps in GGUF blocks (the rows it keeps run
+        its projections after attention)."""
+        if self.end_layer <= self.start_layer:
+            return []
+        return [m.quant.kernel_type for m in self.layers[self.end_layer - 1].modules()
+                if isinstance(getattr(m, "quant", None), QuantizedTensor)]
+
     @property
     def stage_layers(self) -> list["LlamaDecoderLayer"]:
         """This pipeline stage's layers, in order (every layer without pipeline parallelism)."""
@@ -166,8 +174,9 @@ class LlamaModel(nn.Module):
         else:
             x, residual = intermediate
         keep = output_rows if self.is_last_stage else None
-        if keep is not None and x.is_cpu and not cpu_gemm.routes_alike(x.shape[0], keep.shape[0]):
-            keep = None  # a lone row would take the GEMV route, not its batch's: taken after the norm instead
+        if (keep is not None and x.is_cpu and keep.shape[0] != x.shape[0]
+                and not cpu_gemm.routes_alike(x.shape[0], keep.shape[0], self._last_layer_quant_types())):
+            keep = None  # the kept rows would take another route than their batch's: taken after the norm instead
         # every layer shares one rope table: look it up once per step, not once per layer
         cos_sin = (self.layers[self.start_layer].self_attn.rotary.cos_sin(positions, x.dtype)
                    if self.end_layer > self.start_layer else None)
