@@ -121,7 +121,7 @@ def test_gemm_is_the_packed_gemm_over_the_dequantized_weight(qtype, m, threads):
     torch.set_num_threads(threads)
     try:
         got = gguf_quant.linear(x, w, b)
-        if cpu_ops.library().quant_rows_route(qtype, m):
+        if gguf_quant.rows_route(qtype, m):
             assert qtype in (2, 3, 8) and m <= 32 and cpu_ops.loaded_isa() == "avx512"
             want = torch.cat([gguf_quant.linear(x[i:i + 1], w, b) for i in range(m)])
         else:
