@@ -11,7 +11,9 @@ expand blocks in registers to exactly gguf.quants.dequantize's values and accumu
 that decodes each block once (every row the one-row GEMV's values); more rows through the
 packed GEMM of cpu_kernels.c over panels expanded on the fly (bit-identical to cpu_ops.gemm_packed over
 the dequantized weight).  With `quantize_activations` (--gguf-activations q8) Q4_0/Q4_1/Q8_0 blocks
-multiply 8-bit activations instead (quant_kernels.c's QT_ACT_Q8).
+multiply 8-bit activations instead (quant_kernels.c's QT_ACT_Q8): the tensor's bytes are re-laid in
+place, sixteen rows interleaved, so one vpdpbusd takes four values of each of sixteen rows
+(`interleave_rows`; `dequantize()` and `file_layout()` read through it).
 
 Which formats and why: the default model's file is Q4_1 with a Q8_0 embedding; Q4_0 is the other
 legacy 4-bit format; community "Q4_K_M" / "Q5_K_M" files mix Q4_K, Q5_K and Q6_K.  Other formats are
@@ -82,9 +84,6 @@ class QuantizedTensor:
     data: torch.Tensor
     qtype: int
     cols: int
-    # the activations are quantized to 8 bits per 32 values for integer dot products with the blocks
-    # (quant_kernels.c, QT_ACT_Q8): Q4_0, Q4_1 and Q8_0 only; set by the worker (--gguf-activations q8)
-    quantize_activations: bool = False
 
     def __post_init__(self) -> None:
         if self.qtype not in FORMATS:
@@ -94,6 +93,28 @@ class QuantizedTensor:
                 or self.data.shape[1] != self.cols // qk * bb:
             raise ValueError(f"a {format_name(self.qtype)} tensor of {self.cols} columns needs uint8 rows of "
                              f"{self.cols // qk * bb} bytes, got {self.data.dtype} {tuple(self.data.shape)}")
+        self._act_q8 = False
+
+    @property
+    def quantize_activations(self) -> bool:
+        """Whether the activations are quantized to 8 bits per 32 values for integer dot products with the
+        blocks (quant_kernels.c, QT_ACT_Q8; set by the worker for --gguf-activations q8).  Only Q4_0, Q4_1
+        and Q8_0 take it (setting it on another format leaves it off).  Setting it re-lays `data` in place
+        for that mode's kernels, sixteen rows interleaved (`interleave_rows`); clearing it restores the file
+        layout."""
+        return self._act_q8
+
+    @quantize_activations.setter
+    def quantize_activations(self, on: bool) -> None:
+        on = bool(on) and self.qtype in ACT_Q8_FORMATS
+        if on != self._act_q8:
+            self.data.copy_(torch.from_numpy((interleave_rows if on else deinterleave_rows)(self.data.numpy(),
+                                                                                          self.qtype)))
+            self._act_q8 = on
+
+    def file_layout(self) -> torch.Tensor:
+        """The blocks as the file lays them out (`data` itself unless re-laid for the q8 mode)."""
+        return torch.from_numpy(deinterleave_rows(self.data.numpy(), self.qtype)) if self._act_q8 else self.data
 
     @classmethod
     def empty(cls, rows: int, cols: int, qtype: int) -> "QuantizedTensor":
@@ -121,8 +142,58 @@ class QuantizedTensor:
         """fp32 [rows x cols] by gguf's own dequantization (the reference, and the fallback)."""
         import gguf
 
-        arr = gguf.quants.dequantize(self.data.numpy(), gguf.GGMLQuantizationType(self.qtype))
+        arr = gguf.quants.dequantize(self.file_layout().numpy(), gguf.GGMLQuantizationType(self.qtype))
         return torch.from_numpy(np.ascontiguousarray(arr, dtype=np.float32).reshape(self.shape))
+
+
+INTERLEAVE = 16  # quant_kernels.c X16: rows the q8 mode's layout interleaves
+
+
+def _interleaved_parts(qtype: int) -> tuple[int, int]:
+    """(header bytes per block: d, and Q4_1's m; value chunks of 4 bytes per block)"""
+    return (4 if qtype == 3 else 2), (8 if qtype == 8 else 4)
+
+
+def interleave_rows(blocks: np.ndarray, qtype: int) -> np.ndarray:
+    """The q8 mode's layout (quant_kernels.c, "activation-quantized mode") of uint8 blocks [rows x row_bytes]
+    of Q4_0 / Q4_1 / Q8_0: each whole group of 16 rows, block by block, as the 16 rows' fp16 d (then m),
+    then chunks of 4 value bytes per row (Q8_0's values plus 128); rows past the last group unchanged."""
+    rows, rb = blocks.shape
+    _, _, bb = FORMATS[qtype]
+    nb, g = rb // bb, rows // INTERLEAVE
+    head, chunks = _interleaved_parts(qtype)
+    if g == 0:
+        return blocks.copy()
+    grouped = blocks[:g * INTERLEAVE].reshape(g, INTERLEAVE, nb, bb)
+    scales = grouped[..., :head].reshape(g, INTERLEAVE, nb, head // 2, 2).transpose(0, 2, 3, 1, 4)
+    values = grouped[..., head:]
+    if qtype == 8:
+        values = values ^ np.uint8(0x80)
+    values = values.reshape(g, INTERLEAVE, nb, chunks, 4).transpose(0, 2, 3, 1, 4)
+    out = blocks.copy()
+    out[:g * INTERLEAVE] = np.concatenate([scales.reshape(g, nb, -1), values.reshape(g, nb, -1)],
+                                          axis=2).reshape(g * INTERLEAVE, rb)
+    return out
+
+
+def deinterleave_rows(blocks: np.ndarray, qtype: int) -> np.ndarray:
+    """interleave_rows undone: the file's layout."""
+    rows, rb = blocks.shape
+    _, _, bb = FORMATS[qtype]
+    nb, g = rb // bb, rows // INTERLEAVE
+    head, chunks = _interleaved_parts(qtype)
+    if g == 0:
+        return blocks.copy()
+    grouped = blocks[:g * INTERLEAVE].reshape(g, nb, INTERLEAVE * bb)
+    scales = grouped[..., :INTERLEAVE * head].reshape(g, nb, head // 2, INTERLEAVE, 2).transpose(0, 3, 1, 2, 4)
+    values = grouped[..., INTERLEAVE * head:].reshape(g, nb, chunks, INTERLEAVE, 4).transpose(0, 3, 1, 2, 4)
+    if qtype == 8:
+        values = values ^ np.uint8(0x80)
+    out = blocks.copy()
+    out[:g * INTERLEAVE] = np.concatenate([scales.reshape(g, INTERLEAVE, nb, head),
+                                           values.reshape(g, INTERLEAVE, nb, chunks * 4)],
+                                          axis=3).reshape(g * INTERLEAVE, rb)
+    return out
 
 
 def row_bytes(qtype: int, cols: int) -> int:
@@ -136,7 +207,8 @@ def dequantize_native(weight: QuantizedTensor) -> torch.Tensor:
     """fp32 [rows x cols] by the kernels' own expansion (tests compare it with QuantizedTensor.dequantize)."""
     rows, cols = weight.shape
     out = torch.empty((rows, cols), dtype=torch.float32)
-    cpu_ops.library().quant_dequantize_f32(weight.qtype, weight.data.data_ptr(), weight.data.shape[1], rows, cols,
+    blocks = weight.file_layout()
+    cpu_ops.library().quant_dequantize_f32(weight.qtype, blocks.data_ptr(), blocks.shape[1], rows, cols,
                                            out.data_ptr(), torch.get_num_threads())
     return out
 

@@ -96,11 +96,14 @@ def _cpu_flags() -> str:
 
 # Builds of the kernels, best first: the compiler flags of each, and the CPU flags it needs.  The C code
 # has AVX2+FMA+F16C paths (__AVX2__ ...) and plain C loops for everything else; the AVX-512 build adds
-# what the compiler makes of the wider registers, NEON is the base of every aarch64 CPU (the plain loops
+# hand-written sixteen-lane code and what the compiler makes of the wider registers, and needs VNNI
+# (vpdpbusd: Ice Lake, Zen 4 and later; AVX-512 CPUs without it take the AVX2 build) -- only the functions
+# that call it are compiled for it (quant_kernels.c X16_VNNI): GCC 12.2 turns signed byte dot products
+# into vpdpbusd, which takes one side unsigned, wherever it may -- NEON is the base of every aarch64 CPU (the plain loops
 # vectorized for it), portable runs anywhere.
 ISA_BUILDS = {
     "avx512": (["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx2", "-mfma", "-mf16c"],
-               {"avx512f", "avx512bw", "avx512vl", "avx512dq", "avx2", "fma", "f16c"}),
+               {"avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_vnni", "avx2", "fma", "f16c"}),
     "avx2": (["-mavx2", "-mfma", "-mf16c"], {"avx2", "fma", "f16c"}),
     "neon": (["-march=armv8-a"], set()),
     "portable": ([], set()),

@@ -23,7 +23,7 @@
  *                         the AVX-512 build's sixteen-lane registers) -- every row's values are the one-row
  *                         GEMV's, bit for bit, and the same in both builds (the AVX-512 build takes up to 32
  *                         rows of these formats so, eight at a time); the activation-quantized mode
- *                         (QT_ACT_Q8) for any rows
+ *                         (QT_ACT_Q8) for any rows, over weights interleaved sixteen rows at a time
  *   quant_expand_panel    16 weight rows expanded into one panel of cpu_kernels.c's packed GEMM, which
  *                         quant_linear_f32 there runs over more rows (its values: gemm_packed_f32's over the
  *                         dequantized weight, bit for bit, whatever M past the rows routes)
@@ -510,20 +510,33 @@ static void quant_gemv_rows(int qt, const float *a, int64_t lda, const uint8_t *
 /* ---- activation-quantized mode (QT_ACT_Q8): integer dot products -------------------------------
  * For Q4_0, Q4_1 and Q8_0 weights, the kernels can quantize each activation row to 8 bits per
  * 32-value block, as llama.cpp does (its Q8_1: d = max|x| / 127, q = round(x * (1 / d)) ties to even,
- * s = d * sum(q)), and take each block's dot product in integers (maddubs + madd: 32 products in four
- * instructions, against the fp32 expansion's ~5 per 8 weights).  Per block:
- *     Q4_1  w = dw * q + mw        dw * dx * sum(q * qx) + mw * s
- *     Q4_0  w = dw * (q - 8)       dw * dx * sum(q * qx) - 8 * dw * s
- *     Q8_0  w = dw * q             dw * dx * sum(q * qx)          (signed pairs by the sign trick)
- * The weights are used exactly; the activations are rounded to ~2.5 significant digits, so results are
- * close to, not equal to, the fp32 path's (tests bound the error and compare with an exact emulation).
- * Every row's values are the same whatever the number of rows and whatever rows share its step.  (The
- * rounding amplifies what other kernels change: attention for one query and for several sums in other
- * orders, so a speculative verify or a prefill chunk can move a rounding, and rarely a token.) */
+ * s = d * sum(q)), and take each block's dot product in integers.  Per row and block, with qx the
+ * activation's 8-bit values and i = sum(q * qx) the block's exact integer sum:
+ *     Q4_1  w = dw * q + mw        acc = fma(dw * dx, i, acc)   side = fma(mw, s, side)
+ *     Q4_0  w = dw * (q - 8)       acc = fma(dw * dx, i - 8 * sum(qx), acc)
+ *     Q8_0  w = dw * q             acc = fma(dw * dx, i, acc)
+ * and the value is acc + side, the blocks taken in order: one fp32 sum per row whatever the build, the
+ * number of rows or the rows beside it (the integer sums are exact in every build).  The weights are used
+ * exactly; the activations are rounded to ~2.5 significant digits, so results are close to, not equal
+ * to, the fp32 path's (tests bound the error against a float64 emulation).  (The rounding amplifies what
+ * other kernels change: attention for one query and for several sums in other orders, so a speculative
+ * verify or a prefill chunk can move a rounding, and rarely a token.)
+ *
+ * Weights in this mode are interleaved sixteen rows at a time (gguf_quant.QuantizedTensor repacks them
+ * in place when the mode is set; the same bytes, reordered), so that one 16-lane register holds four
+ * values of each of sixteen rows and one vpdpbusd takes 64 products.  Group g (rows 16g..16g+15)
+ * occupies those rows' bytes; its block b (16 x the format's block bytes, in order of b) holds:
+ *     d[16] fp16, then (Q4_1) m[16] fp16, then the values in chunks of 64 bytes, 4 per row:
+ *     Q4_0, Q4_1  chunk j < 4: row n's bytes qs[4j..4j+3] (low nibbles its values 4j.., high 16+4j..)
+ *     Q8_0        chunk j < 8: row n's values 4j..4j+3, plus 128 (unsigned bytes; 128 * sum(qx) taken off)
+ * Rows past the last whole group keep the file's layout. */
+
+#define X16 16  /* weight rows interleaved together */
 
 typedef struct {
     int8_t *q;  /* [M x K] */
     float *d, *s;  /* [M x K / 32] */
+    int32_t *n;  /* [M x K / 32]: sum(q) per block */
 } act_q8_t;
 
 static void quantize_rows_q8(const float *a, int64_t lda, int M, int64_t K, act_q8_t *out) {
@@ -578,178 +591,244 @@ static void quantize_rows_q8(const float *a, int64_t lda, int M, int64_t K, act_
 #endif
             out->d[m * nb + b] = d;
             out->s[m * nb + b] = d * (float)sum;
+            out->n[m * nb + b] = sum;
         }
     }
 }
 
 static inline int takes_act_q8(int qt) { return qt == QT_Q4_0 || qt == QT_Q4_1 || qt == QT_Q8_0; }
 
-#ifdef QUANT_AVX2
-/* one weight block for the integer dots: its scale dw and offset mw (Q4_1's m, Q4_0's -8d), its values
- * w8 as bytes and |w8| (Q8_0; the 4-bit formats are unsigned already) */
-static inline __attribute__((always_inline)) void q8_weight_block(int qt, const uint8_t *blk, float *dw, float *mw,
-                                                                  __m256i *w8, __m256i *wabs) {
-    if (qt == QT_Q8_0) {
-        *dw = half_to_float(blk);
-        *mw = 0.f;
-        *w8 = _mm256_loadu_si256((const __m256i *)(blk + 2));
-        *wabs = _mm256_sign_epi8(*w8, *w8);
-        return;
+/* what the interleaved layout adds to every weight value (Q4_0's q - 8 and Q8_0's signed q, unsigned) */
+static inline int x16_offset(int qt) { return qt == QT_Q4_0 ? 8 : qt == QT_Q8_0 ? 128 : 0; }
+static inline int64_t x16_values_at(int qt) { return qt == QT_Q4_1 ? 64 : 32; }
+
+static inline int32_t load_i32(const int8_t *p) {
+    int32_t v;
+    memcpy(&v, p, sizeof v);
+    return v;
+}
+
+/* One group of X16 interleaved weight rows against R quantized rows: out[r * X16 + n] (module comment) */
+#if defined(QUANT_AVX512)
+/* The AVX-512 build needs VNNI (ops.py), but only these functions are compiled for it: GCC 12.2 turns a
+ * plain loop's signed byte dot product into vpdpbusd, which takes one side unsigned (wrong values). */
+#define X16_VNNI __attribute__((target("avx512vnni")))
+static inline __attribute__((always_inline)) X16_VNNI void x16_group(int qt, const uint8_t *grp, const act_q8_t *x,
+                                                            const int R, int64_t K, float *out) {
+    const int64_t gb = X16 * quant_block_bytes(qt), nb = K / 32;
+    const int off = x16_offset(qt);
+    const __m512i m4 = _mm512_set1_epi8(0x0f);
+    __m512 acc[QROWS_MAX], side[QROWS_MAX];
+    for (int r = 0; r < R; r++) acc[r] = side[r] = _mm512_setzero_ps();
+    for (int64_t b = 0; b < nb; b++) {
+        const uint8_t *blk = grp + b * gb, *vals = blk + x16_values_at(qt);
+        __m512i isum[QROWS_MAX];
+        for (int r = 0; r < R; r++) isum[r] = _mm512_setzero_si512();
+        if (qt == QT_Q8_0) {
+            for (int j = 0; j < 8; j++) {
+                const __m512i w = _mm512_loadu_si512((const void *)(vals + 64 * j));
+                for (int r = 0; r < R; r++)
+                    isum[r] = _mm512_dpbusd_epi32(isum[r], w, _mm512_set1_epi32(load_i32(x->q + r * K + b * 32 + 4 * j)));
+            }
+        } else {
+            for (int j = 0; j < 4; j++) {
+                const __m512i raw = _mm512_loadu_si512((const void *)(vals + 64 * j));
+                const __m512i lo = _mm512_and_si512(raw, m4), hi = _mm512_and_si512(_mm512_srli_epi16(raw, 4), m4);
+                for (int r = 0; r < R; r++) {
+                    const int8_t *xq = x->q + r * K + b * 32 + 4 * j;
+                    isum[r] = _mm512_dpbusd_epi32(isum[r], lo, _mm512_set1_epi32(load_i32(xq)));
+                    isum[r] = _mm512_dpbusd_epi32(isum[r], hi, _mm512_set1_epi32(load_i32(xq + 16)));
+                }
+            }
+        }
+        const __m512 dw = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)blk));
+        const __m512 mw = qt == QT_Q4_1 ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(blk + 32)))
+                                        : _mm512_setzero_ps();
+        for (int r = 0; r < R; r++) {
+            if (off) isum[r] = _mm512_sub_epi32(isum[r], _mm512_set1_epi32(off * x->n[r * nb + b]));
+            acc[r] = _mm512_fmadd_ps(_mm512_mul_ps(dw, _mm512_set1_ps(x->d[r * nb + b])), _mm512_cvtepi32_ps(isum[r]), acc[r]);
+            if (qt == QT_Q4_1) side[r] = _mm512_fmadd_ps(mw, _mm512_set1_ps(x->s[r * nb + b]), side[r]);
+        }
     }
-    const __m128i m4 = _mm_set1_epi8(0x0f);
-    const __m128i raw = _mm_loadu_si128((const __m128i *)(blk + (qt == QT_Q4_1 ? 4 : 2)));
-    *w8 = *wabs = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(raw, 4), m4), _mm_and_si128(raw, m4));
-    if (qt == QT_Q4_1) {  /* d and m converted together */
-        int32_t dm;
-        memcpy(&dm, blk, sizeof dm);
-        const __m128 f = _mm_cvtph_ps(_mm_cvtsi32_si128(dm));
-        *dw = _mm_cvtss_f32(f);
-        *mw = _mm_cvtss_f32(_mm_movehdup_ps(f));
-    } else {
-        *dw = half_to_float(blk);
-        *mw = -8.f * *dw;
+    for (int r = 0; r < R; r++) _mm512_storeu_ps(out + r * X16, _mm512_add_ps(acc[r], side[r]));
+}
+#define X16_ROWS QROWS_MAX  /* quantized rows a pass takes */
+#elif defined(QUANT_AVX2)
+#define X16_VNNI
+/* a + sum of four u8 x s8 products per int32 lane (vpdpbusd's sum; no pair of the 4-bit formats' products
+ * can saturate vpmaddubsw's int16: 15 * 127 * 2) */
+static inline __m256i dpbusd8(__m256i acc, __m256i u, __m256i s) {
+    return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1)));
+}
+
+/* the AVX-512 build's x16_group, eight lanes at a time: half h takes rows 8h..8h+7 */
+static inline __attribute__((always_inline)) void x16_group(int qt, const uint8_t *grp, const act_q8_t *x,
+                                                            const int R, int64_t K, float *out) {
+    const int64_t gb = X16 * quant_block_bytes(qt), nb = K / 32;
+    const int off = x16_offset(qt);
+    const __m256i m4 = _mm256_set1_epi8(0x0f);
+    for (int h = 0; h < 2; h++) {
+        __m256 acc[4], side[4];
+        for (int r = 0; r < R; r++) acc[r] = side[r] = _mm256_setzero_ps();
+        for (int64_t b = 0; b < nb; b++) {
+            const uint8_t *blk = grp + b * gb, *vals = blk + x16_values_at(qt) + 32 * h;
+            __m256i isum[4];
+            for (int r = 0; r < R; r++) isum[r] = _mm256_setzero_si256();
+            if (qt == QT_Q8_0) {  /* 0..255 by nibbles: 16 * hi + lo, each free of saturation */
+                __m256i ihi[4];
+                for (int r = 0; r < R; r++) ihi[r] = _mm256_setzero_si256();
+                for (int j = 0; j < 8; j++) {
+                    const __m256i raw = _mm256_loadu_si256((const __m256i *)(vals + 64 * j));
+                    const __m256i lo = _mm256_and_si256(raw, m4), hi = _mm256_and_si256(_mm256_srli_epi16(raw, 4), m4);
+                    for (int r = 0; r < R; r++) {
+                        const __m256i xv = _mm256_set1_epi32(load_i32(x->q + r * K + b * 32 + 4 * j));
+                        isum[r] = dpbusd8(isum[r], lo, xv);
+                        ihi[r] = dpbusd8(ihi[r], hi, xv);
+                    }
+                }
+                for (int r = 0; r < R; r++) isum[r] = _mm256_add_epi32(isum[r], _mm256_slli_epi32(ihi[r], 4));
+            } else {
+                for (int j = 0; j < 4; j++) {
+                    const __m256i raw = _mm256_loadu_si256((const __m256i *)(vals + 64 * j));
+                    const __m256i lo = _mm256_and_si256(raw, m4), hi = _mm256_and_si256(_mm256_srli_epi16(raw, 4), m4);
+                    for (int r = 0; r < R; r++) {
+                        const int8_t *xq = x->q + r * K + b * 32 + 4 * j;
+                        isum[r] = dpbusd8(isum[r], lo, _mm256_set1_epi32(load_i32(xq)));
+                        isum[r] = dpbusd8(isum[r], hi, _mm256_set1_epi32(load_i32(xq + 16)));
+                    }
+                }
+            }
+            const __m256 dw = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(blk + 16 * h)));
+            const __m256 mw = qt == QT_Q4_1 ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(blk + 32 + 16 * h)))
+                                            : _mm256_setzero_ps();
+            for (int r = 0; r < R; r++) {
+                if (off) isum[r] = _mm256_sub_epi32(isum[r], _mm256_set1_epi32(off * x->n[r * nb + b]));
+                acc[r] = _mm256_fmadd_ps(_mm256_mul_ps(dw, _mm256_set1_ps(x->d[r * nb + b])), _mm256_cvtepi32_ps(isum[r]), acc[r]);
+                if (qt == QT_Q4_1) side[r] = _mm256_fmadd_ps(mw, _mm256_set1_ps(x->s[r * nb + b]), side[r]);
+            }
+        }
+        for (int r = 0; r < R; r++) _mm256_storeu_ps(out + r * X16 + 8 * h, _mm256_add_ps(acc[r], side[r]));
+    }
+}
+#define X16_ROWS 4
+#else
+static void x16_group(int qt, const uint8_t *grp, const act_q8_t *x, const int R, int64_t K, float *out) {
+    const int64_t gb = X16 * quant_block_bytes(qt), nb = K / 32;
+    const int off = x16_offset(qt);
+    for (int r = 0; r < R; r++)
+        for (int n = 0; n < X16; n++) {
+            float acc = 0.f, side = 0.f;
+            for (int64_t b = 0; b < nb; b++) {
+                const uint8_t *blk = grp + b * gb, *vals = blk + x16_values_at(qt);
+                const int8_t *xq = x->q + r * K + b * 32;
+                int32_t isum = 0;
+                if (qt == QT_Q8_0) {
+                    for (int j = 0; j < 8; j++)
+                        for (int t = 0; t < 4; t++) isum += vals[64 * j + 4 * n + t] * xq[4 * j + t];
+                } else {
+                    for (int j = 0; j < 4; j++)
+                        for (int t = 0; t < 4; t++) {
+                            const uint8_t v = vals[64 * j + 4 * n + t];
+                            isum += (v & 15) * xq[4 * j + t] + (v >> 4) * xq[16 + 4 * j + t];
+                        }
+                }
+                isum -= off * x->n[r * nb + b];
+                acc = fmaf(half_to_float(blk + 2 * n) * x->d[r * nb + b], (float)isum, acc);
+                if (qt == QT_Q4_1) side = fmaf(half_to_float(blk + 32 + 2 * n), x->s[r * nb + b], side);
+            }
+            out[r * X16 + n] = acc + side;
+        }
+}
+#define X16_ROWS QROWS_MAX
+#define X16_VNNI
+#endif
+
+/* x16_group for R = mm rows, R constant in each case so the accumulators stay in registers */
+static X16_VNNI void x16_group_rows(int qt, const uint8_t *grp, const act_q8_t *x, int mm, int64_t K, float *out) {
+    switch (mm) {
+    case 1: x16_group(qt, grp, x, 1, K, out); return;
+    case 2: x16_group(qt, grp, x, 2, K, out); return;
+    case 3: x16_group(qt, grp, x, 3, K, out); return;
+#if X16_ROWS > 4
+    case 4: x16_group(qt, grp, x, 4, K, out); return;
+    case 5: x16_group(qt, grp, x, 5, K, out); return;
+    case 6: x16_group(qt, grp, x, 6, K, out); return;
+    case 7: x16_group(qt, grp, x, 7, K, out); return;
+#endif
+    default: x16_group(qt, grp, x, X16_ROWS, K, out); return;
     }
 }
 
-/* one block's integer dot of weights and a quantized row, scaled into that row's accumulator */
-static inline __attribute__((always_inline)) __m256 q8_block_dot(int qt, __m256i w8, __m256i wabs, __m256i x8,
-                                                                 float scale, __m256 acc) {
-    if (qt == QT_Q8_0) x8 = _mm256_sign_epi8(x8, w8);
-    const __m256i p = _mm256_madd_epi16(_mm256_maddubs_epi16(wabs, x8), _mm256_set1_epi16(1));
-    return _mm256_fmadd_ps(_mm256_set1_ps(scale), _mm256_cvtepi32_ps(p), acc);
-}
-
-/* dot_rows_q8 for a constant M (inlined into a switch), so every accumulator stays in a register */
-static inline __attribute__((always_inline)) void dot_rows_q8_avx2(int qt, const uint8_t *row, const act_q8_t *x,
-                                                                 const int M, int64_t K, float *out) {
+/* the same sums for one row past the last whole group, in the file's layout (the same integers: the
+ * signed values directly) */
+static float q8_tail_row(int qt, const uint8_t *row, const act_q8_t *x, int r, int64_t K) {
     const int64_t bb = quant_block_bytes(qt), nb = K / 32;
-    __m256 acc[QROWS_MAX];
-    float side[QROWS_MAX];
-    for (int m = 0; m < M; m++) {
-        acc[m] = _mm256_setzero_ps();
-        side[m] = 0.f;
-    }
+    float acc = 0.f, side = 0.f;
     for (int64_t b = 0; b < nb; b++) {
         const uint8_t *blk = row + b * bb;
-        if (b + 4 < nb) _mm_prefetch((const char *)(blk + 4 * bb), _MM_HINT_T0);
-        float dw, mw;
-        __m256i w8, wabs;
-        q8_weight_block(qt, blk, &dw, &mw, &w8, &wabs);
-        for (int m = 0; m < M; m++) {
-            const __m256i x8 = _mm256_loadu_si256((const __m256i *)(x->q + m * K + b * 32));
-            acc[m] = q8_block_dot(qt, w8, wabs, x8, dw * x->d[m * nb + b], acc[m]);
-            side[m] += mw * x->s[m * nb + b];
+        const int8_t *xq = x->q + r * K + b * 32;
+        int32_t isum = 0;
+        if (qt == QT_Q8_0) {
+            for (int i = 0; i < 32; i++) isum += (int8_t)blk[2 + i] * xq[i];
+        } else {
+            const uint8_t *qs = blk + (qt == QT_Q4_1 ? 4 : 2);
+            for (int i = 0; i < 16; i++) isum += (qs[i] & 15) * xq[i] + (qs[i] >> 4) * xq[i + 16];
+            if (qt == QT_Q4_0) isum -= 8 * x->n[r * nb + b];
         }
+        acc = fmaf(half_to_float(blk) * x->d[r * nb + b], (float)isum, acc);
+        if (qt == QT_Q4_1) side = fmaf(half_to_float(blk + 2), x->s[r * nb + b], side);
     }
-    for (int m = 0; m < M; m++) out[m] = hsum8(acc[m]) + side[m];
+    return acc + side;
 }
 
-/* dot_rows_q8_avx2 for one quantized row and two weight rows: each value the one-row sum bit for bit,
- * two independent chains instead of one waiting on its FMA latency */
-static void dot_row_q8_pair(int qt, const uint8_t *row0, const uint8_t *row1, const act_q8_t *x, int64_t K,
-                            float *out) {
-    const int64_t bb = quant_block_bytes(qt), nb = K / 32;
-    __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
-    float side0 = 0.f, side1 = 0.f;
-    for (int64_t b = 0; b < nb; b++) {
-        if (b + 4 < nb) {
-            _mm_prefetch((const char *)(row0 + (b + 4) * bb), _MM_HINT_T0);
-            _mm_prefetch((const char *)(row1 + (b + 4) * bb), _MM_HINT_T0);
-        }
-        float dw0, mw0, dw1, mw1;
-        __m256i w80, wabs0, w81, wabs1;
-        q8_weight_block(qt, row0 + b * bb, &dw0, &mw0, &w80, &wabs0);
-        q8_weight_block(qt, row1 + b * bb, &dw1, &mw1, &w81, &wabs1);
-        const __m256i x8 = _mm256_loadu_si256((const __m256i *)(x->q + b * 32));
-        acc0 = q8_block_dot(qt, w80, wabs0, x8, dw0 * x->d[b], acc0);
-        acc1 = q8_block_dot(qt, w81, wabs1, x8, dw1 * x->d[b], acc1);
-        side0 += mw0 * x->s[b];
-        side1 += mw1 * x->s[b];
-    }
-    out[0] = hsum8(acc0) + side0;
-    out[1] = hsum8(acc1) + side1;
-}
-#endif
-
-/* out[m] = the block sums of weight row `row` with quantized rows m < M (module comment above) */
-static void dot_rows_q8(int qt, const uint8_t *row, const act_q8_t *x, int M, int64_t K, float *out) {
-#ifdef QUANT_AVX2
-    switch (M) {
-    case 1: dot_rows_q8_avx2(qt, row, x, 1, K, out); return;
-    case 2: dot_rows_q8_avx2(qt, row, x, 2, K, out); return;
-    case 3: dot_rows_q8_avx2(qt, row, x, 3, K, out); return;
-    case 4: dot_rows_q8_avx2(qt, row, x, 4, K, out); return;
-    case 5: dot_rows_q8_avx2(qt, row, x, 5, K, out); return;
-    case 6: dot_rows_q8_avx2(qt, row, x, 6, K, out); return;
-    case 7: dot_rows_q8_avx2(qt, row, x, 7, K, out); return;
-    default: dot_rows_q8_avx2(qt, row, x, QROWS_MAX, K, out); return;
-    }
-#else
-    const int64_t bb = quant_block_bytes(qt), nb = K / 32;
-    for (int m = 0; m < M; m++) {
-        float sum = 0.f;
-        for (int64_t b = 0; b < nb; b++) {
-            const uint8_t *blk = row + b * bb;
-            const float dw = half_to_float(blk);
-            const int8_t *qx = x->q + m * K + b * 32;
-            int isum = 0;
-            float mw = 0.f;
-            if (qt == QT_Q8_0) {
-                for (int i = 0; i < 32; i++) isum += (int)(int8_t)blk[2 + i] * qx[i];
-            } else {
-                const uint8_t *qs = blk + (qt == QT_Q4_1 ? 4 : 2);
-                for (int i = 0; i < 16; i++) isum += (qs[i] & 15) * qx[i] + (qs[i] >> 4) * qx[i + 16];
-                mw = qt == QT_Q4_1 ? half_to_float(blk + 2) : -8.f * dw;
-            }
-            sum += dw * x->d[m * nb + b] * (float)isum + mw * x->s[m * nb + b];
-        }
-        out[m] = sum;
-    }
-#endif
-}
-
-#define Q8_TILE 32  /* weight rows a thread takes at a time, kept in L1 while every row group passes over them */
+#define X16_TILE 2  /* groups a thread takes at a time, kept in cache while every pass of rows goes over them */
 
 /* C [M x N] in the activation-quantized mode, any M: the rows are quantized once, then each thread takes
- * tiles of Q8_TILE weight rows and runs every group of QROWS_MAX rows over them (a row's values never
+ * tiles of X16_TILE weight groups and runs every pass of X16_ROWS rows over them (a row's values never
  * depend on M or on the rows beside it) */
 static void quant_linear_q8(int qt, const float *a, int64_t lda, const uint8_t *w, int64_t row_bytes,
                             const float *bias, float *c, int64_t ldc, int64_t M, int64_t K, int64_t N, int nthreads) {
-    const int64_t nb = K / 32, ntiles = (N + Q8_TILE - 1) / Q8_TILE;
+    const int64_t nb = K / 32, groups = N / X16, gtiles = (groups + X16_TILE - 1) / X16_TILE;
+    const int64_t ntiles = gtiles + (groups * X16 < N);
     act_q8_t x;
     x.q = (int8_t *)malloc((size_t)(M * K));
     x.d = (float *)malloc((size_t)(M * nb) * sizeof(float));
     x.s = (float *)malloc((size_t)(M * nb) * sizeof(float));
+    x.n = (int32_t *)malloc((size_t)(M * nb) * sizeof(int32_t));
 #pragma omp parallel for num_threads(nthreads) schedule(static) if (M * K > 32768)
-    for (int64_t m0 = 0; m0 < M; m0 += QROWS_MAX) {
-        act_q8_t part = {x.q + m0 * K, x.d + m0 * nb, x.s + m0 * nb};
-        quantize_rows_q8(a + m0 * lda, lda, (int)(M - m0 < QROWS_MAX ? M - m0 : QROWS_MAX), K, &part);
+    for (int64_t m0 = 0; m0 < M; m0 += X16_ROWS) {
+        act_q8_t part = {x.q + m0 * K, x.d + m0 * nb, x.s + m0 * nb, x.n + m0 * nb};
+        quantize_rows_q8(a + m0 * lda, lda, (int)(M - m0 < X16_ROWS ? M - m0 : X16_ROWS), K, &part);
     }
 #pragma omp parallel for num_threads(nthreads) schedule(static) if (N * K > 32768)
     for (int64_t t = 0; t < ntiles; t++) {
-        const int64_t n1 = (t + 1) * Q8_TILE < N ? (t + 1) * Q8_TILE : N;
-        for (int64_t m0 = 0; m0 < M; m0 += QROWS_MAX) {
-            const int mm = (int)(M - m0 < QROWS_MAX ? M - m0 : QROWS_MAX);
-            const act_q8_t part = {x.q + m0 * K, x.d + m0 * nb, x.s + m0 * nb};
-            for (int64_t n = t * Q8_TILE; n < n1; n++) {
-                float s[QROWS_MAX];
-#ifdef QUANT_AVX2
-                if (mm == 1 && n + 1 < n1) {  /* a lone row: weight rows two at a time */
-                    dot_row_q8_pair(qt, w + n * row_bytes, w + (n + 1) * row_bytes, &part, K, s);
-                    c[m0 * ldc + n] = bias ? s[0] + bias[n] : s[0];
-                    n++;
-                    c[m0 * ldc + n] = bias ? s[1] + bias[n] : s[1];
-                    continue;
+        if (t == gtiles) {  /* the rows past the last whole group */
+            for (int64_t m = 0; m < M; m++)
+                for (int64_t n = groups * X16; n < N; n++) {
+                    const float s = q8_tail_row(qt, w + n * row_bytes, &x, (int)m, K);
+                    c[m * ldc + n] = bias ? s + bias[n] : s;
                 }
-#endif
-                dot_rows_q8(qt, w + n * row_bytes, &part, mm, K, s);
-                for (int m = 0; m < mm; m++) c[(m0 + m) * ldc + n] = bias ? s[m] + bias[n] : s[m];
+            continue;
+        }
+        const int64_t g1 = (t + 1) * X16_TILE < groups ? (t + 1) * X16_TILE : groups;
+        for (int64_t m0 = 0; m0 < M; m0 += X16_ROWS) {
+            const int mm = (int)(M - m0 < X16_ROWS ? M - m0 : X16_ROWS);
+            const act_q8_t part = {x.q + m0 * K, x.d + m0 * nb, x.s + m0 * nb, x.n + m0 * nb};
+            for (int64_t g = t * X16_TILE; g < g1; g++) {
+                float s[X16_ROWS * X16];
+                x16_group_rows(qt, w + g * X16 * row_bytes, &part, mm, K, s);
+                for (int r = 0; r < mm; r++)
+                    for (int n = 0; n < X16; n++) {
+                        const int64_t col = g * X16 + n;
+                        c[(m0 + r) * ldc + col] = bias ? s[r * X16 + n] + bias[col] : s[r * X16 + n];
+                    }
             }
         }
     }
     free(x.q);
     free(x.d);
     free(x.s);
+    free(x.n);
 }
 
 /* ---- more rows: weight rows expanded into packed panels ------------------------------------- */

@@ -236,7 +236,8 @@ ACT_Q8_FORMATS = sorted(gguf_quant.ACT_Q8_FORMATS)
 @pytest.mark.parametrize("m", [1, 2, 5, 8, 9, 70])
 def test_q8_activations_are_the_exact_q8_emulation(qtype, m):
     """Integer dot products: equal to the emulation up to fp32 summation order; every row the same
-    whatever the number of rows; within ~1% of the fp32 path."""
+    whatever the number of rows; within ~1% of the fp32 path.  (37 rows: two interleaved groups of 16 and
+    five rows in the file's layout.)"""
     rows, cols = 37, 512
     g = torch.Generator().manual_seed(qtype * 11 + m)
     w = random_blocks(qtype, rows, cols, seed=qtype + 40 * m)
@@ -262,13 +263,45 @@ def test_q8_activations_leave_the_k_quants_exact():
         assert torch.equal(gguf_quant.linear(x[:m], w), exact)
 
 
-def test_q8_activations_portable_build(portable_kernels):
-    """The plain C build's integer dot products give the same emulated values."""
-    rows, cols = 21, 512
+def test_q8_activations_are_one_sum_in_every_build(portable_kernels):
+    """The integer sums are exact and each row's fp32 sum over the blocks has one order, so the AVX-512
+    (vpdpbusd), AVX2 (vpmaddubsw) and plain C builds give the same values bit for bit -- in the interleaved
+    groups and in the rows past the last group (45 = two groups of 16 and 13 more) -- for any rows."""
+    rows, cols = 45, 512
+    builds = [isa for isa in cpu_ops.supported_isas() if isa != "portable"]
     for qtype in ACT_Q8_FORMATS:
         w = random_blocks(qtype, rows, cols, seed=300 + qtype)
-        x = torch.randn(3, cols, generator=torch.Generator().manual_seed(qtype))
-        y = torch.empty(3, rows)
-        portable_kernels.quant_linear_f32(qtype | gguf_quant.ACT_Q8_FLAG, x.data_ptr(), cols, w.data.data_ptr(),
-                                          w.data.shape[1], None, y.data_ptr(), rows, 3, cols, rows, 2)
-        torch.testing.assert_close(y, q8_emulation(x, w), atol=2e-4, rtol=1e-5)
+        w.quantize_activations = True
+        g = torch.Generator().manual_seed(qtype)
+        x = torch.randn(11, cols, generator=g) * torch.rand(11, cols // 32, 1, generator=g).repeat(1, 1, 32).reshape(11, cols)
+        b = torch.randn(rows, generator=g)
+        want = torch.empty(11, rows)
+        portable_kernels.quant_linear_f32(w.kernel_type, x.data_ptr(), cols, w.data.data_ptr(), w.data.shape[1],
+                                          b.data_ptr(), want.data_ptr(), rows, 11, cols, rows, 2)
+        torch.testing.assert_close(want, q8_emulation(x, w, b), atol=2e-4, rtol=1e-5)
+        try:
+            for isa in builds:
+                cpu_ops.select_isa(isa)
+                assert cpu_ops.available() and cpu_ops.loaded_isa() == isa
+                for m in (1, 4, 9, 11):
+                    assert torch.equal(gguf_quant.linear(x[:m], w, b), want[:m]), (isa, qtype, m)
+        finally:
+            cpu_ops.select_isa("auto")
+
+
+@pytest.mark.parametrize("qtype", ACT_Q8_FORMATS)
+@pytest.mark.parametrize("rows", [16, 37, 5])
+def test_the_q8_layout_is_the_same_bytes_reordered(qtype, rows):
+    """quantize_activations re-lays the blocks in place (16 rows interleaved, rows past the last group as
+    they were) and clearing it restores the file's bytes; dequantize() reads through either layout."""
+    w = random_blocks(qtype, rows, 256, seed=qtype + rows)
+    raw, values = w.data.clone(), w.dequantize()
+    ptr = w.data.data_ptr()
+    w.quantize_activations = True
+    assert w.data.data_ptr() == ptr and w.data.shape == raw.shape
+    assert torch.equal(w.data[rows // 16 * 16:], raw[rows // 16 * 16:])
+    assert rows < 16 or not torch.equal(w.data, raw)
+    assert torch.equal(w.data.flatten().sort().values, raw.flatten().sort().values) or qtype == 8  # Q8_0: + 128
+    assert torch.equal(w.dequantize(), values) and torch.equal(gguf_quant.dequantize_native(w), values)
+    w.quantize_activations = False
+    assert torch.equal(w.data, raw)
