@@ -149,19 +149,19 @@ class QuantizedTensor:
 INTERLEAVE = 16  # quant_kernels.c X16: rows the q8 mode's layout interleaves
 
 
-def _interleaved_parts(qtype: int) -> tuple[int, int]:
-    """(header bytes per block: d, and Q4_1's m; value chunks of 4 bytes per block)"""
-    return (4 if qtype == 3 else 2), (8 if qtype == 8 else 4)
+def _interleaved_shape(blocks: np.ndarray, qtype: int) -> tuple[int, int, int, int, int]:
+    """(whole groups of 16 rows, blocks per row, bytes per block, header bytes per block: d and Q4_1's m,
+    value chunks of 4 bytes per block)"""
+    _, _, bb = FORMATS[qtype]
+    return (blocks.shape[0] // INTERLEAVE, blocks.shape[1] // bb, bb, 4 if qtype == 3 else 2,
+            8 if qtype == 8 else 4)
 
 
 def interleave_rows(blocks: np.ndarray, qtype: int) -> np.ndarray:
     """The q8 mode's layout (quant_kernels.c, "activation-quantized mode") of uint8 blocks [rows x row_bytes]
     of Q4_0 / Q4_1 / Q8_0: each whole group of 16 rows, block by block, as the 16 rows' fp16 d (then m),
     then chunks of 4 value bytes per row (Q8_0's values plus 128); rows past the last group unchanged."""
-    rows, rb = blocks.shape
-    _, _, bb = FORMATS[qtype]
-    nb, g = rb // bb, rows // INTERLEAVE
-    head, chunks = _interleaved_parts(qtype)
+    g, nb, bb, head, chunks = _interleaved_shape(blocks, qtype)
     if g == 0:
         return blocks.copy()
     grouped = blocks[:g * INTERLEAVE].reshape(g, INTERLEAVE, nb, bb)
@@ -172,16 +172,13 @@ def interleave_rows(blocks: np.ndarray, qtype: int) -> np.ndarray:
     values = values.reshape(g, INTERLEAVE, nb, chunks, 4).transpose(0, 2, 3, 1, 4)
     out = blocks.copy()
     out[:g * INTERLEAVE] = np.concatenate([scales.reshape(g, nb, -1), values.reshape(g, nb, -1)],
-                                          axis=2).reshape(g * INTERLEAVE, rb)
+                                          axis=2).reshape(g * INTERLEAVE, -1)
     return out
 
 
 def deinterleave_rows(blocks: np.ndarray, qtype: int) -> np.ndarray:
     """interleave_rows undone: the file's layout."""
-    rows, rb = blocks.shape
-    _, _, bb = FORMATS[qtype]
-    nb, g = rb // bb, rows // INTERLEAVE
-    head, chunks = _interleaved_parts(qtype)
+    g, nb, bb, head, chunks = _interleaved_shape(blocks, qtype)
     if g == 0:
         return blocks.copy()
     grouped = blocks[:g * INTERLEAVE].reshape(g, nb, INTERLEAVE * bb)
@@ -192,7 +189,7 @@ def deinterleave_rows(blocks: np.ndarray, qtype: int) -> np.ndarray:
     out = blocks.copy()
     out[:g * INTERLEAVE] = np.concatenate([scales.reshape(g, INTERLEAVE, nb, head),
                                            values.reshape(g, INTERLEAVE, nb, chunks * 4)],
-                                          axis=3).reshape(g * INTERLEAVE, rb)
+                                          axis=3).reshape(g * INTERLEAVE, -1)
     return out
 
 
