@@ -23,7 +23,7 @@ from typing import Any, Callable
 import torch
 
 from roofline.core.scheduler_output import ScheduledRequest
-from roofline.model_executor.layers.sampler import adjusted_logits, exponential_noise, sampling_probs
+from roofline.model_executor.layers.sampler import adjusted_logits, draw_rows, sampling_probs
 from roofline.spec_decode.proposer import ModelBasedProposer, ProposalBatch, Proposals, TargetForward
 from roofline.spec_decode.rejection_sampler import position_states
 
@@ -76,7 +76,7 @@ def draw_drafts(logits: torch.Tensor, states: list, drafts: list[list[int]], pro
         row_states = [position_states(states[i], drafts[i])[-1] for i in random_rows]
         sel = torch.tensor(random_rows, device=logits.device)
         q = sampling_probs(adjusted_logits(logits[sel], row_states), [s.spec for s in row_states])
-        drawn = (q / exponential_noise(q, [s.generator for s in row_states])).argmax(dim=-1).tolist()
+        drawn = draw_rows(q, [s.generator for s in row_states]).tolist()
         for j, i in enumerate(random_rows):
             tokens[i] = drawn[j]
             probs[i].append(q[j])

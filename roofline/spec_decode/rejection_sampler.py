@@ -14,7 +14,7 @@ drafts such as prompt lookup or a greedy draft model):
 
 Each emitted token is then distributed exactly as p of its row (Leviathan et al. 2023, Chen et al.
 2023), so the output is the target's, sampling parameters included.  Per request and step the
-uniforms come first (k of them) and then one Exp(1) vector (the draw is argmax(r / E), as in the
+uniforms come first (k of them) and then the emitted token's draw (sampler.draw_rows, as in the
 Sampler), all from the request's own generator: a seeded request is reproducible.  Logprobs are the
 target model's raw log-softmax at each emitted token's row.
 """
@@ -32,7 +32,7 @@ from roofline.model_executor.layers.sampler import (
     _argmax,
     _top_logprobs,
     adjusted_logits,
-    exponential_noise,
+    draw_rows,
     sampling_probs,
 )
 
@@ -108,7 +108,6 @@ class RejectionSampler:
             off += k + 1
             q = draft_probs[i] if draft_probs is not None else None
             u = torch.rand(k, generator=gen, device=dev, dtype=pi.dtype) if k else None
-            noise = exponential_noise(pi[:1], [gen])[0]
             a = k
             if k:
                 idx = torch.tensor(d, device=dev)
@@ -123,8 +122,8 @@ class RejectionSampler:
                     residual[d[a]] = 0.0
                 if not residual.sum() > 0:  # rounding only: p_a and q_a differ by less than float eps
                     residual = pi[a]
-                last = int((residual / noise).argmax())
+                last = int(draw_rows(residual[None], [gen])[0])
             else:  # all accepted: the bonus token from p_k
-                last = int((pi[k] / noise).argmax())
+                last = int(draw_rows(pi[k][None], [gen])[0])
             out[i] = d[:a] + [last]
         return out

@@ -20,9 +20,9 @@ What Sampler does per step on a GPU, and what this one does instead:
     sync of the step).
 
 Kept exactly as in Sampler (so seeded requests give the same tokens with either sampler): the
-per-request torch.Generator and its draw of V exponentials (noise[j].exponential_(generator=...), one
-launch per random row, asynchronous, no sync -- a batched draw would need a counter-based RNG and
-would change the sampled streams), the op order, and the arithmetic of every step (temperature
+per-request torch.Generator and the draw from it (sampler.draw_rows: one uniform per random row,
+asynchronous, no sync -- a batched draw would need a counter-based RNG and would change the sampled
+streams), the op order, and the arithmetic of every step (temperature
 division, sort-based top-k/top-p masks, min-p threshold, penalties).  On CPU the results are
 bit-identical to Sampler (tests/model_executor/test_gpu_sampler.py); on CUDA the only possible
 difference is that Sampler divides by the repetition penalty as a host scalar, which CUDA turns into a
@@ -37,7 +37,7 @@ import numpy as np
 import torch
 
 from roofline.core.scheduler_output import PositionLogprobs
-from roofline.model_executor.layers.sampler import SamplingState
+from roofline.model_executor.layers.sampler import SamplingState, draw_rows
 
 
 class _Upload:
@@ -230,10 +230,7 @@ class GpuSampler:
                 threshold = probs.max(dim=-1, keepdim=True).values * _floats(buf, s_min_p)[:, None]
                 x = x.masked_fill(probs < threshold, float("-inf"))
             probs = x.softmax(dim=-1)
-            noise = torch.empty_like(probs)
-            for j, i in enumerate(random_rows):  # each request's own stream; async, no sync
-                noise[j].exponential_(generator=states[i].generator)
-            tokens[rows] = (probs / noise).argmax(dim=-1)
+            tokens[rows] = draw_rows(probs, [states[i].generator for i in random_rows])  # async, no sync
 
         # ---- one device->host copy -------------------------------------------------------------
         down = _Download()

@@ -4,8 +4,9 @@ Order per row: penalties (repetition on prompt+output, presence/frequency on out
 suppression until min_tokens, then greedy argmax or temperature -> top-k -> top-p -> min-p ->
 a draw from the row's own generator (so a seeded request gets the same tokens whatever else shares
 its batch).  Logprobs are those of the raw model distribution (log-softmax of unmodified logits).
-The draw is argmax(p / E) with E ~ Exp(1) i.i.d., equivalent to sampling from p, without a
-host sync per row.
+The draw (`draw_rows`) inverts each row's CDF at one float64 uniform from the row's generator: exactly a
+draw from p, for the price of a cumulative sum (a row's V exponentials, the Gumbel-style argmax(p / E)
+this replaced, cost ~2 ms per row on the CPU: a third of a 32-row decode step of the default model).
 """
 
 from __future__ import annotations
@@ -132,12 +133,15 @@ def sampling_probs(adjusted: torch.Tensor, specs: list[SamplingSpec]) -> torch.T
     return _filter(adjusted, specs).softmax(dim=-1)
 
 
-def exponential_noise(like: torch.Tensor, generators: list[torch.Generator]) -> torch.Tensor:
-    """E ~ Exp(1) i.i.d., row i drawn from generators[i]: argmax(p / E) is a draw from p."""
-    noise = torch.empty_like(like)
-    for j, gen in enumerate(generators):
-        noise[j].exponential_(generator=gen)
-    return noise
+def draw_rows(probs: torch.Tensor, generators: list[torch.Generator]) -> torch.Tensor:
+    """One token per row of probs [R x V] (each row a distribution, zeros allowed, any positive sum),
+    row i drawn by generators[i] with one float64 uniform u: the first token whose cumulative sum (in
+    float64) exceeds u times the row's sum, so a token of zero probability is never drawn. [R] long"""
+    u = torch.stack([torch.rand((), dtype=torch.float64, generator=g, device=probs.device) for g in generators])
+    cdf = probs.double().cumsum(dim=-1)
+    # u < 1, so u * sum < sum exactly (a float64 product with a factor below 1 never rounds up to the
+    # other factor): some token's cumulative sum exceeds it, and the first one has nonzero probability
+    return torch.searchsorted(cdf, (u * cdf[:, -1]).unsqueeze(-1), right=True).squeeze(-1)
 
 
 class Sampler:
@@ -153,8 +157,7 @@ class Sampler:
         if random_rows:
             rows = torch.tensor(random_rows, device=logits.device)
             probs = sampling_probs(logits[rows], [states[i].spec for i in random_rows])
-            noise = exponential_noise(probs, [states[i].generator for i in random_rows])
-            tokens[rows] = (probs / noise).argmax(dim=-1)
+            tokens[rows] = draw_rows(probs, [states[i].generator for i in random_rows])
         token_list = tokens.tolist()
         lps: list[Optional[PositionLogprobs]] = [None] * len(states)
         if raw_logprobs is not None:
