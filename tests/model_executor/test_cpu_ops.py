@@ -390,3 +390,29 @@ def test_portable_build_greedy_matches_hf(tiny_models):
     finally:
         cpu_ops.select_isa("auto")
     assert cpu_ops.available() and cpu_ops.loaded_isa() == cpu_ops.supported_isas()[0]
+
+
+def test_every_vector_build_gives_the_packed_gemm_the_same_values():
+    """The AVX-512 build's GEMM tiles hold a row's 16 columns in one register where the AVX2 build takes
+    two: each column's FMA chain over k is the same, so the values agree bit for bit (bias, the SiLU
+    epilogue's gate and a zero-padded last panel included)."""
+    builds = [isa for isa in cpu_ops.supported_isas() if isa != "portable"]
+    g = torch.Generator().manual_seed(5)
+    k, n = 200, 90  # n: a partial last panel
+    w, bias = torch.randn(n, k, generator=g), torch.randn(n, generator=g)
+    xs = [torch.randn(m, k, generator=g) for m in (1, 5, 13, 37, 130)]
+    results = {}
+    try:
+        for isa in builds:
+            cpu_ops.select_isa(isa)
+            assert cpu_ops.available() and cpu_ops.loaded_isa() == isa
+            panels = cpu_ops.pack_panels(w)
+            results[isa] = [cpu_ops.gemm_packed(x, panels, n, bias) for x in xs]
+    finally:
+        cpu_ops.select_isa("auto")
+    for isa in builds[1:]:
+        for got, want in zip(results[isa], results[builds[0]]):
+            assert torch.equal(got, want), isa
+    for x, y in zip(xs, results[builds[0]]):
+        torch.testing.assert_close(y, torch.nn.functional.linear(x.double(), w.double(), bias.double()).float(),
+                                   atol=1e-4, rtol=1e-4)
