@@ -373,14 +373,14 @@ static float dot_row(int qt, const uint8_t *row, const float *x, int64_t K) {
  * block per accumulator, and two independent chains keep the FMA units busy while a lone chain waits
  * on its latency; the activations are loaded once for both.  (The AVX-512 build: 10-14% faster per
  * GEMV here; with AVX2's sixteen registers the two rows spill and it was 5-10% slower.) */
+#ifndef GEMV_PREFETCH
+#define GEMV_PREFETCH 2048
+#endif
 static void dot_row_pair(int qt, const uint8_t *row0, const uint8_t *row1, const float *x, int64_t K, float *out) {
     const int64_t bb = quant_block_bytes(qt), nb = K / 32;
     __m512 acc[2][2] = {{_mm512_setzero_ps(), _mm512_setzero_ps()}, {_mm512_setzero_ps(), _mm512_setzero_ps()}};
     for (int64_t b = 0; b < nb; b++) {
-        if (b + 4 < nb) {
-            _mm_prefetch((const char *)(row0 + (b + 4) * bb), _MM_HINT_T0);
-            _mm_prefetch((const char *)(row1 + (b + 4) * bb), _MM_HINT_T0);
-        }
+        _mm_prefetch((const char *)(row0 + 2 * b * bb + GEMV_PREFETCH), _MM_HINT_T0);
         const block_pairs_t d0 = block_pairs(qt, row0 + b * bb), d1 = block_pairs(qt, row1 + b * bb);
         for (int h = 0; h < 2; h++) {
             const __m512 xv = _mm512_loadu_ps(x + b * 32 + 16 * h);
