@@ -1119,10 +1119,43 @@ void argmax_rows_f32(const float *x, int64_t ld, int64_t rows, int64_t n, int64_
 
 /* rows hp[0..MR) (KP int16 pairs each) times one int8 panel (nb blocks of GQ_BLOCK/2 pairs, scales
  * [nb x 16]) -> c[MR x 16] = sum_b s_b (hq_b . Wq_b) (without the row scale t) */
-static inline __attribute__((always_inline)) void screen_tile(const int MR, const int32_t *hp, int64_t KP,
-                                                              const int8_t *b, const float *scales, float *c) {
+#ifdef __AVX512F__
+/* The AVX-512 build (which requires VNNI): a panel's 32 bytes for one input pair widened to 32 words in
+ * one register, whose lane j is token j's pair, so one vpdpwssd takes the pair for all 16 tokens (the
+ * AVX2 code's two widenings, two vpmaddwd and two adds).  The same exact int32 block sums, then the same
+ * float products and sums lane for lane: the AVX2 build's values bit for bit. */
+#define SCREEN_TARGET __attribute__((target("avx512vnni")))
+#define SCREEN_PREFETCH 2048
+#else
+#define SCREEN_TARGET
+#endif
+static inline __attribute__((always_inline)) SCREEN_TARGET void screen_tile(const int MR, const int32_t *hp,
+                                                                            int64_t KP, const int8_t *b,
+                                                                            const float *scales, float *c) {
     const int64_t nb = (2 * KP + GQ_BLOCK - 1) / GQ_BLOCK;
-#ifdef HAVE_AVX2
+#if defined(__AVX512F__)
+    __m512 acc[GQ_MR];
+#pragma GCC unroll 3
+    for (int i = 0; i < MR; i++) acc[i] = _mm512_setzero_ps();
+    for (int64_t blk = 0; blk < nb; blk++) {
+        const int64_t k0 = blk * (GQ_BLOCK / 2), k1 = KP < k0 + GQ_BLOCK / 2 ? KP : k0 + GQ_BLOCK / 2;
+        for (int l = 0; l < GQ_BLOCK / 2 * GQ_PAIR; l += 64)  /* the block SCREEN_PREFETCH bytes ahead */
+            _mm_prefetch((const char *)(b + GQ_PAIR * k0 + SCREEN_PREFETCH + l), _MM_HINT_T0);
+        __m512i iacc[GQ_MR];
+#pragma GCC unroll 3
+        for (int i = 0; i < MR; i++) iacc[i] = _mm512_setzero_si512();
+        for (int64_t k = k0; k < k1; k++) {
+            const __m512i bk = _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i *)(b + GQ_PAIR * k)));
+#pragma GCC unroll 3
+            for (int i = 0; i < MR; i++) iacc[i] = _mm512_dpwssd_epi32(iacc[i], _mm512_set1_epi32(hp[i * KP + k]), bk);
+        }
+        const __m512 sc = _mm512_loadu_ps(scales + blk * GEMM_NR);
+#pragma GCC unroll 3
+        for (int i = 0; i < MR; i++) acc[i] = _mm512_add_ps(acc[i], _mm512_mul_ps(_mm512_cvtepi32_ps(iacc[i]), sc));
+    }
+#pragma GCC unroll 3
+    for (int i = 0; i < MR; i++) _mm512_storeu_ps(c + i * GEMM_NR, acc[i]);
+#elif defined(HAVE_AVX2)
     __m256 acc[GQ_MR][2];
 #pragma GCC unroll 3
     for (int i = 0; i < MR; i++) acc[i][0] = acc[i][1] = _mm256_setzero_ps();
@@ -1175,7 +1208,7 @@ static inline __attribute__((always_inline)) void screen_tile(const int MR, cons
 #endif
 }
 
-static void screen_tile_rows(int rows, const int32_t *hp, int64_t KP, const int8_t *b, const float *scales,
+static SCREEN_TARGET void screen_tile_rows(int rows, const int32_t *hp, int64_t KP, const int8_t *b, const float *scales,
                              float *c) {
     switch (rows) {
     case 1: screen_tile(1, hp, KP, b, scales, c); break;

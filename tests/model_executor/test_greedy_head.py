@@ -188,6 +188,34 @@ def test_portable_build_gives_the_same_tokens(portable_kernels):
     assert rc == 0 and torch.equal(out, logits.argmax(dim=1))
 
 
+def test_every_vector_build_gives_the_screen_the_same_values():
+    """The AVX-512 build's screen (one vpdpwssd per input pair for a panel's 16 tokens) and the AVX2
+    build's (vpmaddwd on two halves) take the same exact int32 block sums and the same float products
+    and sums lane for lane: the approximations agree bit for bit, and so do the tokens.  The odd K leaves
+    a part block at the end, the rows cover tiles of one, two and three."""
+    v, k = 1000, 75
+    dense, packed = lm_head(v, k, seed=31)
+    screen = GreedyScreen.build(dense, v)
+    h = hidden(7, k, seed=32)
+    builds = [isa for isa in cpu_ops.supported_isas() if isa != "portable"]
+    results = {}
+    try:
+        for isa in builds:
+            cpu_ops.select_isa(isa)
+            assert cpu_ops.available() and cpu_ops.loaded_isa() == isa
+            for rows in (1, 2, 3, 7):
+                approx, out = torch.empty(rows, v), torch.empty(rows, dtype=torch.int64)
+                assert cpu_ops.greedy_head(h[:rows], screen, packed, dense, 0, approx, out, None) == 0
+                assert torch.equal(out, full_argmax(h[:rows], dense, packed)), (isa, rows)
+                results[(isa, rows)] = approx
+    finally:
+        cpu_ops.select_isa("auto")
+    for (isa, rows), approx in results.items():
+        assert torch.equal(approx, results[(builds[0], rows)]), (isa, builds[0], rows)
+        if rows > 1:  # a row's screen does not depend on the rows tiled with it
+            assert torch.equal(approx[0], results[(isa, 1)][0]), (isa, rows)
+
+
 @pytest.fixture(scope="module")
 def tiny_llm(tiny_models):
     path, _ = tiny_models["llama"]
