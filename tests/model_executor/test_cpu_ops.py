@@ -18,6 +18,7 @@ from roofline.model_executor.layers.activation import SiluAndMul
 from roofline.model_executor.layers.norm import RMSNorm
 from roofline.model_executor.layers.rotary import RotaryEmbedding
 from tests.attention.paged_batches import make_batch, run_both
+from tests.reference.isa_builds import each_vector_build
 
 HAS_CC = bool(os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc") or shutil.which("clang"))
 pytestmark = pytest.mark.skipif(not HAS_CC, reason="no C compiler on this machine: the torch path is used")
@@ -396,20 +397,13 @@ def test_every_vector_build_gives_the_packed_gemm_the_same_values():
     """The AVX-512 build's GEMM tiles hold a row's 16 columns in one register where the AVX2 build takes
     two: each column's FMA chain over k is the same, so the values agree bit for bit (bias, the SiLU
     epilogue's gate and a zero-padded last panel included)."""
-    builds = [isa for isa in cpu_ops.supported_isas() if isa != "portable"]
     g = torch.Generator().manual_seed(5)
     k, n = 200, 90  # n: a partial last panel
     w, bias = torch.randn(n, k, generator=g), torch.randn(n, generator=g)
     xs = [torch.randn(m, k, generator=g) for m in (1, 5, 13, 37, 130)]
-    results = {}
-    try:
-        for isa in builds:
-            cpu_ops.select_isa(isa)
-            assert cpu_ops.available() and cpu_ops.loaded_isa() == isa
-            panels = cpu_ops.pack_panels(w)
-            results[isa] = [cpu_ops.gemm_packed(x, panels, n, bias) for x in xs]
-    finally:
-        cpu_ops.select_isa("auto")
+    results = {isa: [cpu_ops.gemm_packed(x, cpu_ops.pack_panels(w), n, bias) for x in xs]
+               for isa in each_vector_build()}
+    builds = list(results)
     for isa in builds[1:]:
         for got, want in zip(results[isa], results[builds[0]]):
             assert torch.equal(got, want), isa

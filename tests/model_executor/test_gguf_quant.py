@@ -8,6 +8,7 @@ import torch.nn.functional as F
 
 from roofline.cpu import gemm as cpu_gemm, ops as cpu_ops, gguf_quant
 from roofline.cpu.gguf_quant import FORMATS, QuantizedTensor
+from tests.reference.isa_builds import each_vector_build
 from tests.reference.quantized import random_blocks
 
 pytestmark = pytest.mark.skipif(not cpu_ops.available(), reason="native CPU kernels unavailable (no C compiler)")
@@ -167,18 +168,13 @@ def test_every_vector_build_gives_the_gemvs_the_same_values(qtype):
     g = torch.Generator().manual_seed(qtype)
     w = random_blocks(qtype, rows, cols, seed=17 + qtype)
     x = torch.randn(8, cols, generator=g)
-    builds = [isa for isa in cpu_ops.supported_isas() if isa != "portable"]
     results = {}
-    try:
-        for isa in builds:
-            cpu_ops.select_isa(isa)
-            assert cpu_ops.available() and cpu_ops.loaded_isa() == isa
-            one_by_one = torch.cat([gguf_quant.linear(x[i:i + 1], w) for i in range(8)])
-            for m in range(1, 9):
-                assert torch.equal(gguf_quant.linear(x[:m], w), one_by_one[:m]), (isa, m)
-            results[isa] = one_by_one
-    finally:
-        cpu_ops.select_isa("auto")
+    for isa in each_vector_build():
+        one_by_one = torch.cat([gguf_quant.linear(x[i:i + 1], w) for i in range(8)])
+        for m in range(1, 9):
+            assert torch.equal(gguf_quant.linear(x[:m], w), one_by_one[:m]), (isa, m)
+        results[isa] = one_by_one
+    builds = list(results)
     for isa in builds[1:]:
         assert torch.equal(results[isa], results[builds[0]]), (isa, builds[0])
     torch.testing.assert_close(results[builds[0]], reference(x, w.dequantize()), atol=5e-4, rtol=1e-4)
@@ -268,7 +264,6 @@ def test_q8_activations_are_one_sum_in_every_build(portable_kernels):
     (vpdpbusd), AVX2 (vpmaddubsw) and plain C builds give the same values bit for bit -- in the interleaved
     groups and in the rows past the last group (45 = two groups of 16 and 13 more) -- for any rows."""
     rows, cols = 45, 512
-    builds = [isa for isa in cpu_ops.supported_isas() if isa != "portable"]
     for qtype in ACT_Q8_FORMATS:
         w = random_blocks(qtype, rows, cols, seed=300 + qtype)
         w.quantize_activations = True
@@ -279,14 +274,9 @@ def test_q8_activations_are_one_sum_in_every_build(portable_kernels):
         portable_kernels.quant_linear_f32(w.kernel_type, x.data_ptr(), cols, w.data.data_ptr(), w.data.shape[1],
                                           b.data_ptr(), want.data_ptr(), rows, 11, cols, rows, 2)
         torch.testing.assert_close(want, q8_emulation(x, w, b), atol=2e-4, rtol=1e-5)
-        try:
-            for isa in builds:
-                cpu_ops.select_isa(isa)
-                assert cpu_ops.available() and cpu_ops.loaded_isa() == isa
-                for m in (1, 4, 9, 11):
-                    assert torch.equal(gguf_quant.linear(x[:m], w, b), want[:m]), (isa, qtype, m)
-        finally:
-            cpu_ops.select_isa("auto")
+        for isa in each_vector_build():
+            for m in (1, 4, 9, 11):
+                assert torch.equal(gguf_quant.linear(x[:m], w, b), want[:m]), (isa, qtype, m)
 
 
 @pytest.mark.parametrize("qtype", ACT_Q8_FORMATS)
