@@ -166,7 +166,8 @@ def _compile(sources: tuple[Path, ...], out: Path, isa: str) -> None:
 def _build(isa: str) -> Path:
     """The cached library of one build (compiled on first use)."""
     source = b"".join(src.read_bytes() for src in SOURCES)
-    key = hashlib.sha256(source + isa.encode() + platform.machine().encode()).hexdigest()[:16]
+    flags = " ".join(ISA_BUILDS[isa][0]).encode()
+    key = hashlib.sha256(source + isa.encode() + flags + platform.machine().encode()).hexdigest()[:16]
     path = cache_dir() / f"cpu_kernels-{isa}-{key}.so"
     if not path.exists():
         _compile(SOURCES, path, isa)

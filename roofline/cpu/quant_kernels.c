@@ -309,15 +309,26 @@ static inline __attribute__((always_inline)) void dot_rows_pairs(int qt, const u
                                                                  int64_t nb, float *out) {
     __m512 acc[8][2];
     for (int m = 0; m < MM; m++) acc[m][0] = acc[m][1] = _mm512_setzero_ps();
+    /* software-pipelined: block b+1's weights are decoded before block b's FMAs are issued, so the
+     * decode's long dependency chain runs while the FMAs do (issued after them, it left the FMAs of
+     * each block waiting on it) */
+    block_pairs_t dec = block_pairs(qt, row);
+    __m512 w0 = block_pair(qt, &dec, 0), w1 = block_pair(qt, &dec, 1);
     for (int64_t b = 0; b < nb; b++) {
         const uint8_t *blk = row + b * bb;
         if (b + 4 < nb) _mm_prefetch((const char *)(blk + 4 * bb), _MM_HINT_T0);
-        const block_pairs_t dec = block_pairs(qt, blk);
-        for (int h = 0; h < 2; h++) {
-            const __m512 w = block_pair(qt, &dec, h);
-            for (int m = 0; m < MM; m++)
-                acc[m][h] = _mm512_fmadd_ps(_mm512_loadu_ps(x + m * ldx + b * 32 + 16 * h), w, acc[m][h]);
+        __m512 n0 = w0, n1 = w1;
+        if (b + 1 < nb) {
+            dec = block_pairs(qt, blk + bb);
+            n0 = block_pair(qt, &dec, 0);
+            n1 = block_pair(qt, &dec, 1);
         }
+        for (int m = 0; m < MM; m++) {
+            acc[m][0] = _mm512_fmadd_ps(_mm512_loadu_ps(x + m * ldx + b * 32), w0, acc[m][0]);
+            acc[m][1] = _mm512_fmadd_ps(_mm512_loadu_ps(x + m * ldx + b * 32 + 16), w1, acc[m][1]);
+        }
+        w0 = n0;
+        w1 = n1;
     }
     for (int m = 0; m < MM; m++) out[m] = hsum_pairs(acc[m][0], acc[m][1]);
 }
