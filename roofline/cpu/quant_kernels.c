@@ -916,10 +916,58 @@ static inline void transpose8(const float *src, int64_t lds, float *dst, int64_t
 }
 #endif
 
+#ifdef QUANT_AVX512
+/* The AVX-512 build expands a panel without transposes: lane j of a register is row j, and one gather
+ * takes 4 bytes of each of the 16 rows, so one shift, mask, conversion and FMA give 16 rows' value k --
+ * panel row k -- at once.  The values are expand_block_avx2's: fma(d, q, m) (Q4_0: m = -8d), d * q (Q8_0);
+ * lanes past nn gather nothing and give 0. */
+static void expand_panel_x16(int qt, const uint8_t *w, int64_t row_bytes, int64_t nn, int64_t K, float *panel) {
+    const __mmask16 live = (__mmask16)((1u << nn) - 1u);
+    const __m512i rows = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+                                            _mm512_set1_epi32((int32_t)row_bytes));
+    const __m512i nib = _mm512_set1_epi32(15);
+    const int64_t bb = quant_block_bytes(qt);
+    for (int64_t b = 0; b < K / 32; b++) {
+        const uint8_t *blk = w + b * bb;
+        float *out = panel + b * 32 * QPANEL;
+        const __m512i dm = _mm512_mask_i32gather_epi32(_mm512_setzero_si512(), live, rows, blk, 1);
+        const __m512 d = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(dm));
+        if (qt == QT_Q8_0) {
+            for (int c = 0; c < 8; c++) {
+                const __m512i g = _mm512_mask_i32gather_epi32(_mm512_setzero_si512(), live, rows, blk + 2 + 4 * c, 1);
+                for (int i = 0; i < 4; i++) {
+                    const __m512i q = _mm512_srai_epi32(_mm512_slli_epi32(g, 24 - 8 * i), 24);
+                    _mm512_storeu_ps(out + (4 * c + i) * QPANEL, _mm512_mul_ps(d, _mm512_cvtepi32_ps(q)));
+                }
+            }
+            continue;
+        }
+        const __m512 m = qt == QT_Q4_1 ? _mm512_cvtph_ps(_mm512_cvtepi32_epi16(_mm512_srli_epi32(dm, 16)))
+                                       : _mm512_mul_ps(d, _mm512_set1_ps(-8.0f));
+        const uint8_t *qs = blk + (qt == QT_Q4_1 ? 4 : 2);
+        for (int c = 0; c < 4; c++) {  /* bytes 4c..4c+3: values 4c+i (low nibbles) and 16+4c+i (high) */
+            const __m512i g = _mm512_mask_i32gather_epi32(_mm512_setzero_si512(), live, rows, qs + 4 * c, 1);
+            for (int i = 0; i < 4; i++) {
+                const __m512i lo = _mm512_and_si512(_mm512_srli_epi32(g, 8 * i), nib);
+                const __m512i hi = _mm512_and_si512(_mm512_srli_epi32(g, 8 * i + 4), nib);
+                _mm512_storeu_ps(out + (4 * c + i) * QPANEL, _mm512_fmadd_ps(d, _mm512_cvtepi32_ps(lo), m));
+                _mm512_storeu_ps(out + (16 + 4 * c + i) * QPANEL, _mm512_fmadd_ps(d, _mm512_cvtepi32_ps(hi), m));
+            }
+        }
+    }
+}
+#endif
+
 /* rows n0 .. n0+nn of W expanded into one panel [K x 16] (zero past nn), the layout of pack_panels_f32;
  * rowbuf holds K floats */
 void quant_expand_panel(int qt, const uint8_t *w, int64_t row_bytes, int64_t n0, int64_t nn, int64_t K,
                         float *panel, float *rowbuf) {
+#ifdef QUANT_AVX512
+    if ((qt == QT_Q4_0 || qt == QT_Q4_1 || qt == QT_Q8_0) && 15 * row_bytes + K / 32 * quant_block_bytes(qt) < INT32_MAX) {
+        expand_panel_x16(qt, w + n0 * row_bytes, row_bytes, nn, K, panel);
+        return;
+    }
+#endif
 #ifdef QUANT_AVX2
     if (qt == QT_Q4_0 || qt == QT_Q4_1 || qt == QT_Q8_0) {  /* a block of 16 rows at a time, 8x8 transposes */
         const int64_t bb = quant_block_bytes(qt);
