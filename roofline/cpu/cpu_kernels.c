@@ -522,6 +522,7 @@ static float gemv_column(const float *x, const float *w, int64_t ldw, int64_t K,
  * run.  Each panel is multiplied with tiles of up to 6 rows (6 x 16 accumulators: 12 AVX2 registers, the
  * two weight vectors of one k and one broadcast input keep 15 of 16 busy).  Rows are spread evenly over
  * the tiles (37 rows: 5,5,5,5,5,6,6, never a 1-row tail) so every tile has enough independent FMAs.
+ * The AVX-512 build takes two adjacent panels per tile (gemm_tile_pair: 12 zmm accumulators).
  * The first row block prefetches the panel after the current one while it works (the weights come from
  * DRAM at decode batch sizes); later row blocks find it in L2.  Work items are (group of panels, block of
  * up to 96 rows), so big batches keep their input rows and a panel group in cache.  At decode batch sizes
@@ -544,6 +545,42 @@ void pack_panels_f32(const float *w, int64_t K, int64_t N, int64_t ldw, float *o
         }
     }
 }
+
+#ifdef HAVE_AVX2
+/* a tile's sums (two 8-lane halves per row) -> c: + bias, or SiLU-and-mul with the gate tile, or only
+ * the valid columns of the zero-padded last panel */
+static inline __attribute__((always_inline)) void tile_epilogue(const int MR, __m256 acc[][2], float *c, int64_t ldc,
+                                                                const float *bias, int64_t nn, const float *gate) {
+    __m256 bb0 = _mm256_setzero_ps(), bb1 = _mm256_setzero_ps();
+    if (bias && nn == GEMM_NR) {
+        bb0 = _mm256_loadu_ps(bias);
+        bb1 = _mm256_loadu_ps(bias + 8);
+    }
+    if (gate) {  /* SiLU-and-mul epilogue: c = silu(gate) * (a . b), gate a full MR x 16 tile (row stride 16) */
+        const __m256 one = _mm256_set1_ps(1.0f), zero = _mm256_setzero_ps();
+#pragma GCC unroll 6
+        for (int i = 0; i < MR; i++)
+            for (int h = 0; h < 2; h++) {
+                const __m256 gv = _mm256_loadu_ps(gate + i * GEMM_NR + 8 * h);
+                const __m256 sv = _mm256_div_ps(gv, _mm256_add_ps(one, exp256(_mm256_sub_ps(zero, gv))));
+                _mm256_storeu_ps(c + i * ldc + 8 * h, _mm256_mul_ps(sv, acc[i][h]));
+            }
+        return;
+    }
+#pragma GCC unroll 6
+    for (int i = 0; i < MR; i++) {
+        if (nn == GEMM_NR) {  /* the common case: straight to C */
+            _mm256_storeu_ps(c + i * ldc, _mm256_add_ps(acc[i][0], bb0));
+            _mm256_storeu_ps(c + i * ldc + 8, _mm256_add_ps(acc[i][1], bb1));
+        } else {  /* the zero-padded last panel: only its valid columns */
+            float row[GEMM_NR];
+            _mm256_storeu_ps(row, acc[i][0]);
+            _mm256_storeu_ps(row + 8, acc[i][1]);
+            for (int64_t j = 0; j < nn; j++) c[i * ldc + j] = row[j] + (bias ? bias[j] : 0.f);
+        }
+    }
+}
+#endif
 
 /* one tile: rows a[0..MR) (row stride lda) times one panel b -> c (row stride ldc), nn valid columns;
  * meanwhile prefetches pfn rows of the next panel from pf */
@@ -590,34 +627,7 @@ static inline __attribute__((always_inline)) void gemm_tile(const int MR, const 
         }
     }
 #endif
-    __m256 bb0 = _mm256_setzero_ps(), bb1 = _mm256_setzero_ps();
-    if (bias && nn == GEMM_NR) {
-        bb0 = _mm256_loadu_ps(bias);
-        bb1 = _mm256_loadu_ps(bias + 8);
-    }
-    if (gate) {  /* SiLU-and-mul epilogue: c = silu(gate) * (a . b), gate a full MR x 16 tile (row stride 16) */
-        const __m256 one = _mm256_set1_ps(1.0f), zero = _mm256_setzero_ps();
-#pragma GCC unroll 6
-        for (int i = 0; i < MR; i++)
-            for (int h = 0; h < 2; h++) {
-                const __m256 gv = _mm256_loadu_ps(gate + i * GEMM_NR + 8 * h);
-                const __m256 sv = _mm256_div_ps(gv, _mm256_add_ps(one, exp256(_mm256_sub_ps(zero, gv))));
-                _mm256_storeu_ps(c + i * ldc + 8 * h, _mm256_mul_ps(sv, acc[i][h]));
-            }
-        return;
-    }
-#pragma GCC unroll 6
-    for (int i = 0; i < MR; i++) {
-        if (nn == GEMM_NR) {  /* the common case: straight to C */
-            _mm256_storeu_ps(c + i * ldc, _mm256_add_ps(acc[i][0], bb0));
-            _mm256_storeu_ps(c + i * ldc + 8, _mm256_add_ps(acc[i][1], bb1));
-        } else {  /* the zero-padded last panel: only its valid columns */
-            float row[GEMM_NR];
-            _mm256_storeu_ps(row, acc[i][0]);
-            _mm256_storeu_ps(row + 8, acc[i][1]);
-            for (int64_t j = 0; j < nn; j++) c[i * ldc + j] = row[j] + (bias ? bias[j] : 0.f);
-        }
-    }
+    tile_epilogue(MR, acc, c, ldc, bias, nn, gate);
 #else
     (void)pf; (void)pfn;
     float acc[GEMM_MR][GEMM_NR];
@@ -657,6 +667,64 @@ static void gemm_tile_rows(int rows, const float *a, int64_t lda, const float *b
     }
 }
 
+#if defined(__AVX512F__)
+/* The AVX-512 build's tile over two adjacent panels (32 columns; the second panel bstride floats after
+ * the first): 12 accumulators, and per k two weight loads and MR broadcasts for 2 x MR FMAs, where one
+ * panel's tile takes one load and MR broadcasts for MR FMAs (load-bound, and MR = 6 independent FMA
+ * chains cannot cover the FMA latency of two units).  Each column's FMA chain over k is gemm_tile's, and
+ * each panel then takes gemm_tile's epilogue, so the values are the same bit for bit.  Panel q's output
+ * is at c + q * cstep, its gate and running sums at gate / cin + q * pstep. */
+#define PAIR_TILES 1
+static inline __attribute__((always_inline)) void gemm_tile_pair(const int MR, const float *a, int64_t lda,
+        const float *b, int64_t bstride, int64_t K, float *c, int64_t ldc, int64_t cstep, const float *bias,
+        int64_t nn0, int64_t nn1, const float *pf, int64_t pfn, const float *gate, const float *cin, int64_t pstep) {
+    __m512 acc16[2][GEMM_MR];
+#pragma GCC unroll 6
+    for (int i = 0; i < MR; i++)
+        for (int q = 0; q < 2; q++)
+            acc16[q][i] = cin ? _mm512_loadu_ps(cin + q * pstep + i * GEMM_NR) : _mm512_setzero_ps();
+#pragma GCC unroll 2
+    for (int64_t k = 0; k < K; k++) {
+        if (k < pfn) {
+            _mm_prefetch((const char *)(pf + k * GEMM_NR), _MM_HINT_T0);
+            _mm_prefetch((const char *)(pf + bstride + k * GEMM_NR), _MM_HINT_T0);
+        }
+        const __m512 b0 = _mm512_loadu_ps(b + k * GEMM_NR), b1 = _mm512_loadu_ps(b + bstride + k * GEMM_NR);
+#pragma GCC unroll 6
+        for (int i = 0; i < MR; i++) {
+            const __m512 ai = _mm512_set1_ps(a[i * lda + k]);
+            acc16[0][i] = _mm512_fmadd_ps(ai, b0, acc16[0][i]);
+            acc16[1][i] = _mm512_fmadd_ps(ai, b1, acc16[1][i]);
+        }
+    }
+    for (int q = 0; q < 2; q++) {
+        __m256 acc[GEMM_MR][2];
+#pragma GCC unroll 6
+        for (int i = 0; i < MR; i++) {
+            acc[i][0] = _mm512_castps512_ps256(acc16[q][i]);
+            acc[i][1] = _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(acc16[q][i]), 1));
+        }
+        tile_epilogue(MR, acc, c + q * cstep, ldc, bias ? bias + q * GEMM_NR : 0, q ? nn1 : nn0,
+                      gate ? gate + q * pstep : 0);
+    }
+}
+
+static void gemm_tile_pair_rows(int rows, const float *a, int64_t lda, const float *b, int64_t bstride, int64_t K,
+                                float *c, int64_t ldc, int64_t cstep, const float *bias, int64_t nn0, int64_t nn1,
+                                const float *pf, int64_t pfn, const float *gate, const float *cin, int64_t pstep) {
+    switch (rows) {
+    case 1: gemm_tile_pair(1, a, lda, b, bstride, K, c, ldc, cstep, bias, nn0, nn1, pf, pfn, gate, cin, pstep); break;
+    case 2: gemm_tile_pair(2, a, lda, b, bstride, K, c, ldc, cstep, bias, nn0, nn1, pf, pfn, gate, cin, pstep); break;
+    case 3: gemm_tile_pair(3, a, lda, b, bstride, K, c, ldc, cstep, bias, nn0, nn1, pf, pfn, gate, cin, pstep); break;
+    case 4: gemm_tile_pair(4, a, lda, b, bstride, K, c, ldc, cstep, bias, nn0, nn1, pf, pfn, gate, cin, pstep); break;
+    case 5: gemm_tile_pair(5, a, lda, b, bstride, K, c, ldc, cstep, bias, nn0, nn1, pf, pfn, gate, cin, pstep); break;
+    default: gemm_tile_pair(6, a, lda, b, bstride, K, c, ldc, cstep, bias, nn0, nn1, pf, pfn, gate, cin, pstep); break;
+    }
+}
+#else
+#define PAIR_TILES 0
+#endif
+
 /* K chunks per panel for one row block of several tiles (decode batch sizes): every tile runs over a
  * chunk of the panel (GEMM_KC_PER_TILE x tiles values of k, a few KB, from L1) before the next chunk,
  * with partial sums kept between chunks.  Without chunks the first tile pulled the whole panel from
@@ -684,15 +752,19 @@ static void packed_gemm_item(const float *a, int64_t lda, const float *panels, c
                              int64_t ldc, int64_t M, int64_t K, int64_t N, int silu, int64_t ng, int64_t nmb,
                              int64_t gi, int64_t mi) {
     const int64_t np = (N + GEMM_NR - 1) / GEMM_NR;
-    float part[GEMM_MB * GEMM_NR], part_g[GEMM_MB * GEMM_NR];  /* partial sums between K chunks */
+    /* partial sums between K chunks (panel q of a pair at + q * PART) */
+    float part[2 * GEMM_MB * GEMM_NR], part_g[2 * GEMM_MB * GEMM_NR];
+    const int64_t PART = GEMM_MB * GEMM_NR;
     const int64_t m_lo = mi * GEMM_MB, m_hi = M < m_lo + GEMM_MB ? M : m_lo + GEMM_MB;
     const int64_t tiles = (m_hi - m_lo + GEMM_MR - 1) / GEMM_MR;
     const int64_t nkc = k_chunks(nmb, tiles, K);
     const int64_t p_hi = (gi + 1) * np / ng;
-    for (int64_t p = gi * np / ng; p < p_hi; p++) {
+    for (int64_t p = gi * np / ng, two; p < p_hi; p += 1 + two) {
+        two = PAIR_TILES && p + 1 < p_hi;  /* two panels at a time (the AVX-512 build) */
         const float *bg = panels + p * K * GEMM_NR, *b = silu ? panels + (p + np) * K * GEMM_NR : bg;
-        const int nxt = mi == 0 && p + 1 < p_hi;  /* the first row block prefetches the next panel(s) */
+        const int nxt = mi == 0 && p + 1 + two < p_hi;  /* the first row block prefetches the next panel(s) */
         const int64_t n0 = p * GEMM_NR, nn = N - n0 < GEMM_NR ? N - n0 : GEMM_NR;
+        const int64_t step = (1 + two) * K * GEMM_NR;  /* from a panel to the next one this loop takes */
         for (int64_t kc = 0; kc < nkc; kc++) {
             const int64_t c0 = kc * K / nkc, c1 = (kc + 1) * K / nkc, last = kc == nkc - 1;
             int64_t m0 = m_lo;
@@ -702,6 +774,22 @@ static void packed_gemm_item(const float *a, int64_t lda, const float *panels, c
                 const int64_t k0 = c0 + t * (c1 - c0) / tiles, k1 = c0 + (t + 1) * (c1 - c0) / tiles;
                 const float *ak = a + m0 * lda + c0;
                 float *pt = part + (m0 - m_lo) * GEMM_NR, *pg = part_g + (m0 - m_lo) * GEMM_NR;
+#if PAIR_TILES
+                if (two) {
+                    const int64_t nn1 = N - n0 - GEMM_NR < GEMM_NR ? N - n0 - GEMM_NR : GEMM_NR;
+                    if (silu)
+                        gemm_tile_pair_rows((int)rows, ak, lda, bg + c0 * GEMM_NR, K * GEMM_NR, c1 - c0, pg, GEMM_NR,
+                                            PART, 0, GEMM_NR, GEMM_NR, nxt ? bg + k0 * GEMM_NR + step : 0,
+                                            nxt ? k1 - k0 : 0, 0, kc ? pg : 0, PART);
+                    gemm_tile_pair_rows((int)rows, ak, lda, b + c0 * GEMM_NR, K * GEMM_NR, c1 - c0,
+                                        last ? c + m0 * ldc + n0 : pt, last ? ldc : GEMM_NR, last ? GEMM_NR : PART,
+                                        last && bias ? bias + n0 : 0, last ? nn : GEMM_NR, last ? nn1 : GEMM_NR,
+                                        nxt ? b + k0 * GEMM_NR + step : 0, nxt ? k1 - k0 : 0, silu && last ? pg : 0,
+                                        kc ? pt : 0, PART);
+                    m0 += rows;
+                    continue;
+                }
+#endif
                 if (silu)  /* the gate tile's sums stay in part_g for the up tile's last chunk */
                     gemm_tile_rows((int)rows, ak, lda, bg + c0 * GEMM_NR, c1 - c0, pg, GEMM_NR, 0, GEMM_NR,
                                    nxt ? bg + (K + k0) * GEMM_NR : 0, nxt ? k1 - k0 : 0, 0, kc ? pg : 0);
@@ -1418,24 +1506,29 @@ void quant_expand_panel(int qt, const uint8_t *w, int64_t row_bytes, int64_t n0,
 /* C [M x N] = A [M x K] (row stride lda) W^T (+ bias), W [N x K] in GGUF blocks of type qt (rows row_bytes
  * apart; QT_ACT_Q8 or-ed in for the activation-quantized mode); C's rows ldc apart.  K a multiple of the
  * format's block.  Few rows (or the q8 mode) take quant_kernels.c's rows routes; more rows expand 16
- * weight rows at a time into one panel of the packed GEMM (a thread's own buffer, in L2) and run every
- * row over it: a row's values are then gemm_packed_f32's over the dequantized weight, bit for bit. */
+ * weight rows at a time into one panel of the packed GEMM (two panels in the AVX-512 build, for its
+ * two-panel tile; a thread's own buffer, in L2) and run every row over them: a row's values are then
+ * gemm_packed_f32's over the dequantized weight, bit for bit. */
 void quant_linear_f32(int qt, const float *a, int64_t lda, const uint8_t *w, int64_t row_bytes, const float *bias,
                       float *c, int64_t ldc, int64_t M, int64_t K, int64_t N, int nthreads) {
     if (quant_rows_route(qt, M)) {
         quant_rows_f32(qt, a, lda, w, row_bytes, bias, c, ldc, M, K, N, nthreads);
         return;
     }
-    const int64_t np = (N + GEMM_NR - 1) / GEMM_NR;
-#pragma omp parallel num_threads(nthreads) if (np > 1)
+    /* panels a thread expands and multiplies at a time: two where the build has the two-panel tile */
+    const int64_t per = 1 + PAIR_TILES, span = per * GEMM_NR, units = (N + span - 1) / span;
+#pragma omp parallel num_threads(nthreads) if (units > 1)
     {
-        float *panel = (float *)malloc((size_t)(K * GEMM_NR) * sizeof(float));
+        float *panel = (float *)malloc((size_t)(per * K * GEMM_NR) * sizeof(float));
         float *rowbuf = (float *)malloc((size_t)K * sizeof(float));
 #pragma omp for schedule(static)
-        for (int64_t p = 0; p < np; p++) {
-            const int64_t n0 = p * GEMM_NR, nn = N - n0 < GEMM_NR ? N - n0 : GEMM_NR;
-            quant_expand_panel(qt, w, row_bytes, n0, nn, K, panel, rowbuf);
-            packed_gemm(a, lda, panel, bias ? bias + n0 : 0, c + n0, ldc, M, K, nn, 0, 1);
+        for (int64_t u = 0; u < units; u++) {
+            const int64_t n0 = u * span, nu = N - n0 < span ? N - n0 : span;
+            for (int64_t q = 0; q * GEMM_NR < nu; q++) {
+                const int64_t nq = nu - q * GEMM_NR < GEMM_NR ? nu - q * GEMM_NR : GEMM_NR;
+                quant_expand_panel(qt, w, row_bytes, n0 + q * GEMM_NR, nq, K, panel + q * K * GEMM_NR, rowbuf);
+            }
+            packed_gemm(a, lda, panel, bias ? bias + n0 : 0, c + n0, ldc, M, K, nu, 0, 1);
         }
         free(panel);
         free(rowbuf);

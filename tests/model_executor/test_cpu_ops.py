@@ -393,20 +393,34 @@ def test_portable_build_greedy_matches_hf(tiny_models):
     assert cpu_ops.available() and cpu_ops.loaded_isa() == cpu_ops.supported_isas()[0]
 
 
-def test_every_vector_build_gives_the_packed_gemm_the_same_values():
+@pytest.mark.parametrize("threads", [1, 2, 3])
+def test_every_vector_build_gives_the_packed_gemm_the_same_values(threads):
     """The AVX-512 build's GEMM tiles hold a row's 16 columns in one register where the AVX2 build takes
-    two: each column's FMA chain over k is the same, so the values agree bit for bit (bias, the SiLU
-    epilogue's gate and a zero-padded last panel included)."""
+    two, and take two adjacent panels at a time: each column's FMA chain over k is the same, so the values
+    agree bit for bit -- bias, a zero-padded last panel, the SiLU epilogue's gate, odd panel counts (a
+    lone last panel beside the pairs) and K chunks (13 and 37 rows: one row block of several tiles)."""
     g = torch.Generator().manual_seed(5)
-    k, n = 200, 90  # n: a partial last panel
+    k, n, d = 200, 90, 80  # n: six panels, the last partial; d: five gate and five up panels
     w, bias = torch.randn(n, k, generator=g), torch.randn(n, generator=g)
+    w_gate_up = torch.randn(2 * d, k, generator=g)
     xs = [torch.randn(m, k, generator=g) for m in (1, 5, 13, 37, 130)]
-    results = {isa: [cpu_ops.gemm_packed(x, cpu_ops.pack_panels(w), n, bias) for x in xs]
-               for isa in each_vector_build()}
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        results = {isa: ([cpu_ops.gemm_packed(x, cpu_ops.pack_panels(w), n, bias) for x in xs],
+                         [cpu_ops.gemm_packed_silu_mul(x, cpu_ops.pack_panels(w_gate_up), d) for x in xs[1:]])
+                   for isa in each_vector_build()}
+    finally:
+        torch.set_num_threads(before)
     builds = list(results)
     for isa in builds[1:]:
-        for got, want in zip(results[isa], results[builds[0]]):
-            assert torch.equal(got, want), isa
-    for x, y in zip(xs, results[builds[0]]):
+        for kind in range(2):
+            for got, want in zip(results[isa][kind], results[builds[0]][kind]):
+                assert torch.equal(got, want), (isa, kind)
+    plain, fused = results[builds[0]]
+    for x, y in zip(xs, plain):
         torch.testing.assert_close(y, torch.nn.functional.linear(x.double(), w.double(), bias.double()).float(),
                                    atol=1e-4, rtol=1e-4)
+    for x, y in zip(xs[1:], fused):
+        gate, up = (x.double() @ w_gate_up.double().t()).split(d, dim=1)
+        torch.testing.assert_close(y, (torch.nn.functional.silu(gate) * up).float(), atol=1e-4, rtol=1e-4)
