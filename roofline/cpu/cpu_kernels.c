@@ -1515,16 +1515,23 @@ void quant_linear_f32(int qt, const float *a, int64_t lda, const uint8_t *w, int
         quant_rows_f32(qt, a, lda, w, row_bytes, bias, c, ldc, M, K, N, nthreads);
         return;
     }
-    /* panels a thread expands and multiplies at a time: two where the build has the two-panel tile */
-    const int64_t per = 1 + PAIR_TILES, span = per * GEMM_NR, units = (N + span - 1) / span;
+    /* Units of panels a thread expands and multiplies at a time: pairs where the build has the two-panel
+     * tile; packed_gemm's panel groups (at most eight panels, as many groups as a multiple of the thread
+     * count) when the rows fill more than one row block, so each block of input rows is read from cache
+     * once per group rather than once per one or two panels (prefill-sized batches: the input rows are
+     * megabytes).  Unit u holds panels [u np / units, (u + 1) np / units). */
+    const int64_t np = (N + GEMM_NR - 1) / GEMM_NR;
+    const int64_t units = M > GEMM_MB ? panel_groups(np, 0, nthreads) : (np + PAIR_TILES) / (1 + PAIR_TILES);
+    const int64_t per = (np + units - 1) / units;
 #pragma omp parallel num_threads(nthreads) if (units > 1)
     {
         float *panel = (float *)malloc((size_t)(per * K * GEMM_NR) * sizeof(float));
         float *rowbuf = (float *)malloc((size_t)K * sizeof(float));
 #pragma omp for schedule(static)
         for (int64_t u = 0; u < units; u++) {
-            const int64_t n0 = u * span, nu = N - n0 < span ? N - n0 : span;
-            for (int64_t q = 0; q * GEMM_NR < nu; q++) {
+            const int64_t p_lo = u * np / units, p_hi = (u + 1) * np / units;
+            const int64_t n0 = p_lo * GEMM_NR, nu = (N < p_hi * GEMM_NR ? N : p_hi * GEMM_NR) - n0;
+            for (int64_t q = 0; q < p_hi - p_lo; q++) {
                 const int64_t nq = nu - q * GEMM_NR < GEMM_NR ? nu - q * GEMM_NR : GEMM_NR;
                 quant_expand_panel(qt, w, row_bytes, n0 + q * GEMM_NR, nq, K, panel + q * K * GEMM_NR, rowbuf);
             }
