@@ -7,10 +7,9 @@ QKV or gate/up projection placed at their row offsets) apply to the bytes as to 
 
 `linear(x, weight, bias)` computes F.linear(x, dequantize(weight), bias) with the native kernels, which
 expand blocks in registers to exactly gguf.quants.dequantize's values and accumulate in fp32: 1..8 rows
-(in the AVX-512 build up to 32 of Q4_0/Q4_1/Q8_0, eight at a time; `quant_rows_route` says which) by a GEMV
-that decodes each block once (every row the one-row GEMV's values); more rows through the
-packed GEMM of cpu_kernels.c over panels expanded on the fly (bit-identical to cpu_ops.gemm_packed over
-the dequantized weight).  With `quantize_activations` (--gguf-activations q8) Q4_0/Q4_1/Q8_0 blocks
+(`quant_rows_route` says which) by a GEMV that decodes each block once (every row the one-row GEMV's
+values); more rows through the packed GEMM of cpu_kernels.c over panels expanded on the fly
+(bit-identical to cpu_ops.gemm_packed over the dequantized weight).  With `quantize_activations` (--gguf-activations q8) Q4_0/Q4_1/Q8_0 blocks
 multiply 8-bit activations instead (quant_kernels.c's QT_ACT_Q8): the tensor's bytes are re-laid in
 place, sixteen rows interleaved, so one vpdpbusd takes four values of each of sixteen rows
 (`interleave_rows`; `dequantize()` and `file_layout()` read through it).

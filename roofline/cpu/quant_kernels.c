@@ -438,16 +438,12 @@ static void quant_gemv(int qt, const float *x, const uint8_t *w, int64_t row_byt
 
 /* ---- a few rows: each weight row decoded once for all of them --------------------------------- */
 
-#define QROWS_MAX 8  /* up to this many rows (a decode verifying drafts, a few decodes): quant_gemv_rows */
-#ifdef QUANT_AVX512
-/* The AVX-512 build takes Q4_0 / Q4_1 / Q8_0 rows up to this many by the few-rows GEMV too, eight at a
- * time: faster than expanding panels for the packed GEMM there (2 threads, a 1536 x 576 Q4_1 weight:
- * 16 rows 182 -> 117 us, 32 rows 297 -> 236 us; even at 64), and a decode batch's rows stay each the
- * one-row GEMV's */
-#define QROWS_ROUTE_MAX 32
-#else
-#define QROWS_ROUTE_MAX QROWS_MAX
-#endif
+/* Up to this many rows (a decode verifying drafts, a few decodes): quant_gemv_rows.  More rows expand
+ * panels for the packed GEMM.  (The AVX-512 build once took Q4_0/Q4_1/Q8_0 up to 32 rows here, eight at a
+ * time, which measured faster on a Zen 4; with the two-panel GEMM tile and the gathered expansion the
+ * panels won from 9-16 rows up on a Cascade Lake Xeon -- 2 threads, 576 x 1536 Q4_1: 16 rows 495 -> 305
+ * us, 32 rows 973 -> 429 us -- so every build now switches at 8.) */
+#define QROWS_MAX 8
 #define QROWS_GROUP 3  /* rows whose accumulators stay in registers together (4 x 3 of 16 ymm) */
 
 #ifdef QUANT_AVX2
@@ -523,8 +519,7 @@ static void dot_rows(int qt, const uint8_t *row, const float *x, int64_t ldx, in
     for (int m = 0; m < M; m++) out[m] = s[m];
 }
 
-/* C [M x N] for 2 <= M <= QROWS_MAX (QROWS_ROUTE_MAX for the vectorized formats), QROWS_MAX rows at a
- * time: every row's values are the one-row GEMV's, bit for bit */
+/* C [M x N] for 2 <= M <= QROWS_MAX: every row's values are the one-row GEMV's, bit for bit */
 static void quant_gemv_rows(int qt, const float *a, int64_t lda, const uint8_t *w, int64_t row_bytes,
                             const float *bias, float *c, int64_t ldc, int M, int64_t K, int64_t N, int nthreads) {
     float *xp = 0;
@@ -996,8 +991,7 @@ void quant_expand_panel(int qt, const uint8_t *w, int64_t row_bytes, int64_t n0,
  * file's rows routes (quant_rows_f32), 0 for the packed GEMM over expanded panels (quant_expand_panel). */
 int quant_rows_route(int qt, int64_t M) {
     const int base = qt & ~QT_ACT_Q8;
-    return ((qt & QT_ACT_Q8) && takes_act_q8(base)) || M <= QROWS_MAX ||
-           (M <= QROWS_ROUTE_MAX && (base == QT_Q4_0 || base == QT_Q4_1 || base == QT_Q8_0));
+    return ((qt & QT_ACT_Q8) && takes_act_q8(base)) || M <= QROWS_MAX;
 }
 
 /* C [M x N] = A [M x K] W^T (+ bias) by the rows routes: activation-quantized (QT_ACT_Q8), one-row GEMV,

@@ -104,14 +104,12 @@ def test_a_few_rows_are_the_one_row_gemv_bit_for_bit(qtype, m, threads):
     torch.testing.assert_close(got, reference(x, w.dequantize(), b), atol=5e-4, rtol=1e-4)
 
 
-# M: past the few-rows route (the AVX-512 build's few-rows route for Q4_0/Q4_1/Q8_0 up to 32 rows), uneven
-# tiles, one row block, one more (the whole-weight route), many
+# M: past the few-rows route (up to 8 rows), uneven tiles, one row block, one more (panel groups), many
 @pytest.mark.parametrize("qtype", sorted(FORMATS))
 @pytest.mark.parametrize("m", [9, 13, 32, 33, 96, 97, 300])
 @pytest.mark.parametrize("threads", [1, 2])
 def test_gemm_is_the_packed_gemm_over_the_dequantized_weight(qtype, m, threads):
-    """More rows: bit-identical to cpu_ops.gemm_packed over gguf's dequantized weight for any M past the
-    rows routes; rows the route still takes (quant_rows_route) are each the one-row GEMV's."""
+    """More than 8 rows: bit-identical to cpu_ops.gemm_packed over gguf's dequantized weight."""
     rows, cols = 53, 512  # 53 outputs: four panels, the last zero padded
     g = torch.Generator().manual_seed(m * 10 + qtype)
     w = random_blocks(qtype, rows, cols, seed=m + qtype)
@@ -122,18 +120,15 @@ def test_gemm_is_the_packed_gemm_over_the_dequantized_weight(qtype, m, threads):
     torch.set_num_threads(threads)
     try:
         got = gguf_quant.linear(x, w, b)
-        if gguf_quant.rows_route(qtype, m):
-            assert qtype in (2, 3, 8) and m <= 32 and cpu_ops.loaded_isa() == "avx512"
-            want = torch.cat([gguf_quant.linear(x[i:i + 1], w, b) for i in range(m)])
-        else:
-            want = cpu_ops.gemm_packed(x, cpu_gemm.pack(dense), rows, b)
+        assert not gguf_quant.rows_route(qtype, m)
+        want = cpu_ops.gemm_packed(x, cpu_gemm.pack(dense), rows, b)
     finally:
         torch.set_num_threads(before)
     assert torch.equal(got, want)
     torch.testing.assert_close(got, reference(x, dense, b), atol=5e-4, rtol=1e-4)
 
 
-@pytest.mark.parametrize("qtype", [3, 12])  # Q4_1 (the rows routes reach 32 rows in the AVX-512 build), Q4_K
+@pytest.mark.parametrize("qtype", [3, 12])  # Q4_1, Q4_K
 def test_routes_alike_knows_the_quantized_routes(qtype):
     """cpu_gemm.routes_alike with a block weight's kernel type says yes only where a batch's kept rows
     come out the same bits as in the whole batch (LlamaModel shrinks the last layer to the rows it keeps
@@ -147,7 +142,8 @@ def test_routes_alike_knows_the_quantized_routes(qtype):
         if said[a, b]:
             torch.testing.assert_close(gguf_quant.linear(x[a - b:a], w), gguf_quant.linear(x[:a], w)[a - b:],
                                        atol=0, rtol=0)
-    assert said[5, 3] and said[48, 40] and not said[33, 8] and not said[48, 6]  # in any build
+    assert said[5, 3] and said[8, 2] and said[48, 40]  # in any build: the GEMV routes up to 8 rows
+    assert not (said[9, 3] or said[20, 6] or said[32, 8] or said[33, 8] or said[48, 6])
     assert not cpu_gemm.routes_alike(2, 1) and cpu_gemm.routes_alike(48, 6)  # fp32 alone: GEMV vs packed
     w.quantize_activations = True  # q8 mode: one route for any rows
     assert cpu_gemm.routes_alike(48, 6, [w.kernel_type]) == (qtype in gguf_quant.ACT_Q8_FORMATS)
