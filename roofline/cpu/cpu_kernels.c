@@ -725,6 +725,21 @@ static void gemm_tile_pair_rows(int rows, const float *a, int64_t lda, const flo
 #define PAIR_TILES 0
 #endif
 
+/* the tiles of one or (two, where the build has PAIR_TILES) two adjacent panels: the second panel's
+ * operands at bstride / cstep / pstep past the first's (see gemm_tile_pair) */
+static void tiles_rows(int two, int rows, const float *a, int64_t lda, const float *b, int64_t bstride, int64_t K,
+                       float *c, int64_t ldc, int64_t cstep, const float *bias, int64_t nn0, int64_t nn1,
+                       const float *pf, int64_t pfn, const float *gate, const float *cin, int64_t pstep) {
+#if PAIR_TILES
+    if (two) {
+        gemm_tile_pair_rows(rows, a, lda, b, bstride, K, c, ldc, cstep, bias, nn0, nn1, pf, pfn, gate, cin, pstep);
+        return;
+    }
+#endif
+    (void)two; (void)bstride; (void)cstep; (void)nn1; (void)pstep;
+    gemm_tile_rows(rows, a, lda, b, K, c, ldc, bias, nn0, pf, pfn, gate, cin);
+}
+
 /* K chunks per panel for one row block of several tiles (decode batch sizes): every tile runs over a
  * chunk of the panel (GEMM_KC_PER_TILE x tiles values of k, a few KB, from L1) before the next chunk,
  * with partial sums kept between chunks.  Without chunks the first tile pulled the whole panel from
@@ -774,29 +789,16 @@ static void packed_gemm_item(const float *a, int64_t lda, const float *panels, c
                 const int64_t k0 = c0 + t * (c1 - c0) / tiles, k1 = c0 + (t + 1) * (c1 - c0) / tiles;
                 const float *ak = a + m0 * lda + c0;
                 float *pt = part + (m0 - m_lo) * GEMM_NR, *pg = part_g + (m0 - m_lo) * GEMM_NR;
-#if PAIR_TILES
-                if (two) {
-                    const int64_t nn1 = N - n0 - GEMM_NR < GEMM_NR ? N - n0 - GEMM_NR : GEMM_NR;
-                    if (silu)
-                        gemm_tile_pair_rows((int)rows, ak, lda, bg + c0 * GEMM_NR, K * GEMM_NR, c1 - c0, pg, GEMM_NR,
-                                            PART, 0, GEMM_NR, GEMM_NR, nxt ? bg + k0 * GEMM_NR + step : 0,
-                                            nxt ? k1 - k0 : 0, 0, kc ? pg : 0, PART);
-                    gemm_tile_pair_rows((int)rows, ak, lda, b + c0 * GEMM_NR, K * GEMM_NR, c1 - c0,
-                                        last ? c + m0 * ldc + n0 : pt, last ? ldc : GEMM_NR, last ? GEMM_NR : PART,
-                                        last && bias ? bias + n0 : 0, last ? nn : GEMM_NR, last ? nn1 : GEMM_NR,
-                                        nxt ? b + k0 * GEMM_NR + step : 0, nxt ? k1 - k0 : 0, silu && last ? pg : 0,
-                                        kc ? pt : 0, PART);
-                    m0 += rows;
-                    continue;
-                }
-#endif
+                const int64_t nn1 = two ? (N - n0 - GEMM_NR < GEMM_NR ? N - n0 - GEMM_NR : GEMM_NR) : 0;
                 if (silu)  /* the gate tile's sums stay in part_g for the up tile's last chunk */
-                    gemm_tile_rows((int)rows, ak, lda, bg + c0 * GEMM_NR, c1 - c0, pg, GEMM_NR, 0, GEMM_NR,
-                                   nxt ? bg + (K + k0) * GEMM_NR : 0, nxt ? k1 - k0 : 0, 0, kc ? pg : 0);
-                gemm_tile_rows((int)rows, ak, lda, b + c0 * GEMM_NR, c1 - c0, last ? c + m0 * ldc + n0 : pt,
-                               last ? ldc : GEMM_NR, last && bias ? bias + n0 : 0, last ? nn : GEMM_NR,
-                               nxt ? b + (K + k0) * GEMM_NR : 0, nxt ? k1 - k0 : 0, silu && last ? pg : 0,
-                               kc ? pt : 0);
+                    tiles_rows(two, (int)rows, ak, lda, bg + c0 * GEMM_NR, K * GEMM_NR, c1 - c0, pg, GEMM_NR, PART, 0,
+                               GEMM_NR, GEMM_NR, nxt ? bg + k0 * GEMM_NR + step : 0, nxt ? k1 - k0 : 0, 0,
+                               kc ? pg : 0, PART);
+                tiles_rows(two, (int)rows, ak, lda, b + c0 * GEMM_NR, K * GEMM_NR, c1 - c0,
+                           last ? c + m0 * ldc + n0 : pt, last ? ldc : GEMM_NR, last ? GEMM_NR : PART,
+                           last && bias ? bias + n0 : 0, last ? nn : GEMM_NR, last ? nn1 : GEMM_NR,
+                           nxt ? b + k0 * GEMM_NR + step : 0, nxt ? k1 - k0 : 0, silu && last ? pg : 0,
+                           kc ? pt : 0, PART);
                 m0 += rows;
             }
         }

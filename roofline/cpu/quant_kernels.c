@@ -384,9 +384,7 @@ static float dot_row(int qt, const uint8_t *row, const float *x, int64_t K) {
  * block per accumulator, and two independent chains keep the FMA units busy while a lone chain waits
  * on its latency; the activations are loaded once for both.  (The AVX-512 build: 10-14% faster per
  * GEMV here; with AVX2's sixteen registers the two rows spill and it was 5-10% slower.) */
-#ifndef GEMV_PREFETCH
-#define GEMV_PREFETCH 2048
-#endif
+#define GEMV_PREFETCH 2048  /* bytes ahead the two-row GEMV prefetches */
 static void dot_row_pair(int qt, const uint8_t *row0, const uint8_t *row1, const float *x, int64_t K, float *out) {
     const int64_t bb = quant_block_bytes(qt), nb = K / 32;
     __m512 acc[2][2] = {{_mm512_setzero_ps(), _mm512_setzero_ps()}, {_mm512_setzero_ps(), _mm512_setzero_ps()}};
@@ -958,7 +956,7 @@ static void expand_panel_x16(int qt, const uint8_t *w, int64_t row_bytes, int64_
 void quant_expand_panel(int qt, const uint8_t *w, int64_t row_bytes, int64_t n0, int64_t nn, int64_t K,
                         float *panel, float *rowbuf) {
 #ifdef QUANT_AVX512
-    if ((qt == QT_Q4_0 || qt == QT_Q4_1 || qt == QT_Q8_0) && 15 * row_bytes + K / 32 * quant_block_bytes(qt) < INT32_MAX) {
+    if ((qt == QT_Q4_0 || qt == QT_Q4_1 || qt == QT_Q8_0) && 15 * row_bytes <= INT32_MAX) {  /* the gathers' row offsets are int32 */
         expand_panel_x16(qt, w + n0 * row_bytes, row_bytes, nn, K, panel);
         return;
     }
