@@ -85,10 +85,15 @@ def linear(x: torch.Tensor, weight: torch.Tensor, packed: Optional[torch.Tensor]
 
 
 def gate_up_silu(x: torch.Tensor, gate_up) -> Optional[torch.Tensor]:
-    """silu(gate(x)) * up(x) for a MergedColumnParallelLinear [gate; up] layer in one native pass over its
-    packed weight (cpu_ops.gemm_packed_silu_mul), or None where that does not apply (the caller runs the
-    projection and SiluAndMul): not a packed fp32 CPU batch of 2+ rows, a bias, halves not 16-aligned."""
+    """silu(gate(x)) * up(x) for a MergedColumnParallelLinear [gate; up] layer in one native pass: over its
+    GGUF blocks where it keeps them (gguf_quant.linear_silu_mul), else over its packed weight
+    (cpu_ops.gemm_packed_silu_mul); None where that does not apply (the caller runs the projection and
+    SiluAndMul): a bias, or (fp32 weights) not a packed fp32 CPU batch of 2+ rows or halves not 16-aligned."""
+    if gate_up.bias is not None:
+        return None
+    if gate_up.quant is not None:
+        return gguf_quant.linear_silu_mul(x, gate_up.quant)
     d = gate_up.weight.shape[0] // 2
-    if not _takes_packed(x, gate_up.cpu_packed) or gate_up.bias is not None or d % cpu_ops.PANEL:
+    if not _takes_packed(x, gate_up.cpu_packed) or d % cpu_ops.PANEL:
         return None
     return cpu_ops.gemm_packed_silu_mul(x, gate_up.cpu_packed, d)

@@ -46,6 +46,7 @@ cpu_ops.declare("quant_block_elems", [ctypes.c_int], _I)
 cpu_ops.declare("quant_block_bytes", [ctypes.c_int], _I)
 cpu_ops.declare("quant_dequantize_f32", [ctypes.c_int, _P, _I, _I, _I, _P, ctypes.c_int])
 cpu_ops.declare("quant_linear_f32", [ctypes.c_int, _P, _I, _P, _I, _P, _P, _I, _I, _I, _I, ctypes.c_int])
+cpu_ops.declare("quant_linear_silu_mul_f32", [ctypes.c_int, _P, _I, _P, _I, _P, _I, _I, _I, _I, ctypes.c_int])
 cpu_ops.declare("quant_rows_route", [ctypes.c_int, _I], ctypes.c_int)  # 1: M rows take the GEMV routes
 
 
@@ -209,22 +210,39 @@ def dequantize_native(weight: QuantizedTensor) -> torch.Tensor:
     return out
 
 
-def linear(x: torch.Tensor, weight: QuantizedTensor, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """F.linear(x, weight.dequantize(), bias) for fp32 CPU x [M x cols] (see the module doc)."""
+def _check_rows(x: torch.Tensor, weight: QuantizedTensor) -> torch.Tensor:
+    """x as the kernels take it: fp32 CPU rows [M x cols], unit stride (a lone row contiguous)."""
     if not cpu_ops.accepts(x) or x.dim() != 2 or x.shape[1] != weight.cols:
         raise ValueError(f"quantized linear takes fp32 CPU rows [M x {weight.cols}] with unit stride, got "
                          f"{x.dtype} {tuple(x.shape)} on {x.device}")
+    return x.contiguous() if x.shape[0] == 1 else x
+
+
+def linear(x: torch.Tensor, weight: QuantizedTensor, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """F.linear(x, weight.dequantize(), bias) for fp32 CPU x [M x cols] (see the module doc)."""
+    x = _check_rows(x, weight)
     m = x.shape[0]
     n = weight.data.shape[0]
     y = torch.empty((m, n), dtype=torch.float32)
     if m == 0:
         return y
-    if m == 1 and not x.is_contiguous():
-        x = x.contiguous()
     b = None if bias is None else bias.contiguous()
     cpu_ops.library().quant_linear_f32(weight.kernel_type, x.data_ptr(), x.stride(0), weight.data.data_ptr(),
                                        weight.data.shape[1], None if b is None else b.data_ptr(), y.data_ptr(), n,
                                        m, weight.cols, n, torch.get_num_threads())
+    return y
+
+
+def linear_silu_mul(x: torch.Tensor, gate_up: QuantizedTensor) -> torch.Tensor:
+    """silu(x W_g^T) * (x W_u^T) for gate_up = [W_g; W_u] (2d rows): the values of linear() followed by
+    SiluAndMul, with the [M x 2d] projection never written where the rows take the packed GEMM."""
+    x = _check_rows(x, gate_up)
+    m, d = x.shape[0], gate_up.data.shape[0] // 2
+    y = torch.empty((m, d), dtype=torch.float32)
+    if m > 0:
+        cpu_ops.library().quant_linear_silu_mul_f32(gate_up.kernel_type, x.data_ptr(), x.stride(0),
+                                                    gate_up.data.data_ptr(), gate_up.data.shape[1], y.data_ptr(), d,
+                                                    m, gate_up.cols, d, torch.get_num_threads())
     return y
 
 

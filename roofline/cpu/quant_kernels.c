@@ -35,6 +35,8 @@
 #include <stdlib.h>
 #include <string.h>
 
+void *kernel_scratch(size_t bytes);  /* cpu_kernels.c: 64-byte aligned scratch, freed with free() */
+
 #if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 #include <immintrin.h>
 #define QUANT_AVX2 1
@@ -407,7 +409,7 @@ static void quant_gemv(int qt, const float *x, const uint8_t *w, int64_t row_byt
     float *xp = 0;
 #ifdef QUANT_AVX2
     if (qt == QT_Q4_0 || qt == QT_Q4_1) {
-        xp = (float *)malloc((size_t)K * sizeof(float));
+        xp = (float *)kernel_scratch((size_t)K * sizeof(float));
         permute_x(x, K, xp);
         x = xp;
     }
@@ -527,7 +529,7 @@ static void quant_gemv_rows(int qt, const float *a, int64_t lda, const uint8_t *
         int64_t ldx = lda;
 #ifdef QUANT_AVX2
         if (qt == QT_Q4_0 || qt == QT_Q4_1) {  /* one small buffer, reused (a large one per call costs page faults) */
-            if (!xp) xp = (float *)malloc((size_t)(QROWS_MAX * K) * sizeof(float));
+            if (!xp) xp = (float *)kernel_scratch((size_t)(QROWS_MAX * K) * sizeof(float));
             for (int m = 0; m < mm; m++) permute_x(x + m * lda, K, xp + m * K);
             x = xp;
             ldx = K;
@@ -827,10 +829,10 @@ static void quant_linear_q8(int qt, const float *a, int64_t lda, const uint8_t *
     const int64_t nb = K / 32, groups = N / X16, gtiles = (groups + X16_TILE - 1) / X16_TILE;
     const int64_t ntiles = gtiles + (groups * X16 < N);
     act_q8_t x;
-    x.q = (int8_t *)malloc((size_t)(M * K));
-    x.d = (float *)malloc((size_t)(M * nb) * sizeof(float));
-    x.s = (float *)malloc((size_t)(M * nb) * sizeof(float));
-    x.n = (int32_t *)malloc((size_t)(M * nb) * sizeof(int32_t));
+    x.q = (int8_t *)kernel_scratch((size_t)(M * K));
+    x.d = (float *)kernel_scratch((size_t)(M * nb) * sizeof(float));
+    x.s = (float *)kernel_scratch((size_t)(M * nb) * sizeof(float));
+    x.n = (int32_t *)kernel_scratch((size_t)(M * nb) * sizeof(int32_t));
 #pragma omp parallel for num_threads(nthreads) schedule(static) if (M * K > 32768)
     for (int64_t m0 = 0; m0 < M; m0 += X16_ROWS) {
         act_q8_t part = {x.q + m0 * K, x.d + m0 * nb, x.s + m0 * nb, x.n + m0 * nb};

@@ -128,6 +128,33 @@ def test_gemm_is_the_packed_gemm_over_the_dequantized_weight(qtype, m, threads):
     torch.testing.assert_close(got, reference(x, dense, b), atol=5e-4, rtol=1e-4)
 
 
+# M: the rows routes (1, 8), past them, one row block, one more (panel groups); d: 3 panels per half, and
+# 40 (a partial last panel in each half)
+@pytest.mark.parametrize("qtype", sorted(FORMATS))
+@pytest.mark.parametrize("m", [1, 8, 9, 33, 97, 200])
+@pytest.mark.parametrize("d", [48, 40])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_gate_up_with_silu_is_the_projection_then_silu_and_mul(qtype, m, d, threads):
+    """linear_silu_mul over [W_g; W_u]: bit-identical to the projection followed by SiluAndMul in every
+    route, the packed GEMM's one with its fused epilogue included."""
+    cols = 512
+    g = torch.Generator().manual_seed(m * 7 + qtype + d)
+    w = random_blocks(qtype, 2 * d, cols, seed=m + qtype + d)
+    x = torch.randn(m, cols + 24, generator=g)[:, 24:]  # rows cols + 24 floats apart
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        got = gguf_quant.linear_silu_mul(x, w)
+        want = cpu_ops.silu_and_mul(gguf_quant.linear(x.contiguous(), w))
+    finally:
+        torch.set_num_threads(before)
+    assert got.shape == (m, d)
+    assert torch.equal(got, want)
+    h = reference(x, w.dequantize())
+    want = F.silu(h[:, :d]) * h[:, d:]
+    torch.testing.assert_close(got, want, atol=1e-4 * want.abs().max().item(), rtol=1e-3)  # products of two sums
+
+
 @pytest.mark.parametrize("qtype", [3, 12])  # Q4_1, Q4_K
 def test_routes_alike_knows_the_quantized_routes(qtype):
     """cpu_gemm.routes_alike with a block weight's kernel type says yes only where a batch's kept rows
@@ -191,6 +218,15 @@ def test_portable_build_gives_the_same_values(portable_kernels, qtype):
         portable_kernels.quant_linear_f32(qtype, x.data_ptr(), cols, w.data.data_ptr(), w.data.shape[1], None,
                                           y.data_ptr(), rows, m, cols, rows, 2)
         torch.testing.assert_close(y, reference(x, want), atol=5e-4, rtol=1e-4)
+    gate_up = random_blocks(qtype, 32, cols, seed=300 + qtype)  # d = 16: the fused route past 8 rows
+    for m in (4, 100):
+        x = torch.randn(m, cols, generator=torch.Generator().manual_seed(m))
+        y = torch.empty(m, 16)
+        portable_kernels.quant_linear_silu_mul_f32(qtype, x.data_ptr(), cols, gate_up.data.data_ptr(),
+                                                   gate_up.data.shape[1], y.data_ptr(), 16, m, cols, 16, 2)
+        h = reference(x, gate_up.dequantize())
+        fused = F.silu(h[:, :16]) * h[:, 16:]
+        torch.testing.assert_close(y, fused, atol=1e-4 * fused.abs().max().item(), rtol=1e-3)
 
 
 def test_bad_shapes_are_refused():
