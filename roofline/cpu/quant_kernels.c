@@ -912,10 +912,35 @@ static inline void transpose8(const float *src, int64_t lds, float *dst, int64_t
 #endif
 
 #ifdef QUANT_AVX512
-/* The AVX-512 build expands a panel without transposes: lane j of a register is row j, and one gather
- * takes 4 bytes of each of the 16 rows, so one shift, mask, conversion and FMA give 16 rows' value k --
- * panel row k -- at once.  The values are expand_block_avx2's: fma(d, q, m) (Q4_0: m = -8d), d * q (Q8_0);
- * lanes past nn gather nothing and give 0. */
+/* Sixteen rows' 16 bytes (row r's at p + r * row_bytes; rows past nn read nothing and give 0) as four registers
+ * with lane r = row r: g[c] holds its bytes 4c..4c+3.  Four 128-bit loads per register and a dword transpose
+ * (two rounds of vpermt2d) -- on this build's CPUs a masked 16-lane gather, which the same work took before,
+ * costs several times as much (the gather-data-sampling microcode of Intel's AVX-512 parts). */
+static inline void rows_x16(const uint8_t *p, int64_t row_bytes, int64_t nn, __m512i g[4]) {
+    __m512i z[4];
+    for (int i = 0; i < 4; i++) {  /* z[i]: rows 4i..4i+3 in its four 128-bit lanes */
+#define ROW(l) _mm_maskz_loadu_epi32(4 * i + (l) < nn ? 0xf : 0, p + (4 * i + (l) < nn ? 4 * i + (l) : 0) * row_bytes)
+        z[i] = _mm512_inserti32x4(_mm512_inserti32x4(_mm512_inserti32x4(_mm512_castsi128_si512(ROW(0)), ROW(1), 1),
+                                                     ROW(2), 2), ROW(3), 3);
+#undef ROW
+    }
+    /* t01: rows 0-7's dword 0, then their dword 1; t23: dwords 2 and 3; u01, u23: rows 8-15 */
+    const __m512i even = _mm512_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28, 1, 5, 9, 13, 17, 21, 25, 29);
+    const __m512i odd = _mm512_add_epi32(even, _mm512_set1_epi32(2));
+    const __m512i t01 = _mm512_permutex2var_epi32(z[0], even, z[1]), t23 = _mm512_permutex2var_epi32(z[0], odd, z[1]);
+    const __m512i u01 = _mm512_permutex2var_epi32(z[2], even, z[3]), u23 = _mm512_permutex2var_epi32(z[2], odd, z[3]);
+    const __m512i lo = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23);
+    const __m512i hi = _mm512_add_epi32(lo, _mm512_set1_epi32(8));
+    g[0] = _mm512_permutex2var_epi32(t01, lo, u01);
+    g[1] = _mm512_permutex2var_epi32(t01, hi, u01);
+    g[2] = _mm512_permutex2var_epi32(t23, lo, u23);
+    g[3] = _mm512_permutex2var_epi32(t23, hi, u23);
+}
+
+/* The AVX-512 build expands a panel with lane j of a register as row j: rows_x16 gives 4 bytes of each of the
+ * 16 rows per register, so one shift, mask, conversion and FMA give 16 rows' value k -- panel row k -- at once
+ * (no per-row expansion, no 8x8 float transposes).  d and m come by one gather per block.  The values are
+ * expand_block_avx2's: fma(d, q, m) (Q4_0: m = -8d), d * q (Q8_0); lanes past nn give 0. */
 static void expand_panel_x16(int qt, const uint8_t *w, int64_t row_bytes, int64_t nn, int64_t K, float *panel) {
     const __mmask16 live = (__mmask16)((1u << nn) - 1u);
     const __m512i rows = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
@@ -927,28 +952,27 @@ static void expand_panel_x16(int qt, const uint8_t *w, int64_t row_bytes, int64_
         float *out = panel + b * 32 * QPANEL;
         const __m512i dm = _mm512_mask_i32gather_epi32(_mm512_setzero_si512(), live, rows, blk, 1);
         const __m512 d = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(dm));
+        __m512i g[8];
         if (qt == QT_Q8_0) {
-            for (int c = 0; c < 8; c++) {
-                const __m512i g = _mm512_mask_i32gather_epi32(_mm512_setzero_si512(), live, rows, blk + 2 + 4 * c, 1);
+            rows_x16(blk + 2, row_bytes, nn, g);
+            rows_x16(blk + 18, row_bytes, nn, g + 4);
+            for (int c = 0; c < 8; c++)
                 for (int i = 0; i < 4; i++) {
-                    const __m512i q = _mm512_srai_epi32(_mm512_slli_epi32(g, 24 - 8 * i), 24);
+                    const __m512i q = _mm512_srai_epi32(_mm512_slli_epi32(g[c], 24 - 8 * i), 24);
                     _mm512_storeu_ps(out + (4 * c + i) * QPANEL, _mm512_mul_ps(d, _mm512_cvtepi32_ps(q)));
                 }
-            }
             continue;
         }
         const __m512 m = qt == QT_Q4_1 ? _mm512_cvtph_ps(_mm512_cvtepi32_epi16(_mm512_srli_epi32(dm, 16)))
                                        : _mm512_mul_ps(d, _mm512_set1_ps(-8.0f));
-        const uint8_t *qs = blk + (qt == QT_Q4_1 ? 4 : 2);
-        for (int c = 0; c < 4; c++) {  /* bytes 4c..4c+3: values 4c+i (low nibbles) and 16+4c+i (high) */
-            const __m512i g = _mm512_mask_i32gather_epi32(_mm512_setzero_si512(), live, rows, qs + 4 * c, 1);
+        rows_x16(blk + (qt == QT_Q4_1 ? 4 : 2), row_bytes, nn, g);
+        for (int c = 0; c < 4; c++)  /* bytes 4c..4c+3: values 4c+i (low nibbles) and 16+4c+i (high) */
             for (int i = 0; i < 4; i++) {
-                const __m512i lo = _mm512_and_si512(_mm512_srli_epi32(g, 8 * i), nib);
-                const __m512i hi = _mm512_and_si512(_mm512_srli_epi32(g, 8 * i + 4), nib);
+                const __m512i lo = _mm512_and_si512(_mm512_srli_epi32(g[c], 8 * i), nib);
+                const __m512i hi = _mm512_and_si512(_mm512_srli_epi32(g[c], 8 * i + 4), nib);
                 _mm512_storeu_ps(out + (4 * c + i) * QPANEL, _mm512_fmadd_ps(d, _mm512_cvtepi32_ps(lo), m));
                 _mm512_storeu_ps(out + (16 + 4 * c + i) * QPANEL, _mm512_fmadd_ps(d, _mm512_cvtepi32_ps(hi), m));
             }
-        }
     }
 }
 #endif
