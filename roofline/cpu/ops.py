@@ -101,6 +101,7 @@ def _cpu_flags() -> str:
 # that call it are compiled for it (quant_kernels.c X16_VNNI): GCC 12.2 turns signed byte dot products
 # into vpdpbusd, which takes one side unsigned, wherever it may -- NEON is the base of every aarch64 CPU (the plain loops
 # vectorized for it), portable runs anywhere.
+BASE_FLAGS = ("-O3", "-fopenmp", "-ffp-contract=off", "-std=c11")  # every build's, before its ISA_BUILDS flags
 ISA_BUILDS = {
     "avx512": (["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx2", "-mfma", "-mf16c"],
                {"avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_vnni", "avx2", "fma", "f16c"}),
@@ -148,7 +149,7 @@ def _compile(sources: tuple[Path, ...], out: Path, isa: str) -> None:
     cc = env_flag("CC") or shutil.which("cc") or shutil.which("gcc") or shutil.which("clang")
     if cc is None:
         raise RuntimeError("no C compiler found (cc, gcc or clang; or set CC)")
-    base = [cc, "-O3", "-fPIC", "-shared", "-fopenmp", "-ffp-contract=off", "-std=c11"]
+    base = [cc, *BASE_FLAGS, "-fPIC", "-shared"]
     out.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
     os.close(fd)

@@ -372,6 +372,22 @@ def test_builds_are_chosen_at_run_time():
             cpu_ops.select_isa(missing[0])
 
 
+@pytest.mark.parametrize("machine,flags,want", [
+    ("aarch64", "", ["neon", "portable"]),
+    ("arm64", "", ["neon", "portable"]),
+    ("x86_64", "avx2 fma f16c", ["avx2", "portable"]),
+    ("x86_64", "avx512f avx512bw avx512vl avx512dq avx2 fma f16c", ["avx2", "portable"]),  # no VNNI: AVX2
+    ("x86_64", "sse4_2", ["portable"]),
+    ("riscv64", "", ["portable"]),
+])
+def test_the_builds_a_machine_runs(monkeypatch, machine, flags, want):
+    """An ARM machine takes the NEON build (its values checked under qemu by scripts/neon_checks.sh), an
+    AVX-512 CPU without VNNI the AVX2 one, anything else the plain C build."""
+    monkeypatch.setattr(cpu_ops.platform, "machine", lambda: machine)
+    monkeypatch.setattr(cpu_ops, "_cpu_flags", lambda: flags)
+    assert cpu_ops.supported_isas() == want
+
+
 def test_portable_build_greedy_matches_hf(tiny_models):
     """--cpu-isa portable (the plain C loops, as on CPUs without AVX2): the engine's greedy tokens are
     still HF transformers'; the next engine with --cpu-isa auto loads the best build again."""

@@ -9,7 +9,7 @@ import torch.nn.functional as F
 from roofline.cpu import gemm as cpu_gemm, ops as cpu_ops, gguf_quant
 from roofline.cpu.gguf_quant import FORMATS, QuantizedTensor
 from tests.reference.isa_builds import each_vector_build
-from tests.reference.quantized import random_blocks
+from tests.reference.quantized import q8_emulation, random_blocks
 
 pytestmark = pytest.mark.skipif(not cpu_ops.available(), reason="native CPU kernels unavailable (no C compiler)")
 
@@ -242,19 +242,6 @@ def test_bad_shapes_are_refused():
     with pytest.raises(ValueError, match="fp32 CPU rows"):
         gguf_quant.linear(torch.randn(2, 64, dtype=torch.float64), w)
 
-
-
-def q8_emulation(x: torch.Tensor, w: QuantizedTensor, bias=None) -> torch.Tensor:
-    """The activation-quantized mode's arithmetic in float64: x rounded per 32 values to llama.cpp's Q8_1
-    (d = max|x| / 127, q = round(x * (1 / d)) ties to even, in fp32), times the exact weight values."""
-    m, cols = x.shape
-    blocks = x.reshape(m, cols // 32, 32)
-    d = blocks.abs().amax(-1, keepdim=True) / 127.0
-    inv = torch.where(d != 0, 1.0 / d, torch.zeros_like(d))
-    q = torch.round(blocks * inv)
-    xq = (q.double() * d.double()).reshape(m, cols)
-    y = xq @ w.dequantize().double().T
-    return (y + bias.double() if bias is not None else y).float()
 
 
 ACT_Q8_FORMATS = sorted(gguf_quant.ACT_Q8_FORMATS)

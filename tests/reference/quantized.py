@@ -62,3 +62,16 @@ def serve_blocks(monkeypatch, blocks: dict[str, QuantizedTensor]) -> None:
             yield name, blocks.get(name, t)
 
     monkeypatch.setattr(worker, "safetensors_weights", weights)
+
+
+def q8_emulation(x: torch.Tensor, w: QuantizedTensor, bias=None) -> torch.Tensor:
+    """The activation-quantized mode's arithmetic in float64: x rounded per 32 values to llama.cpp's Q8_1
+    (d = max|x| / 127, q = round(x * (1 / d)) ties to even, in fp32), times the exact weight values."""
+    m, cols = x.shape
+    blocks = x.reshape(m, cols // 32, 32)
+    d = blocks.abs().amax(-1, keepdim=True) / 127.0
+    inv = torch.where(d != 0, 1.0 / d, torch.zeros_like(d))
+    q = torch.round(blocks * inv)
+    xq = (q.double() * d.double()).reshape(m, cols)
+    y = xq @ w.dequantize().double().T
+    return (y + bias.double() if bias is not None else y).float()
