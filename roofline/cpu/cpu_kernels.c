@@ -13,12 +13,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-/* Scratch for the kernels: 64-byte (cache-line) aligned, the size rounded up to match.  At malloc's 16-byte
- * alignment every zmm load from the buffer splits two cache lines: the tiles over expanded GGUF panels ran
- * 27% slower than over torch's aligned packed weights (2048 rows, 3072 x 576, Cascade Lake).  Freed with free(). */
-void *kernel_scratch(size_t bytes) {
-    return aligned_alloc(64, (bytes + 63) / 64 * 64);
-}
+void *kernel_scratch(size_t bytes);  /* quant_kernels.c: 64-byte aligned scratch, freed with free() */
 
 /* One row of RMSNorm: o = w * (x (+ r) / rms);  with r: ro = x + r (ro may be r, o may be x).  Not
  * inlined, so every caller (rms_norm_f32, the layer stack's per-head q/k norm) runs the one compiled
