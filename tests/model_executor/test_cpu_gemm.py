@@ -99,6 +99,27 @@ def test_pack_model_layers_give_the_dense_results():
     torch.testing.assert_close(model["qkv"](x[:1]), expected[0][:1], atol=1e-5, rtol=1e-5)
 
 
+def test_relayout_keeps_an_untied_embeddings_rows():
+    """Projections and the LM head go [in x out]-major; an input embedding keeps its rows unless the head
+    shares its weight (then the shared weight goes [in x out]-major once); values unchanged."""
+    from roofline.model_executor.layers.vocab_embedding import VocabParallelEmbedding
+
+    for tied in (False, True):
+        model = torch.nn.ModuleDict({"embed": VocabParallelEmbedding(200, 48), "o": RowParallelLinear(48, 48),
+                                     "head": ParallelLMHead(200, 48)})
+        for p in model.parameters():
+            p.data.normal_()
+        if tied:
+            model["head"].weight = model["embed"].weight
+        ids = torch.tensor([3, 199, 0])
+        before = (model["embed"](ids), model["o"].weight.clone(), model["head"].weight.clone())
+        cpu_prepare.relayout(model)
+        assert model["o"].weight.stride() == (1, 48) and model["head"].weight.stride() == (1, 200)
+        assert model["embed"].weight.stride() == ((1, 200) if tied else (48, 1))
+        assert torch.equal(model["embed"](ids), before[0])
+        assert torch.equal(model["o"].weight, before[1]) and torch.equal(model["head"].weight, before[2])
+
+
 def test_non_fp32_weights_are_left_alone():
     lin = RowParallelLinear(16, 8, dtype=torch.bfloat16)
     assert cpu_prepare.pack_model(lin) == 0 and lin.cpu_packed is None

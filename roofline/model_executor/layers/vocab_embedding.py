@@ -51,7 +51,7 @@ class ParallelLMHead(VocabParallelEmbedding):
         if (screen is None or self.tp_size != 1 or not greedy_head.SWITCH.on() or hidden.dtype != torch.float32
                 or len(rows) > greedy_head.MAX_ROWS):
             return None
-        h = hidden[torch.tensor(rows, device=hidden.device)]
+        h = hidden if rows == list(range(hidden.shape[0])) else hidden[torch.tensor(rows, device=hidden.device)]
         runs = greedy_head.route_runs_for(h, self.weight, self.cpu_packed)
         if runs is None:
             return None
