@@ -132,7 +132,6 @@ class DeviceConfig:
     cpu_greedy_head: bool = True  # greedy rows' LM head through the int8 screen (greedy_head.py)
     cpu_moe_kernels: bool = True  # native per-expert GEMMs (moe/cpu_experts.py)
     cpu_reuse_freed_memory: bool = True  # glibc keeps freed activation buffers for reuse (worker.py)
-    cpu_huge_page_weights: bool = True  # loaded weights moved onto 2 MiB pages (worker.py, Linux 6.1+)
 
 
 @dataclass
@@ -288,7 +287,6 @@ class EngineArgs:
     cpu_greedy_head: bool = True
     cpu_moe_kernels: bool = True
     cpu_reuse_freed_memory: bool = True
-    cpu_huge_page_weights: bool = True
     # observability
     step_roofline: bool = True
     roofline_hardware: Optional[str] = None
@@ -445,7 +443,7 @@ class EngineArgs:
             device=device, attention_backend=self.attention_backend, enforce_eager=self.enforce_eager,
             cpu_kernels=self.cpu_kernels, cpu_isa=self.cpu_isa, cpu_layer_stack=self.cpu_layer_stack,
             cpu_greedy_head=self.cpu_greedy_head, cpu_moe_kernels=self.cpu_moe_kernels,
-            cpu_reuse_freed_memory=self.cpu_reuse_freed_memory, cpu_huge_page_weights=self.cpu_huge_page_weights,
+            cpu_reuse_freed_memory=self.cpu_reuse_freed_memory,
         )
         observability = ObservabilityConfig(step_roofline=self.step_roofline, roofline_hardware=self.roofline_hardware)
         return EngineConfig(model_config, cache_config, scheduler_config, parallel_config, device_config, observability,

@@ -23,12 +23,12 @@ def test_engine_config_sets_the_cpu_switches():
     from roofline.cpu import ops as cpu_ops, greedy_head
     from roofline.model_executor.layers.moe import cpu_experts
     from roofline.model_executor.models import llama_cpu_stack
-    from roofline.worker.worker import HUGE_PAGE_WEIGHTS, REUSE_FREED_MEMORY, apply_cpu_settings
+    from roofline.worker.worker import REUSE_FREED_MEMORY, apply_cpu_settings
 
-    switches = (llama_cpu_stack.SWITCH, greedy_head.SWITCH, cpu_experts.SWITCH, REUSE_FREED_MEMORY, HUGE_PAGE_WEIGHTS)
+    switches = (llama_cpu_stack.SWITCH, greedy_head.SWITCH, cpu_experts.SWITCH, REUSE_FREED_MEMORY)
     try:
         dc = EngineArgs(cpu_layer_stack=False, cpu_greedy_head=False, cpu_moe_kernels=False,
-                        cpu_reuse_freed_memory=False, cpu_huge_page_weights=False).create_engine_config().device_config
+                        cpu_reuse_freed_memory=False).create_engine_config().device_config
         apply_cpu_settings(dc)
         assert not any(s.on() for s in switches) and cpu_ops.SWITCH.on()
         apply_cpu_settings(EngineArgs().create_engine_config().device_config)
@@ -47,5 +47,5 @@ def test_cpu_flags_are_in_help():
     add_engine_args(parser)
     text = parser.format_help()
     for flag in ("--cpu-kernels", "--no-cpu-layer-stack", "--cpu-isa", "--no-cpu-greedy-head", "--cpu-moe-kernels",
-                 "--cpu-reuse-freed-memory", "--no-cpu-huge-page-weights", "--gguf-activations"):
+                 "--cpu-reuse-freed-memory", "--gguf-activations"):
         assert flag in text, flag

@@ -25,8 +25,6 @@ _HELP = {
     "cpu_moe_kernels": "MoE layers: native per-expert GEMMs on packed weights",
     "cpu_reuse_freed_memory": "have glibc keep freed activation buffers (up to 32 MiB) for reuse instead of "
                               "unmapping them (Linux)",
-    "cpu_huge_page_weights": "move the loaded weights (every large anonymous mapping) onto 2 MiB pages in place: "
-                             "fewer TLB misses as a step streams them (Linux 6.1+, MADV_COLLAPSE)",
     "gguf_activations": "fp32 (native blocks times fp32 activations: exact) | q8 (activations quantized to 8 "
                         "bits per 32 values, as llama.cpp does, for integer dot products with Q4_0/Q4_1/Q8_0 "
                         "blocks: faster decode, close to fp32 but not equal)",

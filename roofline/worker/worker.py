@@ -48,23 +48,7 @@ def kv_bytes_per_block(model: torch.nn.Module, block_size: int, dtype: torch.dty
 
 
 _HUGE_PAGE = 2 << 20
-_MADV_HUGEPAGE, _MADV_COLLAPSE = 14, 25  # Linux madvise advice (MADV_COLLAPSE: Linux 6.1+)
-
-
-def _madvise(start: int, length: int, advice: int) -> bool:
-    """madvise(start, length, advice) through libc; False where it failed or there is no libc to call."""
-    try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-        return libc.madvise(ctypes.c_void_p(start), ctypes.c_size_t(length), advice) == 0
-    except (OSError, AttributeError):
-        return False
-
-
-def _huge_page_span(start: int, nbytes: int) -> tuple[int, int]:
-    """The whole 2 MiB pages inside [start, start + nbytes): (first address, length), length 0 if none."""
-    first = -(-start // _HUGE_PAGE) * _HUGE_PAGE
-    return first, max((start + nbytes - first) // _HUGE_PAGE * _HUGE_PAGE, 0)
+_MADV_HUGEPAGE = 14
 
 
 def zeros_on_huge_pages(shape, dtype: torch.dtype) -> torch.Tensor:
@@ -75,45 +59,15 @@ def zeros_on_huge_pages(shape, dtype: torch.dtype) -> torch.Tensor:
     t = torch.empty(shape, dtype=dtype)
     nbytes = t.numel() * t.element_size()
     if nbytes >= 2 * _HUGE_PAGE and sys.platform.startswith("linux"):
-        start, length = _huge_page_span(t.data_ptr(), nbytes)
-        _madvise(start, length, _MADV_HUGEPAGE)  # advisory only
+        try:
+            start = -(-t.data_ptr() // _HUGE_PAGE) * _HUGE_PAGE
+            length = (t.data_ptr() + nbytes - start) // _HUGE_PAGE * _HUGE_PAGE
+            libc = ctypes.CDLL(None, use_errno=True)
+            libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+            libc.madvise(ctypes.c_void_p(start), ctypes.c_size_t(length), _MADV_HUGEPAGE)  # advisory only
+        except (OSError, AttributeError):
+            pass
     return t.zero_()
-
-
-HUGE_PAGE_WEIGHTS = Switch("cpu_huge_page_weights")
-
-
-def weights_onto_huge_pages(min_bytes: int = 4 << 20) -> int:
-    """Move the process's large anonymous memory -- a loaded model's weights, packed panels and GGUF
-    blocks, wherever the loader left them -- onto 2 MiB pages in place: MADV_HUGEPAGE, then
-    MADV_COLLAPSE (Linux 6.1+), for every private read-write anonymous mapping (the heap included) of
-    at least `min_bytes`.  A decode step streams every weight once; on 4 KiB pages that stream takes a
-    TLB miss every 4 KiB (measured on the default model's W5 decode, q8 mode, 2 threads: 8.39 / 7.69 /
-    8.43 -> 7.86 / 7.47 / 7.65 ms per token, alternating runs).  The values are untouched.  Returns the
-    bytes now on huge pages through this call: 0 off Linux, on older kernels, or with
-    --no-cpu-huge-page-weights."""
-    if not HUGE_PAGE_WEIGHTS.on() or not sys.platform.startswith("linux"):
-        return 0
-    try:
-        with open("/proc/self/maps") as f:
-            lines = f.read().splitlines()
-    except OSError:
-        return 0
-    moved = 0
-    for line in lines:
-        fields = line.split()
-        if len(fields) < 5 or not fields[1].startswith("rw") or fields[1][3] != "p" or fields[4] != "0":
-            continue  # only private, writable, not file-backed
-        if len(fields) > 5 and fields[5] != "[heap]":
-            continue  # stacks, vdso and other named mappings
-        lo, hi = (int(a, 16) for a in fields[0].split("-"))
-        start, length = _huge_page_span(lo, hi - lo)
-        if hi - lo < min_bytes or length == 0:
-            continue
-        _madvise(start, length, _MADV_HUGEPAGE)
-        if _madvise(start, length, _MADV_COLLAPSE):
-            moved += length
-    return moved
 
 
 _M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3  # glibc mallopt parameters
@@ -149,8 +103,7 @@ def apply_cpu_settings(dc) -> None:
     cpu_ops.select_isa(dc.cpu_isa)
     for switch, value in ((cpu_ops.SWITCH, dc.cpu_kernels), (llama_cpu_stack.SWITCH, dc.cpu_layer_stack),
                           (greedy_head.SWITCH, dc.cpu_greedy_head), (cpu_experts.SWITCH, dc.cpu_moe_kernels),
-                          (REUSE_FREED_MEMORY, dc.cpu_reuse_freed_memory),
-                          (HUGE_PAGE_WEIGHTS, dc.cpu_huge_page_weights)):
+                          (REUSE_FREED_MEMORY, dc.cpu_reuse_freed_memory)):
         switch.set(None if value else False)
 
 
@@ -170,10 +123,6 @@ class Worker:
         t0 = time.monotonic()
         self.model = self._load_model(source, show_progress and rank == 0)
         self.draft_model = self._load_draft_model(source, show_progress and rank == 0)
-        if self.device.type == "cpu":
-            moved = weights_onto_huge_pages()
-            if moved:
-                logger.info("weights moved onto 2 MiB pages: %.0f MB of large mappings", moved / 1e6)
         self.load_time = time.monotonic() - t0
         self.num_blocks = 0
         self.runner: Optional[ModelRunner] = None
