@@ -35,9 +35,10 @@
 #include <stdlib.h>
 #include <string.h>
 
-/* Scratch for the kernels of both files (cpu_kernels.c declares it): 64-byte (cache-line) aligned, the size rounded up to match.  At malloc's 16-byte
- * alignment every zmm load from the buffer splits two cache lines: the tiles over expanded GGUF panels ran
- * 27% slower than over torch's aligned packed weights (2048 rows, 3072 x 576, Cascade Lake).  Freed with free(). */
+/* Scratch for the kernels of both files (cpu_kernels.c declares it): 64-byte (cache-line) aligned, the size
+ * rounded up to match.  At malloc's 16-byte alignment every zmm load from the buffer splits two cache lines:
+ * the tiles over expanded GGUF panels ran 27% slower than over torch's aligned packed weights (2048 rows,
+ * 3072 x 576, Cascade Lake).  Freed with free(). */
 void *kernel_scratch(size_t bytes) {
     return aligned_alloc(64, (bytes + 63) / 64 * 64);
 }
@@ -588,7 +589,6 @@ static void quant_gemv_rows(int qt, const float *a, int64_t lda, const uint8_t *
  * Rows past the last whole group keep the file's layout. */
 
 #define X16 16  /* weight rows interleaved together */
-#define X16_PREFETCH 4096  /* bytes ahead x16_group prefetches (2 threads, 1 row: 13-18% faster streaming) */
 
 typedef struct {
     int8_t *q;  /* [M x K] */
@@ -665,6 +665,14 @@ static inline int32_t load_i32(const int8_t *p) {
     return v;
 }
 
+#ifdef QUANT_AVX2
+#define X16_PREFETCH 4096  /* bytes ahead the group's stream is prefetched (2 threads, 1 row: 13-18% faster) */
+/* the cache lines of one interleaved block (gb bytes at blk), X16_PREFETCH bytes ahead */
+static inline void x16_prefetch(const uint8_t *blk, int64_t gb) {
+    for (int64_t o = 0; o < gb; o += 64) _mm_prefetch((const char *)(blk + X16_PREFETCH + o), _MM_HINT_T0);
+}
+#endif
+
 /* One group of X16 interleaved weight rows against R quantized rows: out[r * X16 + n] (module comment) */
 #if defined(QUANT_AVX512)
 /* The AVX-512 build needs VNNI (ops.py), but only these functions are compiled for it: GCC 12.2 turns a
@@ -679,7 +687,7 @@ static inline __attribute__((always_inline)) X16_VNNI void x16_group(int qt, con
     for (int r = 0; r < R; r++) acc[r] = side[r] = _mm512_setzero_ps();
     for (int64_t b = 0; b < nb; b++) {
         const uint8_t *blk = grp + b * gb, *vals = blk + x16_values_at(qt);
-        for (int64_t o = 0; o < gb; o += 64) _mm_prefetch((const char *)(blk + X16_PREFETCH + o), _MM_HINT_T0);
+        x16_prefetch(blk, gb);
         __m512i isum[QROWS_MAX];
         for (int r = 0; r < R; r++) isum[r] = _mm512_setzero_si512();
         if (qt == QT_Q8_0) {
@@ -730,8 +738,7 @@ static inline __attribute__((always_inline)) void x16_group(int qt, const uint8_
         for (int r = 0; r < R; r++) acc[r] = side[r] = _mm256_setzero_ps();
         for (int64_t b = 0; b < nb; b++) {
             const uint8_t *blk = grp + b * gb, *vals = blk + x16_values_at(qt) + 32 * h;
-            if (h == 0)
-                for (int64_t o = 0; o < gb; o += 64) _mm_prefetch((const char *)(blk + X16_PREFETCH + o), _MM_HINT_T0);
+            if (h == 0) x16_prefetch(blk, gb);  /* the first half's pass streams the group */
             __m256i isum[4];
             for (int r = 0; r < R; r++) isum[r] = _mm256_setzero_si256();
             if (qt == QT_Q8_0) {  /* 0..255 by nibbles: 16 * hi + lo, each free of saturation */
