@@ -46,7 +46,7 @@ class CompletionOutput:
     token_ids: list[int]
     cumulative_logprob: Optional[float]
     logprobs: Optional[list[LogprobsDict]]
-    finish_reason: Optional[str] = None  # "stop" | "length" | "abort"
+    finish_reason: Optional[str] = None  # "stop" | "length" | "abort" | "error"
     stop_reason: Optional[object] = None  # the stop string or stop token id that ended it
 
     def finished(self) -> bool:
@@ -65,6 +65,9 @@ class RequestOutput:
     num_cached_tokens: int = 0
     # A per-request error (the request was rejected or failed); the engine keeps serving others.
     error: Optional[str] = None
+    # Set with error when the request's own input caused it (this field, e.g. "structured_outputs"): the API
+    # answers 400 rather than 500.
+    error_param: Optional[str] = None
     # A prefill for another engine (kv_transfer_params.do_remote_decode): what the decoder needs to
     # fetch its KV (do_remote_prefill, remote_engine_id, remote_block_ids, remote_host, remote_port, ...)
     kv_transfer_params: Optional[dict] = None

@@ -22,6 +22,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, AsyncIterator, Iterable, Optional, Sequence
 
+from roofline.engine.errors import RequestInvalidError
 from roofline.metrics.stats import FinishedRequestStats, IterationStats, StatLogger
 from roofline.outputs import RequestOutput
 from roofline.sampling_params import RequestOutputKind, SamplingParams
@@ -468,7 +469,8 @@ class AsyncLLM:
             self._track(st, out, now, it)
             item: Any = out
             if out.error:
-                item = RequestFailedError(out.error)
+                item = (RequestInvalidError(out.error, out.error_param) if out.error_param
+                        else RequestFailedError(out.error))
             done = out.finished or out.error is not None
             if done:
                 del self._states[out.request_id]

@@ -20,6 +20,7 @@ tensor-parallel split that does not fit) come back with their type (ValueError s
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import logging
 import signal
 import sys
@@ -29,6 +30,7 @@ from typing import Any, Iterable, Optional, Union
 import msgspec
 
 from roofline.config import EngineConfig, ModelConfig
+from roofline.engine.errors import RequestInvalidError
 from roofline.executor.base import ExecutorDeadError
 from roofline.outputs import RequestOutput
 from roofline.sampling_params import SamplingParams
@@ -106,6 +108,18 @@ def _stats_from(raw: Any):
     from roofline.engine.engine_core import EngineStats
 
     return msgspec.convert(raw, EngineStats) if raw is not None else None
+
+
+def _unencodable_field(msg: AddRequest) -> str:
+    """The request field whose value msgpack cannot encode (prompt, priority or a sampling parameter)."""
+    fields = [("prompt", msg.prompt_token_ids), ("priority", msg.priority)]
+    fields += [(f.name, getattr(msg.params, f.name)) for f in dataclasses.fields(msg.params)]
+    for name, value in fields:
+        try:
+            encoder.encode(value)
+        except (OverflowError, TypeError, msgspec.EncodeError):
+            return name
+    return "prompt"
 
 
 # ---- the core process ---------------------------------------------------------------------------------
@@ -287,10 +301,11 @@ class EngineCoreClient:
         return msg
 
     def _send(self, msg) -> None:
+        """Send a message (or its encoded bytes)."""
         if self._dead is not None:
             raise EngineCoreDeadError(self._dead)
         try:
-            self.conn.send_bytes(encoder.encode(msg))
+            self.conn.send_bytes(msg if isinstance(msg, bytes) else encoder.encode(msg))
         except OSError:
             raise self._fail(self._exit_reason()) from None
 
@@ -306,8 +321,14 @@ class EngineCoreClient:
                     cache_salt: Optional[str] = None) -> None:
         from roofline.engine.engine_core import EngineOverloadedError
 
-        self._send(AddRequest(request_id, list(prompt_token_ids), params, prompt,
-                              time.monotonic() if arrival_time is None else arrival_time, priority, cache_salt))
+        msg = AddRequest(request_id, list(prompt_token_ids), params, prompt,
+                         time.monotonic() if arrival_time is None else arrival_time, priority, cache_salt)
+        try:  # a value msgpack cannot carry (an integer past 64 bits, in a schema say) rejects the request
+            data = encoder.encode(msg)
+        except (OverflowError, TypeError, msgspec.EncodeError) as e:
+            field = _unencodable_field(msg)
+            raise RequestInvalidError(f"{field} holds a value the engine cannot take: {e}", field) from None
+        self._send(data)
         self._commands_sent += 1
         while True:
             msg = self._recv(None, "add_request")

@@ -271,9 +271,11 @@ class EngineCore:
         for gid in request_ids:
             self._end_group(gid, RequestStatus.FINISHED_ABORTED)
 
-    def _end_group(self, gid: str, status: RequestStatus, error: Optional[str] = None) -> None:
+    def _end_group(self, gid: str, status: RequestStatus, error: Optional[str] = None,
+                   error_param: Optional[str] = None) -> None:
         """Finish every completion of user request gid now (blocks back to the pool) and queue its
-        final output, carrying `error` when it failed."""
+        final output, carrying `error` when it failed (and error_param when the request's own input, that
+        field, caused it)."""
         children = self.group_children.pop(gid, None)
         if children is None:
             return
@@ -283,16 +285,17 @@ class EngineCore:
             self.output_processor.abort_child(cid, now, status.finish_reason)
         out = self.output_processor.make_output(gid, set())
         if out is not None:
-            out.error = error
+            out.error, out.error_param = error, error_param
             self.pending_outputs.append(out)
 
-    def _fail_requests(self, failed: dict[str, str]) -> None:
-        """Fail the user requests owning these engine requests (req_id -> error), alone."""
+    def _fail_requests(self, failed: dict[str, str], params: Optional[dict[str, str]] = None) -> None:
+        """Fail the user requests owning these engine requests (req_id -> error), alone; params: req_id ->
+        the request field at fault, for errors the request's own input caused."""
         for rid, error in failed.items():
             gid = self.output_processor.group_of(rid)
             if gid is not None and gid in self.group_children:
                 logger.warning("request %s failed, the engine carries on: %s", gid, error)
-                self._end_group(gid, RequestStatus.FINISHED_ERROR, error)
+                self._end_group(gid, RequestStatus.FINISHED_ERROR, error, (params or {}).get(rid))
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests() or bool(self.pending_outputs) or bool(self._in_flight)
@@ -304,8 +307,8 @@ class EngineCore:
     def _structured_output_intake(self) -> None:
         """Fail the requests whose grammar did not compile; idle briefly while only compiles are pending."""
         so, sched = self.structured_output, self.scheduler
-        for gid, error in {req.group_id: err for req, err in so.take_failed()}.items():
-            self._end_group(gid, RequestStatus.FINISHED_ERROR, error)
+        for f in so.take_failed():
+            self._end_group(f.request.group_id, RequestStatus.FINISHED_ERROR, f.error, f.param)
         if so.pending and not sched.running and not sched.swapped and len(sched.waiting) == len(so.pending):
             so.wait_for_compile(timeout=0.05)
 
@@ -367,7 +370,7 @@ class EngineCore:
         transfers = self.scheduler.kv_transfer
         if transfers is not None and transfers.failed:
             self._fail_requests(transfers.take_failed())
-        self.structured_output.accept(touched)
+        grammar_failed = self.structured_output.accept(touched)
         now = time.monotonic()
         op = self.output_processor
         for rid, entries in result.prompt_logprobs.items():
@@ -408,6 +411,11 @@ class EngineCore:
                     self.group_children.pop(gid, None)
                     if transfers is not None:
                         out.kv_transfer_params = transfers.take_result(gid)
+        if grammar_failed:  # nothing to sample next step: fail them now, after this step's tokens went out
+            self._fail_requests({f.request.request_id: f.error for f in grammar_failed if not f.request.is_finished},
+                                {f.request.request_id: f.param for f in grammar_failed if f.param})
+            outputs += self.pending_outputs
+            self.pending_outputs = []
         if not sched_out.scheduled and transfers is not None and transfers.busy:
             time.sleep(TRANSFER_POLL_S)  # only transfers in flight: poll them without spinning a core
         policy = self.scheduler.draft_length_policy

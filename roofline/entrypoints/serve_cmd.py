@@ -8,7 +8,12 @@ import sys
 
 from roofline.config import env_flag
 from roofline.entrypoints.engine_flags import add_engine_args, engine_args_from
-from roofline.entrypoints.openai.serving_engine import DEFAULT_BODY_TIMEOUT_S, DEFAULT_MAX_BODY_BYTES
+from roofline.entrypoints.openai.serving_engine import (
+    DEFAULT_BODY_TIMEOUT_S,
+    DEFAULT_MAX_BODY_BYTES,
+    DEFAULT_MAX_COMPLETIONS_PER_REQUEST,
+    MAX_PROMPTS_PER_REQUEST,
+)
 
 
 def add_server_args(parser: argparse.ArgumentParser) -> None:
@@ -32,6 +37,10 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
                             "memory and size limits); off by default: such requests get 400")
     group.add_argument("--max-request-body-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES,
                        help=f"larger request bodies get 413 (default: {DEFAULT_MAX_BODY_BYTES})")
+    group.add_argument("--max-completions-per-request", type=int, default=DEFAULT_MAX_COMPLETIONS_PER_REQUEST,
+                       help=f"a request's prompts x n beyond this get 400 (default: "
+                            f"{DEFAULT_MAX_COMPLETIONS_PER_REQUEST}); a completions request holds at most "
+                            f"{MAX_PROMPTS_PER_REQUEST} prompts")
     group.add_argument("--shutdown-timeout", type=float, default=30.0,
                        help="on SIGINT/SIGTERM, seconds in-flight requests get to finish before they "
                             "are aborted (default: 30)")
@@ -61,6 +70,7 @@ def run(args: argparse.Namespace) -> int:
         api_key=api_key,
         metrics_require_key=args.metrics_require_key,
         max_request_body_bytes=args.max_request_body_bytes,
+        max_completions_per_request=args.max_completions_per_request,
         request_body_timeout=args.request_body_timeout,
         trust_request_chat_template=args.trust_request_chat_template,
         shutdown_timeout=args.shutdown_timeout,

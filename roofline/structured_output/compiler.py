@@ -4,8 +4,9 @@ A compile runs on a small thread pool (xgrammar releases the GIL while it builds
 masks); the caller gets a concurrent Future at once.  Futures are cached by the params' cache_key,
 so the same schema is compiled once, and requests that arrive while it compiles share the one
 compile.  A failed compile is cached too (it would fail again) and its exception is a ValueError
-naming the field and xgrammar's message.  Thread-safe: the API server validates a request's
-grammar from its event loop (waiting on the future there) while the engine thread looks it up.
+naming the field and xgrammar's message; a grammar that allows no first token (no text matches it)
+fails the same way.  Thread-safe: the API server validates a request's grammar from its event loop
+(waiting on the future there) while the engine thread looks it up.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Optional
 
+from roofline.structured_output.bitmask import bitmask_width
 from roofline.structured_output.params import StructuredOutputsParams
 
 MAX_CACHED_GRAMMARS = 512  # least recently used ones beyond this are dropped
@@ -98,7 +100,21 @@ class GrammarCache:
             if "] " in detail and detail.startswith("["):  # drop xgrammar's "[time] file.cc:line: " prefix
                 detail = detail.split(": ", 1)[-1]
             raise ValueError(f"invalid structured_outputs.{kind}: {detail}") from None
+        if not self._allows_a_first_token(grammar):
+            raise ValueError(f"invalid structured_outputs.{kind}: the constraint can never produce a token "
+                             "(no text matches it)")
         return grammar
+
+    def _allows_a_first_token(self, grammar: Any) -> bool:
+        """Whether a fresh matcher allows any token (EOS counts: an empty match is a match).  xgrammar
+        compiles an unsatisfiable regex or a schema that requires itself without complaint; its first
+        mask is then empty."""
+        import xgrammar as xgr
+        import torch
+
+        mask = torch.zeros((1, bitmask_width(self.vocab_size)), dtype=torch.int32)
+        xgr.GrammarMatcher(grammar).fill_next_token_bitmask(mask, 0)
+        return bool(mask.any())
 
     def shutdown(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)

@@ -5,19 +5,33 @@
                                     RequestOutput.error naming the problem)
                 wait_for_compile() when nothing else can run (instead of spinning)
   after schedule: attach_bitmask() -> the step's bitmask into the SchedulerOutput
-  after update:   accept()       -> matchers advance over the appended tokens
+  after update:   accept()       -> matchers advance over the appended tokens, and the requests whose
+                                    grammar now allows no next token (a dead end) or rejected a token
+                                    come back, to be failed before they sample again
+A request's first position is checked the same way when it comes in (take_failed), and a grammar whose
+first position allows nothing fails its compile (compiler.py): a 400 at the API.
 """
 
 from __future__ import annotations
 
 import concurrent.futures
-from typing import Any, Iterable, Optional
+from typing import Any, Iterable, NamedTuple, Optional
 
 from roofline.core.scheduler_output import SchedulerOutput
 from roofline.structured_output.bitmask import build_step_bitmask
 from roofline.structured_output.compiler import GrammarCache
 from roofline.structured_output.matcher import RequestGrammar
 from roofline.structured_output.params import StructuredOutputsParams
+
+PARAM = "structured_outputs"
+DEAD_END_ERROR = ("structured output: the constraint allows no token after {n} generated token(s): it has no "
+                  "valid continuation here (a dead end, or only a stop token while min_tokens holds it back)")
+
+
+class GrammarFailure(NamedTuple):
+    request: Any
+    error: str
+    param: Optional[str]  # "structured_outputs" when the request's own constraint is at fault (a 400)
 
 
 class StructuredOutputManager:
@@ -41,19 +55,25 @@ class StructuredOutputManager:
         return [RequestGrammar(fut, list(stop_token_ids)) for _ in range(count)]
 
     def track(self, request: Any) -> None:
-        """Watch a queued request until its compile is done (forked n>1 siblings follow their first)."""
-        if request.grammar is not None and request.index == 0 and (request.grammar.pending or request.grammar.error):
+        """Watch a queued request until its compile is done and its first position checked (forked n>1
+        siblings follow their first)."""
+        if request.grammar is not None and request.index == 0:
             self.pending[request.request_id] = request
 
-    def take_failed(self) -> list[tuple[Any, str]]:
-        """Requests whose compile finished since the last call and failed, with the error."""
+    def take_failed(self) -> list[GrammarFailure]:
+        """Requests whose compile finished since the last call and failed, or whose first position
+        allows no token, with the error."""
         failed = []
         for rid, req in list(self.pending.items()):
             if req.grammar.pending:
                 continue
             del self.pending[rid]
-            if req.grammar.error is not None and not req.is_finished:
-                failed.append((req, req.grammar.error))
+            if req.is_finished:
+                continue
+            if req.grammar.error is not None:
+                failed.append(GrammarFailure(req, req.grammar.error, PARAM))
+            else:
+                failed.extend(self.dead_ends([req]))
         return failed
 
     def wait_for_compile(self, timeout: float) -> None:
@@ -71,11 +91,30 @@ class StructuredOutputManager:
         if rows:
             out.grammar_req_ids, out.grammar_bitmask = build_step_bitmask(rows, self.vocab_size)
 
-    @staticmethod
-    def accept(touched: Iterable[tuple[Any, int]]) -> None:
+    def accept(self, touched: Iterable[tuple[Any, int]]) -> list[GrammarFailure]:
+        """Advance the matchers over the tokens appended this step; returns the unfinished requests that
+        cannot go on (dead_ends), with the error."""
+        advanced = []
         for req, k in touched:
             if k and req.grammar is not None:
                 req.grammar.accept(req.output_token_ids[-k:])
+                if not req.is_finished:
+                    advanced.append(req)
+        return self.dead_ends(advanced) if advanced else []
+
+    def dead_ends(self, requests: Iterable[Any]) -> list[GrammarFailure]:
+        """The requests whose grammar rejected a token, or allows no next token (none at all, or only a
+        stop token while min_tokens holds it back), with the error to fail them with."""
+        out = []
+        for req in requests:
+            g = req.grammar
+            n = req.num_output_tokens
+            if g.broken:
+                out.append(GrammarFailure(req, f"structured output: generated token {req.output_token_ids[-1]} "
+                                               "does not match the constraint", None))
+            elif g.dead_end(self.vocab_size, stops_suppressed=n < req.sampling_params.min_tokens):
+                out.append(GrammarFailure(req, DEAD_END_ERROR.format(n=n), PARAM))
+        return out
 
     def shutdown(self) -> None:
         if self._cache is not None:

@@ -2,7 +2,8 @@
 
 It holds the compile Future until the grammar is ready (the scheduler leaves the request waiting
 meanwhile), then an xgrammar GrammarMatcher that advances with every token the request accepts and
-fills that request's row of the step's token bitmask.  The matcher sees output tokens only, so a
+fills that request's row of the step's token bitmask.  dead_end() tells when the grammar allows no
+next token at all (the engine then fails the request before it samples).  The matcher sees output tokens only, so a
 request recomputed after preemption (same output tokens) keeps a consistent state.  rollback(k)
 undoes the last k accepted tokens: the hook speculative decoding needs for rejected proposals.
 """
@@ -12,6 +13,10 @@ from __future__ import annotations
 import logging
 from concurrent.futures import Future
 from typing import Any, Optional
+
+import torch
+
+from roofline.structured_output.bitmask import BITS, bitmask_width
 
 logger = logging.getLogger(__name__)
 
@@ -23,6 +28,7 @@ class RequestGrammar:
         self._matcher: Any = None
         self.num_accepted = 0
         self.broken = False  # a token the grammar rejected was appended (see accept)
+        self._mask: Optional[torch.Tensor] = None  # next_token_mask of the matcher's current state
 
     # -- compile state -----------------------------------------------------------------------------
     @property
@@ -52,23 +58,44 @@ class RequestGrammar:
         return (not self.pending and self.error is None and not self.broken
                 and not self.matcher.is_terminated())
 
-    def fill(self, bitmask: Any, row: int) -> None:
+    def next_token_mask(self, vocab_size: int) -> torch.Tensor:
+        """int32 [ceil(V/32)]: the tokens the grammar allows next, filled once per matcher state (the
+        dead-end check and the step's bitmask share it)."""
+        if self._mask is None:
+            mask = torch.zeros((1, bitmask_width(vocab_size)), dtype=torch.int32)
+            self.matcher.fill_next_token_bitmask(mask, 0)
+            self._mask = mask[0]
+        return self._mask
+
+    def fill(self, bitmask: torch.Tensor, row: int) -> None:
         """Write the allowed next tokens into bitmask[row] (int32 [R x ceil(V/32)], CPU)."""
-        self.matcher.fill_next_token_bitmask(bitmask, row)
+        bitmask[row] = self.next_token_mask(bitmask.shape[1] * BITS)
+
+    def dead_end(self, vocab_size: int, stops_suppressed: bool) -> bool:
+        """The grammar allows no next token: none at all, or only stop tokens while min_tokens holds
+        them back (stops_suppressed).  Sampling such a row would have nothing to pick from."""
+        if not self.constrains:
+            return False
+        mask = self.next_token_mask(vocab_size)
+        if stops_suppressed and self.stop_token_ids:
+            mask = mask.clone()
+            for t in self.stop_token_ids:
+                mask[t // BITS] &= ~(1 << (t % BITS))
+        return not bool(mask.any())
 
     def accept(self, token_ids: list[int]) -> None:
-        """Advance over tokens the request appended.  The mask makes them grammatical; a token that is
-        not (a stop token after ignore_eos, or EOS while min_tokens held it back) leaves the matcher
-        behind, and the request continues unconstrained."""
+        """Advance over tokens the request appended.  The step's mask makes them grammatical; one that
+        is not (only a bug could bring it) marks the grammar broken, and the engine fails the request
+        rather than let it go on unconstrained."""
         if self.broken or self.pending or self.error is not None:
             return
         m = self.matcher
         for tok in token_ids:
             if m.is_terminated():
                 return
+            self._mask = None
             if not m.accept_token(tok):
-                logger.warning("structured output: token %d does not match the grammar; "
-                               "the rest of this request is unconstrained", tok)
+                logger.error("structured output: token %d does not match the grammar", tok)
                 self.broken = True
                 return
             self.num_accepted += 1
@@ -78,6 +105,7 @@ class RequestGrammar:
         if num_tokens > self.num_accepted:
             raise ValueError(f"cannot roll back {num_tokens} tokens: only {self.num_accepted} were accepted")
         if num_tokens:
+            self._mask = None
             self.matcher.rollback(num_tokens)
             self.num_accepted -= num_tokens
 

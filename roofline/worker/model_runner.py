@@ -38,12 +38,15 @@ from roofline.core.scheduler_output import (
 from roofline.model_executor.layers import gpu_sampler
 from roofline.model_executor.layers.gpu_sampler import GpuSampler
 from roofline.model_executor.layers.moe.layer import join_expert_exchanges
-from roofline.model_executor.layers.sampler import Sampler, SamplingState, prompt_logprobs_rows
+from roofline.model_executor.layers.sampler import NO_TOKEN, Sampler, SamplingState, prompt_logprobs_rows
 from roofline.spec_decode.proposer import ProposalBatch, Proposer, TargetForward
 from roofline.spec_decode.rejection_sampler import RejectionSampler, greedy_accept
 from roofline.structured_output.bitmask import apply_token_bitmask, bitmask_tensor
 
 logger = logging.getLogger(__name__)
+
+NO_TOKEN_ERROR = ("no token could be sampled: every token was masked (the structured-output constraint and "
+                  "min_tokens' stop-token suppression left none) or the logits were not numbers")
 
 
 class ModelRunner:
@@ -324,6 +327,9 @@ class ModelRunner:
                     tokens, lps = self._sample(hidden, [sample_rows[i][0] for i in one], [states[i] for i in one],
                                                constrain)
                 for i, tok, lp in zip(one, tokens, lps):
+                    if tok == NO_TOKEN:  # nothing allowed (sampler.py): this request fails, no id goes on
+                        result.failed[sample_reqs[i]] = NO_TOKEN_ERROR
+                        continue
                     emitted[i], emitted_lps[i] = [tok], ([lp] if lp is not None else None)
             spec = [i for i, d in enumerate(sample_drafts) if d]  # verifying drafts: the RejectionSampler
             if spec:
@@ -333,6 +339,9 @@ class ModelRunner:
                     emitted[i], emitted_lps[i] = toks, lp
             for st, toks in zip(states, emitted):
                 st.output_token_ids.extend(toks)
+            kept = [i for i, rid in enumerate(sample_reqs) if rid not in result.failed]
+            if len(kept) < len(sample_reqs):
+                sample_reqs, emitted, emitted_lps = ([x[i] for i in kept] for x in (sample_reqs, emitted, emitted_lps))
             result.req_ids = sample_reqs
             result.sampled_token_ids = emitted
             result.logprobs = emitted_lps

@@ -193,3 +193,57 @@ def test_chunked_prefill_and_preemption_keep_outputs_valid(default_llm):
         assert_all_blocks_back(small)
     finally:
         small.llm_engine.shutdown()
+
+
+SELF_REQUIRING = {"$ref": "#", "type": "object", "properties": {"a": {"$ref": "#"}}, "required": ["a"]}
+
+
+def dead_end_batch(default_llm):
+    """Free greedy requests beside constraints that reach a dead end: at compile time (no text matches),
+    and at run time (after "aa" nothing can follow; after "ab" only EOS, held back by min_tokens)."""
+    prompts = [chat_prompt(default_llm, q) for q in QUESTIONS[:2]]
+    free = [SamplingParams(temperature=0, max_tokens=12), SamplingParams(temperature=0, max_tokens=12, logprobs=2)]
+    dead = [StructuredOutputsParams(json=SELF_REQUIRING), StructuredOutputsParams(regex=r"[^\s\S]")]
+    late = [SamplingParams(temperature=0, max_tokens=12, structured_outputs=StructuredOutputsParams(regex=r"aa[^\s\S]")),
+            SamplingParams(temperature=1.0, seed=3, max_tokens=12,
+                           structured_outputs=StructuredOutputsParams(regex=r"aa[^\s\S]")),
+            SamplingParams(temperature=0, max_tokens=12, min_tokens=4,
+                           structured_outputs=StructuredOutputsParams(regex="ab"))]
+    params = free + [SamplingParams(temperature=0, max_tokens=12, structured_outputs=so) for so in dead] + late
+    return prompts, free, params
+
+
+def test_dead_end_constraints_fail_alone(default_llm):
+    prompts, free, params = dead_end_batch(default_llm)
+    alone = default_llm.generate(prompts, free, use_tqdm=False)
+    outs = default_llm.generate(prompts + [prompts[0]] * 5, params, use_tqdm=False)
+    for a, o in zip(alone, outs[:2]):
+        assert o.error is None and o.outputs[0].token_ids == a.outputs[0].token_ids
+        for x, y in zip(o.outputs[0].logprobs or [], a.outputs[0].logprobs or []):  # larger prefill: other blocking
+            assert x.keys() == y.keys() and all(abs(x[t].logprob - y[t].logprob) < 1e-4 for t in x)
+    for o in outs[2:4]:  # no text matches: found when it compiles, nothing runs
+        assert "can never produce a token" in o.error and o.error_param == "structured_outputs"
+        assert o.outputs[0].finish_reason == "error" and not o.outputs[0].token_ids
+    for o, text in zip(outs[4:], ["aa", "aa", "ab"]):  # found after the last token the grammar allows
+        c = o.outputs[0]
+        assert "allows no token after" in o.error and o.error_param == "structured_outputs", o.error
+        assert c.finish_reason == "error" and c.text == text
+        assert all(0 <= t < default_llm.llm_engine.vocab_size for t in c.token_ids)
+    assert_all_blocks_back(default_llm)
+
+
+def test_a_dead_end_the_engine_misses_still_never_samples(default_llm, monkeypatch):
+    """The sampler's own guard: with the engine's dead-end check switched off, the all-masked row reaches
+    the worker, which fails that request (NO_TOKEN) instead of sampling an id past the vocabulary."""
+    from roofline.structured_output.manager import StructuredOutputManager
+
+    monkeypatch.setattr(StructuredOutputManager, "dead_ends", lambda self, requests: [])
+    prompts, free, params = dead_end_batch(default_llm)
+    alone = default_llm.generate(prompts, free, use_tqdm=False)
+    outs = default_llm.generate(prompts + [prompts[0]] * 3, free + params[4:], use_tqdm=False)
+    for a, o in zip(alone, outs[:2]):
+        assert o.error is None and o.outputs[0].token_ids == a.outputs[0].token_ids
+    for o, text in zip(outs[2:], ["aa", "aa", "ab"]):
+        assert "no token could be sampled" in o.error and o.error_param is None
+        assert o.outputs[0].text == text and o.outputs[0].finish_reason == "error"
+    assert_all_blocks_back(default_llm)

@@ -58,6 +58,7 @@ def assert_idle_and_healthy(http, timeout=30.0):
         time.sleep(0.05)
 
 
+SELF_REQUIRING = {"$ref": "#", "type": "object", "properties": {"a": {"$ref": "#"}}, "required": ["a"]}
 CHAT = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
 COMP = {"prompt": "hi", "max_tokens": 2}
 
@@ -92,6 +93,28 @@ HOSTILE = [
     ("/v1/chat/completions", json.dumps({**CHAT, "functions": [{"name": "f"}]}), 400, "function"),
     ("/v1/chat/completions", json.dumps({**CHAT, "temperature": "hot"}), 400, "temperature"),
     ("/v1/chat/completions", json.dumps({**CHAT, "seed": -(2**63) - 1}), 400, "seed"),
+    # constraints no text matches (400 at compile time), and one that reaches a dead end after "aa"
+    ("/v1/completions", json.dumps({**COMP, "structured_outputs": {"json": SELF_REQUIRING}}), 400, "never produce"),
+    ("/v1/completions", json.dumps({**COMP, "guided_regex": "[^\\s\\S]"}), 400, "never produce"),
+    ("/v1/chat/completions", json.dumps({**CHAT, "max_tokens": 8, "temperature": 0, "guided_regex": "aa[^\\s\\S]"}),
+     400, "allows no token after"),
+    # integers past 64 bits, wherever they are
+    ("/v1/completions", json.dumps({"prompt": [2**70], "max_tokens": 2}), 400, "prompt"),
+    ("/v1/completions", json.dumps({"prompt": [[1, 2], [-1]], "max_tokens": 2}), 400, "prompt"),
+    ("/v1/completions", json.dumps({**COMP, "priority": 2**70}), 400, "priority"),
+    ("/v1/completions", json.dumps({**COMP, "stop_token_ids": [-(2**70)]}), 400, "stop_token_ids"),
+    ("/v1/completions", json.dumps({**COMP, "max_tokens": 2**64}), 400, "max_tokens"),
+    ("/v1/chat/completions", json.dumps({**CHAT, "n": 2**70}), 400, "'n'"),
+    ("/v1/chat/completions", json.dumps({**CHAT, "min_tokens": -(2**65)}), 400, "min_tokens"),
+    ("/detokenize", json.dumps({"tokens": [2**70]}), 400, "tokens"),
+    ("/v1/completions", json.dumps({**COMP, "kv_transfer_params": {"do_remote_decode": True, "x": 2**70}}), 400,
+     "kv_transfer_params"),
+    ("/v1/completions", json.dumps({**COMP, "guided_json": {"type": "integer", "maximum": 2**70}}), 400, "guided_json"),
+    ("/v1/completions", json.dumps({**COMP, "structured_outputs": {"json": True}, "kv_transfer_params": {"x": 2**70}}),
+     400, "kv_transfer_params"),
+    # bounded work per request
+    ("/v1/completions", json.dumps({**COMP, "prompt": ["a"] * 5000}), 400, "too many prompts"),
+    ("/v1/completions", json.dumps({**COMP, "prompt": ["a"] * 300, "n": 100}), 400, "too many completions"),
 ]
 
 
@@ -175,6 +198,23 @@ def test_continuous_usage_stats(http):
     completion = [u["completion_tokens"] for u in usage]
     assert completion == sorted(completion) and completion[-1] == 5
     assert all(u["total_tokens"] == u["prompt_tokens"] + u["completion_tokens"] for u in usage)
+
+
+def test_a_dead_end_mid_stream_is_an_error_event(http):
+    """A constraint that allows nothing after "aa": the stream carries what came before, then an error
+    event naming structured_outputs; the request's blocks come back."""
+    events = []
+    body = {**CHAT, "max_tokens": 8, "temperature": 0, "guided_regex": "aa[^\\s\\S]", "stream": True}
+    with http.stream("POST", "/v1/chat/completions", json=body) as s:
+        assert s.status_code == 200
+        for line in s.iter_lines():
+            if line.startswith("data: ") and line != "data: [DONE]":
+                events.append(json.loads(line[6:]))
+    text = "".join(e["choices"][0]["delta"].get("content") or "" for e in events if e.get("choices"))
+    assert text == "aa"
+    err = events[-1]["error"]
+    assert err["param"] == "structured_outputs" and "allows no token after" in err["message"]
+    assert_idle_and_healthy(http)
 
 
 # ---- random bodies ------------------------------------------------------------------------------

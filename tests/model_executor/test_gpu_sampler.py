@@ -149,3 +149,40 @@ def test_prompt_logprobs_rows(k):
     b = gpu_sampler.prompt_logprobs_rows(logits, nxt, k)
     assert_same((nxt, a), (nxt, b))
     assert gpu_sampler.prompt_logprobs_rows(logits, [], k) == []
+
+
+@pytest.mark.parametrize("sampler", [Sampler, GpuSampler])
+def test_a_row_that_allows_nothing_gets_no_token(sampler):
+    """Every logit -inf (a grammar dead end, or min_tokens suppressing the only allowed stop token) or a
+    NaN best logit: the row gets NO_TOKEN (never an id outside the vocabulary, never an arbitrary one),
+    greedy or random, and the other rows keep their tokens and logprobs (same as without the dead rows)."""
+    from roofline.model_executor.layers.sampler import NO_TOKEN
+
+    specs = [spec(temperature=0.0, logprobs=2), spec(temperature=0.0), spec(temperature=0.9, seed=3, logprobs=1),
+             spec(temperature=0.0, min_tokens=50, stop_token_ids=[7]), spec(temperature=0.8, top_p=0.9),
+             spec(temperature=1.0, logprobs=3)]
+    logits = torch.randn(len(specs), VOCAB, generator=torch.Generator().manual_seed(11)) * 3
+    logits[1] = float("-inf")
+    logits[2] = float("-inf")
+    logits[3] = float("-inf")
+    logits[3, 7] = 5.0  # only the stop token is allowed, and min_tokens holds it back
+    logits[4, 13] = float("nan")
+    live = [0, 5]
+    sa, sb = states_pair(specs, seed=12)
+    tokens, lps = sampler()(logits.clone(), sa)
+    assert [tokens[i] for i in (1, 2, 3, 4)] == [NO_TOKEN] * 4
+    assert all(lps[i] is None for i in (1, 2, 3, 4))
+    assert all(0 <= tokens[i] < VOCAB for i in live)
+    ref_tokens, ref_lps = sampler()(logits[live].clone(), [sb[i] for i in live])
+    assert [tokens[i] for i in live] == ref_tokens
+    assert [lps[i] for i in live] == ref_lps
+
+
+def test_draw_rows_stays_in_the_vocabulary():
+    from roofline.model_executor.layers.sampler import draw_rows
+
+    probs = torch.zeros(3, VOCAB)
+    probs[0, 5] = 1.0
+    probs[2] = float("nan")  # a row with no positive finite sum would search past the end
+    drawn = draw_rows(probs, [torch.Generator().manual_seed(i) for i in range(3)]).tolist()
+    assert drawn[0] == 5 and all(0 <= t < VOCAB for t in drawn)

@@ -6,19 +6,23 @@ serving engines accept (`top_k`, `min_p`, `repetition_penalty`, `ignore_eos`, `m
 `extra_body`). Unknown fields are ignored so that clients sending newer fields keep working.
 
 Types are strict: `max_tokens: true`, `stream: "yes"` or `n: 2.0` are 400s, not coerced (an integer is
-still accepted where a float is expected); seeds are signed 64-bit; roles are the ones OpenAI defines.
+still accepted where a float is expected); every integer of a request is a signed 64-bit value (Int64, a
+400 naming the field beyond: nothing past 64 bits reaches the engine's msgpack messages), token ids are
+non-negative; roles are the ones OpenAI defines.
 """
 
 from __future__ import annotations
 
 import time
 import uuid
-from typing import Any, Literal, Optional, Union
+from typing import Annotated, Any, Literal, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field
 
 MAX_LOGPROBS = 20
 SEED_MIN, SEED_MAX = -(2**63), 2**63 - 1
+Int64 = Annotated[int, Field(ge=SEED_MIN, le=SEED_MAX)]  # every integer field of a request
+TokenId = Annotated[int, Field(ge=0, le=SEED_MAX)]  # the engine checks it against the vocabulary
 CHAT_ROLES = ("system", "developer", "user", "assistant", "tool", "function")
 
 
@@ -76,10 +80,10 @@ class _SamplingFields(OpenAIModel):
     """Fields shared by completions and chat completions."""
 
     model: Optional[str] = None
-    n: int = 1
+    n: Int64 = 1
     temperature: Optional[float] = None
     top_p: Optional[float] = None
-    seed: Optional[int] = Field(None, ge=SEED_MIN, le=SEED_MAX)
+    seed: Optional[Int64] = None
     stop: Optional[Union[str, list[str]]] = None
     stream: Optional[bool] = False
     stream_options: Optional[StreamOptions] = None
@@ -88,13 +92,13 @@ class _SamplingFields(OpenAIModel):
     logit_bias: Optional[dict[str, float]] = None
     user: Optional[str] = None
     # Extensions (sent by clients through extra_body)
-    top_k: Optional[int] = None
+    top_k: Optional[Int64] = None
     min_p: Optional[float] = None
     repetition_penalty: Optional[float] = None
     ignore_eos: bool = False
-    min_tokens: int = 0
-    priority: int = 0
-    stop_token_ids: Optional[list[int]] = None
+    min_tokens: Int64 = 0
+    priority: Int64 = 0
+    stop_token_ids: Optional[list[TokenId]] = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     # Structured outputs (entrypoints/openai/structured_outputs.py): OpenAI's response_format, vLLM's
@@ -111,12 +115,12 @@ class _SamplingFields(OpenAIModel):
 
 # --------------------------------------------------------------------------- completions
 class CompletionRequest(_SamplingFields):
-    prompt: Union[str, list[int], list[str], list[list[int]]]
-    max_tokens: Optional[int] = 16
+    prompt: Union[str, list[TokenId], list[str], list[list[TokenId]]]
+    max_tokens: Optional[Int64] = 16
     echo: bool = False
-    logprobs: Optional[int] = None
+    logprobs: Optional[Int64] = None
     suffix: Optional[str] = None
-    best_of: Optional[int] = None
+    best_of: Optional[Int64] = None
 
 
 class CompletionLogProbs(BaseModel):
@@ -177,10 +181,10 @@ class ChatMessage(OpenAIModel):
 
 class ChatCompletionRequest(_SamplingFields):
     messages: list[ChatMessage]
-    max_tokens: Optional[int] = None  # deprecated by OpenAI in favour of max_completion_tokens
-    max_completion_tokens: Optional[int] = None
+    max_tokens: Optional[Int64] = None  # deprecated by OpenAI in favour of max_completion_tokens
+    max_completion_tokens: Optional[Int64] = None
     logprobs: Optional[bool] = False
-    top_logprobs: Optional[int] = None
+    top_logprobs: Optional[Int64] = None
     tools: Optional[list[dict[str, Any]]] = None
     tool_choice: Optional[Union[str, dict[str, Any]]] = None
     functions: Optional[list[dict[str, Any]]] = None  # OpenAI's deprecated form of tools
@@ -291,7 +295,7 @@ class TokenizeResponse(BaseModel):
 
 class DetokenizeRequest(OpenAIModel):
     model: Optional[str] = None
-    tokens: list[int]
+    tokens: list[TokenId]
 
 
 class DetokenizeResponse(BaseModel):

@@ -46,6 +46,7 @@ from roofline.entrypoints.openai.serving_completion import OpenAIServingCompleti
 from roofline.entrypoints.openai.serving_engine import (
     DEFAULT_BODY_TIMEOUT_S,
     DEFAULT_MAX_BODY_BYTES,
+    DEFAULT_MAX_COMPLETIONS_PER_REQUEST,
     APIError,
     SSEStream,
     bad_request,
@@ -80,6 +81,7 @@ class ServerConfig:
     api_key: Optional[str] = None
     metrics_require_key: bool = True  # with api_key, /metrics needs it too (/health never does)
     max_request_body_bytes: int = DEFAULT_MAX_BODY_BYTES
+    max_completions_per_request: int = DEFAULT_MAX_COMPLETIONS_PER_REQUEST  # prompts x n of one request
     request_body_timeout: float = DEFAULT_BODY_TIMEOUT_S  # seconds a client has to send its whole body
     trust_request_chat_template: bool = False  # render a request's own chat_template (sandboxed)
     shutdown_timeout: float = 30.0  # seconds in-flight requests get to finish on SIGINT/SIGTERM
@@ -159,8 +161,9 @@ def build_app(engine: AsyncLLM, config: Optional[ServerConfig] = None, *, shutdo
     vocab_size = _vocab_size(engine, tokenizer.loop if tokenizer is not None else None)
     metrics = PrometheusStatLogger(model_name)
     engine.stat_loggers.append(metrics)
-    completions = OpenAIServingCompletion(engine, tokenizer, model_name, max_model_len)
-    chat = OpenAIServingChat(engine, tokenizer, model_name, max_model_len)
+    completions = OpenAIServingCompletion(engine, tokenizer, model_name, max_model_len,
+                                          config.max_completions_per_request)
+    chat = OpenAIServingChat(engine, tokenizer, model_name, max_model_len, config.max_completions_per_request)
     limit = config.max_request_body_bytes
 
     async def parse(request: Request, cls: Any) -> Any:

@@ -24,9 +24,11 @@ from roofline.entrypoints.openai.serving_engine import (
     SSEStream,
     APIError,
     ChoiceState,
+    DEFAULT_MAX_COMPLETIONS_PER_REQUEST,
     bad_request,
     build_sampling_params,
     check_finish,
+    check_request_work,
     clamp_logprob,
     close_all,
     engine_error,
@@ -95,7 +97,8 @@ def check_tools(req: ChatCompletionRequest) -> None:
 
 class OpenAIServingChat:
     def __init__(self, engine: AsyncLLM, tokenizer: Optional[ServerTokenizer], model_name: str,
-                 max_model_len: int) -> None:
+                 max_model_len: int, max_completions: int = DEFAULT_MAX_COMPLETIONS_PER_REQUEST) -> None:
+        self.max_completions = max_completions
         self.engine = engine
         self.tokenizer = tokenizer
         self.text_tokenizer = tokenizer.loop if tokenizer is not None else None  # short decodes, on the loop
@@ -104,6 +107,7 @@ class OpenAIServingChat:
 
     async def create(self, req: ChatCompletionRequest) -> Any:
         check_tools(req)
+        check_request_work(1, req.n, self.max_completions)
         text, ids = await apply_chat_template(
             self.tokenizer, req.messages, add_generation_prompt=req.add_generation_prompt,
             continue_final_message=req.continue_final_message, tools=req.tools,

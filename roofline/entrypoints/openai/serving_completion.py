@@ -21,9 +21,11 @@ from roofline.entrypoints.openai.serving_engine import (
     SSEStream,
     APIError,
     ChoiceState,
+    DEFAULT_MAX_COMPLETIONS_PER_REQUEST,
     bad_request,
     build_sampling_params,
     check_finish,
+    check_request_work,
     close_all,
     clamp_logprob,
     engine_error,
@@ -42,7 +44,8 @@ from roofline.outputs import CompletionOutput
 
 class OpenAIServingCompletion:
     def __init__(self, engine: AsyncLLM, tokenizer: Optional[ServerTokenizer], model_name: str,
-                 max_model_len: int) -> None:
+                 max_model_len: int, max_completions: int = DEFAULT_MAX_COMPLETIONS_PER_REQUEST) -> None:
+        self.max_completions = max_completions
         self.engine = engine
         self.tokenizer = tokenizer
         self.text_tokenizer = tokenizer.loop if tokenizer is not None else None  # short decodes, on the loop
@@ -59,6 +62,7 @@ class OpenAIServingCompletion:
             items = [p]
         else:
             items = list(p)
+        check_request_work(len(items), req.n, self.max_completions)
         prompts = []
         for item in items:
             if isinstance(item, str):

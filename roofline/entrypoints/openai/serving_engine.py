@@ -36,6 +36,10 @@ from roofline.sampling_params import RequestOutputKind, SamplingParams
 logger = logging.getLogger(__name__)
 
 DEFAULT_MAX_BODY_BYTES = 16 * 1024 * 1024
+MAX_PROMPTS_PER_REQUEST = 2048  # OpenAI's limit on a completions request's prompt list
+# prompts x n of one request (--max-completions-per-request): lm-eval's batches (n = 1, tens to hundreds
+# of prompts) pass; 300 prompts x n = 100 does not tie up the server for minutes
+DEFAULT_MAX_COMPLETIONS_PER_REQUEST = 2048
 # JSON cannot encode -inf; OpenAI-style servers clamp it.
 MIN_LOGPROB = -9999.0
 
@@ -69,7 +73,7 @@ def engine_error(engine: AsyncLLM, e: BaseException, prompt_field: str = "prompt
         return e
     if isinstance(e, ValueError):  # the engine rejected the request: name the field if we can
         msg = str(e)
-        return bad_request(msg, param=_param_from_message(msg, prompt_field))
+        return bad_request(msg, param=getattr(e, "param", None) or _param_from_message(msg, prompt_field))
     if isinstance(e, EngineQueueFullError):
         return APIError(503, str(e), "server_busy", None, "queue_full",
                         headers={"Retry-After": str(e.retry_after)})
@@ -229,6 +233,18 @@ def parse_model(cls: type[BaseModel], obj: dict) -> Any:
 
 
 # --------------------------------------------------------------------------- sampling
+def check_request_work(num_prompts: int, n: int, max_completions: int) -> None:
+    """A request's work is bounded: at most MAX_PROMPTS_PER_REQUEST prompts, and prompts x n at most
+    max_completions (400 beyond, before anything is tokenized or queued)."""
+    if num_prompts > MAX_PROMPTS_PER_REQUEST:
+        raise bad_request(f"too many prompts in one request: {num_prompts} (at most {MAX_PROMPTS_PER_REQUEST}); "
+                          "split them over several requests", param="prompt")
+    if num_prompts * n > max_completions:
+        raise bad_request(f"too many completions in one request: {num_prompts} prompt(s) x n = {n} is "
+                          f"{num_prompts * n} (at most {max_completions}, --max-completions-per-request)",
+                          param="n")
+
+
 def build_sampling_params(req: Any, *, max_tokens: int, logprobs: Optional[int],
                           prompt_logprobs: Optional[int] = None) -> SamplingParams:
     if req.logit_bias:

@@ -37,7 +37,7 @@ import numpy as np
 import torch
 
 from roofline.core.scheduler_output import PositionLogprobs
-from roofline.model_executor.layers.sampler import SamplingState, draw_rows
+from roofline.model_executor.layers.sampler import NO_TOKEN, SamplingState, allows_nothing, draw_rows
 
 
 class _Upload:
@@ -211,6 +211,7 @@ class GpuSampler:
             if stop_r:
                 logits[buf[s_stop[0]], buf[s_stop[1]]] = float("-inf")
         tokens = logits.argmax(dim=-1)
+        nothing = allows_nothing(logits, tokens)
         if random_rows:
             rows = buf[s_random]
             x = logits[rows] / _floats(buf, s_temp)[:, None]
@@ -231,19 +232,20 @@ class GpuSampler:
                 x = x.masked_fill(probs < threshold, float("-inf"))
             probs = x.softmax(dim=-1)
             tokens[rows] = draw_rows(probs, [states[i].generator for i in random_rows])  # async, no sync
+        tokens = tokens.masked_fill(nothing, NO_TOKEN)
 
         # ---- one device->host copy -------------------------------------------------------------
         down = _Download()
         s_tokens = down.add_int(tokens)
         lp_ks = [specs[i].logprobs for i in lp_rows]
         if lp_rows:
-            lp_slices = _batched_top_logprobs(raw_logprobs, tokens[buf[s_lp_rows]], lp_ks, down)
+            lp_slices = _batched_top_logprobs(raw_logprobs, tokens[buf[s_lp_rows]].clamp(min=0), lp_ks, down)
         host = down.fetch()
         token_list = host[s_tokens].tolist()
         lps: list[Optional[PositionLogprobs]] = [None] * num_rows
         if lp_rows:
             for i, plp in zip(lp_rows, _assemble(host, [token_list[i] for i in lp_rows], lp_ks, lp_slices)):
-                lps[i] = plp
+                lps[i] = plp if token_list[i] != NO_TOKEN else None
         return token_list, lps
 
 

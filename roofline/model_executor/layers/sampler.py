@@ -7,6 +7,9 @@ its batch).  Logprobs are those of the raw model distribution (log-softmax of un
 The draw (`draw_rows`) inverts each row's CDF at one float64 uniform from the row's generator: exactly a
 draw from p, for the price of a cumulative sum (a row's V exponentials, the Gumbel-style argmax(p / E)
 this replaced, cost ~2 ms per row on the CPU: a third of a 32-row decode step of the default model).
+A row that allows no token (every logit -inf after the grammar mask and stop-token suppression, or a NaN
+best logit) gets NO_TOKEN instead of an arbitrary id: the model runner fails that request alone, and no
+id outside [0, V) ever leaves a sampler (the same rule in gpu_sampler.py).
 """
 
 from __future__ import annotations
@@ -18,6 +21,15 @@ import torch
 
 from roofline.core.scheduler_output import PositionLogprobs, SamplingSpec
 from roofline.cpu import ops as cpu_ops
+
+
+NO_TOKEN = -1  # a row with no allowed token (see allows_nothing); never fed to the model
+
+
+def allows_nothing(adjusted: torch.Tensor, argmax: torch.Tensor) -> torch.Tensor:
+    """bool [R]: the rows of adjusted [R x V] (argmax [R] their argmax) whose best logit is -inf (every
+    token masked) or NaN.  One gather and a compare, no host sync."""
+    return ~(adjusted.gather(1, argmax[:, None]).squeeze(1) > float("-inf"))
 
 
 @dataclass
@@ -140,8 +152,11 @@ def draw_rows(probs: torch.Tensor, generators: list[torch.Generator]) -> torch.T
     u = torch.stack([torch.rand((), dtype=torch.float64, generator=g, device=probs.device) for g in generators])
     cdf = probs.double().cumsum(dim=-1)
     # u < 1, so u * sum < sum exactly (a float64 product with a factor below 1 never rounds up to the
-    # other factor): some token's cumulative sum exceeds it, and the first one has nonzero probability
-    return torch.searchsorted(cdf, (u * cdf[:, -1]).unsqueeze(-1), right=True).squeeze(-1)
+    # other factor): some token's cumulative sum exceeds it, and the first one has nonzero probability.
+    # A row without a positive finite sum (nothing allowed, NaN) would search past the end: clamped into
+    # the vocabulary here, and the samplers mark such a row NO_TOKEN anyway.
+    drawn = torch.searchsorted(cdf, (u * cdf[:, -1]).unsqueeze(-1), right=True).squeeze(-1)
+    return drawn.clamp_(max=probs.shape[-1] - 1)
 
 
 class Sampler:
@@ -153,16 +168,17 @@ class Sampler:
         raw_logprobs = logits.log_softmax(dim=-1) if any(want_lp) else None
         logits = adjusted_logits(logits, states)
         tokens = _argmax(logits)
+        nothing = allows_nothing(logits, tokens)
         random_rows = [i for i, st in enumerate(states) if not st.greedy]
         if random_rows:
             rows = torch.tensor(random_rows, device=logits.device)
             probs = sampling_probs(logits[rows], [states[i].spec for i in random_rows])
             tokens[rows] = draw_rows(probs, [states[i].generator for i in random_rows])
-        token_list = tokens.tolist()
+        token_list = tokens.masked_fill_(nothing, NO_TOKEN).tolist()
         lps: list[Optional[PositionLogprobs]] = [None] * len(states)
         if raw_logprobs is not None:
             for i, st in enumerate(states):
-                if want_lp[i]:
+                if want_lp[i] and token_list[i] != NO_TOKEN:
                     lps[i] = _top_logprobs(raw_logprobs[i], token_list[i], st.spec.logprobs)
         return token_list, lps
 
