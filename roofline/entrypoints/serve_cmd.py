@@ -35,6 +35,9 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--trust-request-chat-template", action="store_true",
                        help="accept a chat_template in requests (rendered in a sandboxed process with time, "
                             "memory and size limits); off by default: such requests get 400")
+    group.add_argument("--max-template-renders-per-client", type=int, default=2,
+                       help="with --trust-request-chat-template, request templates one client address may have "
+                            "in flight; 429 beyond (default: 2)")
     group.add_argument("--max-request-body-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES,
                        help=f"larger request bodies get 413 (default: {DEFAULT_MAX_BODY_BYTES})")
     group.add_argument("--max-completions-per-request", type=int, default=DEFAULT_MAX_COMPLETIONS_PER_REQUEST,
@@ -73,6 +76,7 @@ def run(args: argparse.Namespace) -> int:
         max_completions_per_request=args.max_completions_per_request,
         request_body_timeout=args.request_body_timeout,
         trust_request_chat_template=args.trust_request_chat_template,
+        max_template_renders_per_client=args.max_template_renders_per_client,
         shutdown_timeout=args.shutdown_timeout,
         retry_after=args.retry_after,
         log_stats_interval=args.log_stats_interval,

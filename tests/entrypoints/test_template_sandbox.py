@@ -66,3 +66,55 @@ def test_server_tokenizer_renders_request_templates_only_when_trusted():
     finally:
         trusted.close()
         closed.close()
+
+
+SLOW = "{% for i in range(99999) %}{% for j in range(99999) %}{% endfor %}{% endfor %}"
+
+
+def test_slow_request_templates_never_hold_up_other_chat_rendering():
+    """Eight slow request templates (each killed at its 1.5 s limit; two sandbox children render them,
+    so they hold the template pool for ~6 s) from several clients: meanwhile the model's own template and
+    tokenization answer at once, since request templates have their own pool.  A client past its cap of
+    renders in flight gets 429 at once, other clients are not affected, and the cap frees up afterwards."""
+    import asyncio
+
+    from roofline.entrypoints.openai.serving_engine import APIError
+    from roofline.entrypoints.openai.tokenization import ServerTokenizer
+    from roofline.model_executor.loader.source import load_tokenizer, resolve_source
+
+    tok = load_tokenizer(resolve_source(None))
+    messages = [{"role": "user", "content": "hi"}]
+    server_tok = ServerTokenizer(tok, 512, trust_request_chat_template=True, template_timeout_s=1.5,
+                                 max_template_renders_per_client=2)
+
+    async def slow(client):
+        try:
+            await server_tok.render_chat(messages, add_generation_prompt=True, chat_template=SLOW, client=client)
+        except APIError as e:
+            return e.status, e.message
+        return 200, ""
+
+    async def scenario():
+        slow_tasks = [asyncio.ensure_future(slow(f"10.0.0.{i // 2}")) for i in range(8)]  # 4 clients x 2
+        await asyncio.sleep(0.3)  # all eight are in flight
+        over_cap = await slow("10.0.0.0")
+        t0 = time.monotonic()
+        for _ in range(5):
+            text = await server_tok.render_chat(messages, add_generation_prompt=True)
+            ids = await server_tok.encode(text, add_special_tokens=False)
+        ordinary_s = time.monotonic() - t0
+        results = await asyncio.gather(*slow_tasks)
+        slow_s = time.monotonic() - t0
+        after = await server_tok.render_chat(messages, add_generation_prompt=True, chat_template=SIMPLE,
+                                             client="10.0.0.0")
+        return over_cap, ordinary_s, ids, results, slow_s, after
+
+    try:
+        over_cap, ordinary_s, ids, results, slow_s, after = asyncio.run(scenario())
+    finally:
+        server_tok.close()
+    assert over_cap[0] == 429 and "too many chat_template renders" in over_cap[1]
+    assert all(status == 400 and "within 1.5 s" in msg for status, msg in results), results
+    assert ids and slow_s > 4.0  # the slow ones really did hold the template pool ...
+    assert ordinary_s < slow_s / 2, (ordinary_s, slow_s)  # ... while ordinary rendering went on
+    assert after == "<user>hi<a>" and not server_tok._renders_by_client

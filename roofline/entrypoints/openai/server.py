@@ -84,6 +84,8 @@ class ServerConfig:
     max_completions_per_request: int = DEFAULT_MAX_COMPLETIONS_PER_REQUEST  # prompts x n of one request
     request_body_timeout: float = DEFAULT_BODY_TIMEOUT_S  # seconds a client has to send its whole body
     trust_request_chat_template: bool = False  # render a request's own chat_template (sandboxed)
+    template_timeout_s: float = 2.0  # a request chat template's render time limit
+    max_template_renders_per_client: int = 2  # request chat templates in flight per client address (429 beyond)
     shutdown_timeout: float = 30.0  # seconds in-flight requests get to finish on SIGINT/SIGTERM
     retry_after: int = 1  # seconds, in 503 queue-full answers
     log_stats_interval: float = 10.0  # 0 disables the periodic log line
@@ -156,7 +158,9 @@ def build_app(engine: AsyncLLM, config: Optional[ServerConfig] = None, *, shutdo
     model_name = names[0]
     max_model_len = int(engine.model_config.max_model_len)
     tokenizer = (ServerTokenizer(engine.tokenizer, max_model_len,
-                                 trust_request_chat_template=config.trust_request_chat_template)
+                                 trust_request_chat_template=config.trust_request_chat_template,
+                                 template_timeout_s=config.template_timeout_s,
+                                 max_template_renders_per_client=config.max_template_renders_per_client)
                  if engine.tokenizer is not None else None)
     vocab_size = _vocab_size(engine, tokenizer.loop if tokenizer is not None else None)
     metrics = PrometheusStatLogger(model_name)
@@ -260,9 +264,10 @@ def build_app(engine: AsyncLLM, config: Optional[ServerConfig] = None, *, shutdo
     async def create_chat_completion(request: Request) -> Response:
         req = await parse(request, ChatCompletionRequest)
         check_model(req.model)
+        client = request.client.host if request.client else ""
         if req.stream:
-            return respond(await chat.create(req))
-        return respond(await run_cancellable(request, chat.create(req)))
+            return respond(await chat.create(req, client))
+        return respond(await run_cancellable(request, chat.create(req, client)))
 
     app.include_router(v1)
 

@@ -67,7 +67,7 @@ def messages_to_dicts(messages: list[ChatMessage]) -> list[dict[str, Any]]:
 async def apply_chat_template(tokenizer: Optional[ServerTokenizer], messages: list[ChatMessage], *,
                               add_generation_prompt: bool = True, continue_final_message: bool = False,
                               tools: Any = None, chat_template: Optional[str] = None,
-                              kwargs: Optional[dict] = None) -> tuple[str, list[int]]:
+                              kwargs: Optional[dict] = None, client: str = "") -> tuple[str, list[int]]:
     """Render the conversation and tokenize it, off the event loop (tokenization.py)."""
     if not messages:
         raise bad_request("messages must not be empty", param="messages")
@@ -78,7 +78,7 @@ async def apply_chat_template(tokenizer: Optional[ServerTokenizer], messages: li
         raise bad_request("the model has no chat template; use /v1/completions", param="messages")
     text = await tokenizer.render_chat(messages_to_dicts(messages), add_generation_prompt=add_generation_prompt and
                                        not continue_final_message, continue_final_message=continue_final_message,
-                                       tools=tools, chat_template=chat_template, kwargs=kwargs)
+                                       tools=tools, chat_template=chat_template, kwargs=kwargs, client=client)
     ids = await tokenizer.encode(text, add_special_tokens=False, field="messages")
     return text, ids
 
@@ -105,13 +105,14 @@ class OpenAIServingChat:
         self.model_name = model_name
         self.max_model_len = max_model_len
 
-    async def create(self, req: ChatCompletionRequest) -> Any:
+    async def create(self, req: ChatCompletionRequest, client: str = "") -> Any:
+        """client: the sender's address (the cap on request chat templates in flight is per client)."""
         check_tools(req)
         check_request_work(1, req.n, self.max_completions)
         text, ids = await apply_chat_template(
             self.tokenizer, req.messages, add_generation_prompt=req.add_generation_prompt,
             continue_final_message=req.continue_final_message, tools=req.tools,
-            chat_template=req.chat_template, kwargs=req.chat_template_kwargs)
+            chat_template=req.chat_template, kwargs=req.chat_template_kwargs, client=client)
         if not ids:
             raise bad_request("the rendered prompt is empty", param="messages")
         requested = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens

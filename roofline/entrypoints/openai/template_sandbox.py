@@ -5,7 +5,8 @@ runs for ever, and either would stall the server's event loop or kill it.  They 
 server runs with --trust-request-chat-template; then each one renders here:
 
 - in a child process (`python -m roofline.entrypoints.openai.template_sandbox`) with an address-space
-  limit, started on first use and kept for the next request;
+  limit, started on first use and kept for the next request (a renderer keeps a few, each renders one
+  template at a time);
 - under a wall-clock limit: past it the child is killed (a fresh one starts on the next request) and
   the request gets a 400;
 - in Jinja's immutable sandbox, with an output-size limit checked while the template renders.
@@ -19,6 +20,7 @@ from __future__ import annotations
 
 import logging
 import os
+import queue
 import struct
 import subprocess
 import sys
@@ -120,72 +122,92 @@ def child_main() -> int:
 
 
 # ---- the parent ---------------------------------------------------------------------------------
-class SandboxedTemplateRenderer:
-    """Renders request-supplied chat templates in a child process, one at a time (thread-safe)."""
+class _Child:
+    """One sandbox child process, started on first use and replaced after it is killed."""
 
-    def __init__(self, timeout_s: float = 2.0, max_chars: int = 1 << 20) -> None:
-        self.timeout_s = timeout_s
-        self.max_chars = max_chars
-        self._lock = threading.Lock()
-        self._proc: Optional[subprocess.Popen] = None
-        self._encoder = msgspec.msgpack.Encoder()
-        self._decoder = msgspec.msgpack.Decoder(RenderResult)
+    def __init__(self) -> None:
+        self.proc: Optional[subprocess.Popen] = None
 
-    def _child(self) -> subprocess.Popen:
-        if self._proc is None or self._proc.poll() is not None:
+    def get(self) -> subprocess.Popen:
+        if self.proc is None or self.proc.poll() is not None:
             env = dict(os.environ, PYTHONUNBUFFERED="1")
-            self._proc = subprocess.Popen([sys.executable, "-m", "roofline.entrypoints.openai.template_sandbox"],
-                                          stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
-                                          env=env, close_fds=True)
-        return self._proc
+            self.proc = subprocess.Popen([sys.executable, "-m", "roofline.entrypoints.openai.template_sandbox"],
+                                         stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
+                                         env=env, close_fds=True)
+        return self.proc
 
-    def _kill(self) -> None:
-        if self._proc is not None:
+    def kill(self) -> None:
+        if self.proc is not None:
             try:
-                self._proc.kill()
-                self._proc.wait(timeout=5)
+                self.proc.kill()
+                self.proc.wait(timeout=5)
             except Exception:
                 pass
-            self._proc = None
+            self.proc = None
+
+    def close(self) -> None:
+        if self.proc is not None and self.proc.stdin is not None:
+            try:
+                self.proc.stdin.close()
+            except Exception:
+                pass
+        self.kill()
+
+
+class SandboxedTemplateRenderer:
+    """Renders request-supplied chat templates in `children` child processes, up to that many at once
+    (thread-safe: a caller takes a free child, and waits for one while all are busy)."""
+
+    def __init__(self, timeout_s: float = 2.0, max_chars: int = 1 << 20, children: int = 1) -> None:
+        self.timeout_s = timeout_s
+        self.max_chars = max_chars
+        self._children = [_Child() for _ in range(max(1, children))]
+        self._free: "queue.SimpleQueue[_Child]" = queue.SimpleQueue()
+        for c in self._children:
+            self._free.put(c)
+        self._encoder = msgspec.msgpack.Encoder()
+        self._decoder = msgspec.msgpack.Decoder(RenderResult)
 
     def render(self, template: str, variables: dict[str, Any]) -> str:
         """The rendered text, or TemplateRenderError (failure, time or size limit)."""
         job = self._encoder.encode(RenderJob(template=template, variables=variables, max_chars=self.max_chars))
-        with self._lock:
-            proc = self._child()
-            result: dict[str, Any] = {}
-
-            def exchange() -> None:
-                try:
-                    _write(proc.stdin, job)
-                    result["data"] = _read(proc.stdout)
-                except Exception as e:  # the child died
-                    result["error"] = e
-
-            t = threading.Thread(target=exchange, daemon=True)
-            t.start()
-            t.join(self.timeout_s)
-            if t.is_alive():
-                self._kill()  # unblocks the exchange thread
-                t.join(5)
-                raise TemplateRenderError(f"the chat template did not render within {self.timeout_s:g} s")
-            data = result.get("data")
-            if data is None:
-                self._kill()
-                raise TemplateRenderError("the chat template exhausted the renderer's memory limit")
+        child = self._free.get()
+        try:
+            data = self._exchange(child, job)
+        finally:
+            self._free.put(child)
         out = self._decoder.decode(data)
         if out.error is not None:
             raise TemplateRenderError(f"the chat template failed: {out.error}")
         return out.text or ""
 
+    def _exchange(self, child: _Child, job: bytes) -> bytes:
+        proc = child.get()
+        result: dict[str, Any] = {}
+
+        def exchange() -> None:
+            try:
+                _write(proc.stdin, job)
+                result["data"] = _read(proc.stdout)
+            except Exception as e:  # the child died
+                result["error"] = e
+
+        t = threading.Thread(target=exchange, daemon=True)
+        t.start()
+        t.join(self.timeout_s)
+        if t.is_alive():
+            child.kill()  # unblocks the exchange thread
+            t.join(5)
+            raise TemplateRenderError(f"the chat template did not render within {self.timeout_s:g} s")
+        data = result.get("data")
+        if data is None:
+            child.kill()
+            raise TemplateRenderError("the chat template exhausted the renderer's memory limit")
+        return data
+
     def close(self) -> None:
-        with self._lock:
-            if self._proc is not None and self._proc.stdin is not None:
-                try:
-                    self._proc.stdin.close()
-                except Exception:
-                    pass
-            self._kill()
+        for c in self._children:
+            c.close()
 
 
 if __name__ == "__main__":

@@ -8,8 +8,11 @@ vocabulary's longest entry, so a text of more than `max_model_len x longest entr
 (with a margin for normalization) cannot fit.
 
 Chat templates: the model's own renders in the pool too; a template sent with the request is refused
-unless the server trusts request templates, and then renders in the sandboxed child process
-(template_sandbox.py) under time, memory and output limits.
+unless the server trusts request templates, and then renders in sandboxed child processes
+(template_sandbox.py) under time, memory and output limits.  Request templates have a pool of their own
+(template_threads threads, as many sandbox children), so a request without one never queues behind a
+slow one; a client (its address) has at most max_template_renders_per_client of them in flight (429
+beyond), and at most max_pending_template_renders wait in all (503 beyond).
 """
 
 from __future__ import annotations
@@ -35,7 +38,8 @@ def _longest_entry(tokenizer: Any) -> int:
 
 class ServerTokenizer:
     def __init__(self, tokenizer: Any, max_model_len: int, *, trust_request_chat_template: bool = False,
-                 template_timeout_s: float = 2.0, threads: int = 2) -> None:
+                 template_timeout_s: float = 2.0, threads: int = 2, template_threads: int = 2,
+                 max_template_renders_per_client: int = 2, max_pending_template_renders: int = 64) -> None:
         self.base = tokenizer
         self.loop = server_tokenizer(tokenizer)  # the event loop's own copy, for short decodes (logprob tokens)
         self.max_model_len = max_model_len
@@ -43,9 +47,15 @@ class ServerTokenizer:
         self.max_chars = max_model_len * _longest_entry(tokenizer) * CHARS_MARGIN if tokenizer is not None else 0
         self._pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="roofline-tokenizer")
         self._local = threading.local()
-        self.renderer = SandboxedTemplateRenderer(
-            timeout_s=template_timeout_s,
-            max_chars=self.max_chars or (1 << 20)) if trust_request_chat_template else None
+        self.renderer = self._template_pool = None
+        if trust_request_chat_template:
+            self.renderer = SandboxedTemplateRenderer(timeout_s=template_timeout_s, max_chars=self.max_chars or (1 << 20),
+                                                      children=template_threads)
+            self._template_pool = ThreadPoolExecutor(max_workers=template_threads,
+                                                     thread_name_prefix="roofline-template")
+        self.max_template_renders_per_client = max_template_renders_per_client
+        self.max_pending_template_renders = max_pending_template_renders
+        self._renders_by_client: dict[str, int] = {}  # in flight (queued or rendering), on the event loop only
 
     # ---- per-thread tokenizer -------------------------------------------------------------------
     def _tok(self) -> Any:
@@ -89,10 +99,12 @@ class ServerTokenizer:
     # ---- chat templates ---------------------------------------------------------------------------
     async def render_chat(self, messages: list[dict[str, Any]], *, add_generation_prompt: bool,
                           continue_final_message: bool = False, tools: Any = None,
-                          chat_template: Optional[str] = None, kwargs: Optional[dict] = None) -> str:
+                          chat_template: Optional[str] = None, kwargs: Optional[dict] = None,
+                          client: str = "") -> str:
+        """client: who sent the request (its address), for the cap on request templates in flight."""
         if chat_template is not None:
             return await self._render_request_template(messages, chat_template, add_generation_prompt,
-                                                       continue_final_message, tools, kwargs)
+                                                       continue_final_message, tools, kwargs, client)
         extra = dict(kwargs or {})
         if tools:
             extra["tools"] = tools
@@ -108,17 +120,39 @@ class ServerTokenizer:
             raise bad_request(f"could not apply the chat template: {type(e).__name__}: {e}", param="messages")
 
     async def _render_request_template(self, messages, template, add_generation_prompt, continue_final_message,
-                                       tools, kwargs) -> str:
+                                       tools, kwargs, client) -> str:
         if self.renderer is None:
             raise bad_request("request-supplied chat templates are disabled on this server "
                               "(start it with --trust-request-chat-template to allow them)", param="chat_template")
+        mine = self._renders_by_client.get(client, 0)
+        if mine >= self.max_template_renders_per_client:
+            raise APIError(429, f"too many chat_template renders in flight from this client (at most "
+                                f"{self.max_template_renders_per_client}); retry when one has finished",
+                           "rate_limit_error", "chat_template", "too_many_template_renders")
+        if sum(self._renders_by_client.values()) >= self.max_pending_template_renders:
+            raise APIError(503, "the server is busy rendering request chat templates; retry later", "server_busy",
+                           "chat_template", "template_queue_full", headers={"Retry-After": "1"})
+        self._renders_by_client[client] = mine + 1
+        try:
+            return await self._render_in_sandbox(messages, template, add_generation_prompt, continue_final_message,
+                                                 tools, kwargs)
+        finally:
+            left = self._renders_by_client[client] - 1
+            if left:
+                self._renders_by_client[client] = left
+            else:
+                del self._renders_by_client[client]
+
+    async def _render_in_sandbox(self, messages, template, add_generation_prompt, continue_final_message,
+                                 tools, kwargs) -> str:
         variables = dict(kwargs or {})
         variables.update(messages=messages, add_generation_prompt=add_generation_prompt, tools=tools)
         for name, value in (getattr(self.base, "special_tokens_map", None) or {}).items():
             if isinstance(value, str):
                 variables[name] = value
         try:
-            text = await self._run(self.renderer.render, template, variables)
+            text = await asyncio.get_running_loop().run_in_executor(self._template_pool, self.renderer.render,
+                                                                    template, variables)
         except TemplateRenderError as e:
             raise bad_request(str(e), param="chat_template")
         if continue_final_message and messages:
@@ -132,4 +166,5 @@ class ServerTokenizer:
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
         if self.renderer is not None:
+            self._template_pool.shutdown(wait=False, cancel_futures=True)
             self.renderer.close()
