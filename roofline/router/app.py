@@ -21,6 +21,7 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
+import uuid
 from dataclasses import dataclass, field
 from typing import Any, AsyncIterator, Optional
 
@@ -75,6 +76,14 @@ class RouterError(Exception):
                             status_code=self.status)
 
 
+def upstream_failure(role: str, b: Backend, e: BaseException, when: str = "failed") -> str:
+    """What a client is told when an engine fails: the role and an error id; the engine's URL and the
+    exception go to the log under that id."""
+    ref = f"err-{uuid.uuid4().hex[:16]}"
+    logger.error("the %s engine %s %s (%s): %s: %s", role, b.url, when, ref, type(e).__name__, e)
+    return f"the {role} engine {when} (error {ref}); the router log has the details"
+
+
 def sse_error(message: str) -> bytes:
     err = {"error": {"message": message, "type": "router_error", "param": None, "code": None}}
     return ("data: " + json.dumps(err) + "\n\ndata: [DONE]\n\n").encode()
@@ -122,7 +131,7 @@ class Router:
                 b.mark_down(f"{type(e).__name__}: {e}")
             except httpx.HTTPError as e:
                 self.done(b, error=True)
-                raise RouterError(502, f"the {role} engine {b.url} failed: {type(e).__name__}: {e}") from e
+                raise RouterError(502, upstream_failure(role, b, e)) from e
 
     @staticmethod
     def done(b: Backend, error: bool = False) -> None:
@@ -140,7 +149,7 @@ class Router:
             return resp.status_code, content
         except httpx.HTTPError as e:
             b.mark_down(f"{type(e).__name__}: {e}")
-            raise RouterError(502, f"the {role} engine {b.url} failed mid-answer: {type(e).__name__}: {e}") from e
+            raise RouterError(502, upstream_failure(role, b, e, "failed mid-answer")) from e
         finally:
             await resp.aclose()
             self.done(b, error=failed)
@@ -165,7 +174,7 @@ class Router:
                 failed = True
                 b.mark_down(f"{type(e).__name__}: {e}")
                 self.request_errors += 1
-                yield sse_error(f"the {role} engine {b.url} failed mid-answer: {type(e).__name__}: {e}")
+                yield sse_error(upstream_failure(role, b, e, "failed mid-answer"))
             finally:  # done, failed, or the client went away (the generator is closed): drop the upstream
                 await resp.aclose()
                 self.done(b, error=failed)
@@ -293,8 +302,10 @@ def build_router_app(config: RouterConfig) -> FastAPI:
 
     @app.get("/health")
     async def health() -> Response:
-        status = {b.url: {"role": b.role, "healthy": b.healthy, "error": b.last_error} for b in router.pool.backends}
-        return JSONResponse({"status": "ok" if router.healthy() else "unhealthy", "backends": status},
+        # counts per role only: this route is open, and engine URLs and errors are for the log and /metrics
+        engines = {role: {"healthy": sum(b.healthy for b in router.pool.backends if b.role == role),
+                          "total": sum(b.role == role for b in router.pool.backends)} for role in router.pool.roles}
+        return JSONResponse({"status": "ok" if router.healthy() else "unhealthy", "engines": engines},
                             status_code=200 if router.healthy() else 503)
 
     @app.get("/metrics")

@@ -6,6 +6,7 @@ Uses a minimal fake core (no model) that generates a few tokens and then raises 
 from __future__ import annotations
 
 import json
+import re
 import threading
 import time
 
@@ -68,7 +69,7 @@ def crashy():
     engine.shutdown()
 
 
-def test_engine_death_turns_health_red_and_fails_inflight(crashy):
+def test_engine_death_turns_health_red_and_fails_inflight(crashy, caplog):
     srv, core, engine = crashy
     with httpx.Client(base_url=srv.url, timeout=30) as c:
         assert c.get("/health").status_code == 200
@@ -90,12 +91,18 @@ def test_engine_death_turns_health_red_and_fails_inflight(crashy):
         t.join(30)
         assert events[-1] == "[DONE]"
         err = json.loads(events[-2])["error"]
-        assert "engine loop died" in err["message"] and "simulated" in err["message"]
+        # a short error with the request id; what died and how (here "simulated") only in the log
+        assert re.fullmatch(r"the engine has stopped \(request cmpl-\w+\); the server log has the details",
+                            err["message"]), err
         assert result["r"].status_code == 503  # a dead engine is unavailable, not an internal error
-        assert "engine" in result["r"].json()["error"]["message"]
+        full = result["r"].json()["error"]["message"]
+        assert "stopped" in full and "simulated" not in full and "died" not in full
+        logged = "\n".join(r.getMessage() for r in caplog.records)
+        ref = re.search(r"request (cmpl-\w+)", err["message"]).group(1)
+        assert re.search(ref + r".*engine loop died.*simulated", logged), logged
 
         h = c.get("/health")
-        assert h.status_code == 503 and h.json()["status"] == "unhealthy"
+        assert h.status_code == 503 and h.json() == {"status": "unhealthy", "error": "the engine has stopped"}
         r = c.post("/v1/completions", json={"prompt": [1], "max_tokens": 2})
         assert r.status_code == 503 and "error" in r.json()
     assert not engine.is_healthy

@@ -82,7 +82,10 @@ def test_health_takes_a_dead_replica_out_and_brings_it_back(tiny):
     router = start_router(replicas=[dead_url, live.url])
     revived = None
     try:
-        assert httpx.get(router.url + "/health").status_code == 200  # one replica is enough
+        h = httpx.get(router.url + "/health")
+        assert h.status_code == 200  # one replica is enough
+        # counts only on the open route: no engine URL, no connection error text
+        assert h.json() == {"status": "ok", "engines": {"replica": {"healthy": 1, "total": 2}}}
         p = prompts()[1]
         expected = hf_greedy(hf, p, MAX_TOKENS)
         for _ in range(3):  # every request lands on the live one
@@ -115,7 +118,9 @@ def test_router_health_fails_without_engines_and_rejects_bad_bodies(tiny):
         deadline = time.monotonic() + 5
         while httpx.get(router.url + "/health").status_code != 503 and time.monotonic() < deadline:
             time.sleep(0.05)
-        assert httpx.get(router.url + "/health").status_code == 503
+        h = httpx.get(router.url + "/health")
+        assert h.status_code == 503 and "127.0.0.1" not in h.text and "Error" not in h.text
+        assert h.json()["engines"] == {"prefill": {"healthy": 0, "total": 1}, "decode": {"healthy": 0, "total": 1}}
         r = httpx.post(router.url + "/v1/completions", json={"prompt": [1, 2, 3], "max_tokens": 2})
         assert r.status_code == 503 and "no healthy prefill engine" in r.json()["error"]["message"]
         r = httpx.post(router.url + "/v1/completions", json={"prompt": [1, 2, 3], "n": 2})
@@ -124,3 +129,15 @@ def test_router_health_fails_without_engines_and_rejects_bad_bodies(tiny):
         assert r.status_code == 400
     finally:
         stop(router)
+
+
+def test_an_engine_failure_tells_the_client_an_id_and_the_log_the_details(caplog):
+    from roofline.router.app import upstream_failure
+    from roofline.router.backends import Backend
+
+    b = Backend(url="http://10.1.2.3:8123", role="decode")
+    msg = upstream_failure("decode", b, ConnectionResetError("peer gone, gloo: ::ffff:10.1.2.3"), "failed mid-answer")
+    assert msg.startswith("the decode engine failed mid-answer (error err-") and "10.1.2.3" not in msg
+    ref = msg.split("(error ")[1].split(")")[0]
+    assert any(ref in r.getMessage() and "10.1.2.3:8123" in r.getMessage() and "gloo" in r.getMessage()
+               for r in caplog.records)

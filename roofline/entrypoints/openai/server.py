@@ -278,9 +278,8 @@ def build_app(engine: AsyncLLM, config: Optional[ServerConfig] = None, *, shutdo
             return JSONResponse({"status": "draining"}, status_code=503)
         if engine.is_healthy:
             return JSONResponse({"status": "ok"})
-        err = engine.dead_error
-        return JSONResponse({"status": "unhealthy", "error": str(err) if err else "engine stopped"},
-                            status_code=503)
+        # the cause (host names, PIDs, ports, library output) is in the log, not on an open route
+        return JSONResponse({"status": "unhealthy", "error": "the engine has stopped"}, status_code=503)
 
     @app.get("/version")
     async def version() -> Any:

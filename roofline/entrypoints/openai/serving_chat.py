@@ -166,7 +166,7 @@ class OpenAIServingChat:
                     if comp.finish_reason is not None:
                         st.finish_reason, st.stop_reason = comp.finish_reason, comp.stop_reason
         except Exception as e:
-            raise engine_error(self.engine, e) from e
+            raise engine_error(self.engine, e, request_id=request_id) from e
         finally:
             await close_all(streams, merged)
         out = []
@@ -227,7 +227,7 @@ class OpenAIServingChat:
         except APIError as e:
             yield sse_error(e)
         except Exception as e:
-            yield sse_error(engine_error(self.engine, e))
+            yield sse_error(engine_error(self.engine, e, request_id=request_id))
         finally:
             await close_all(streams, merged)
         yield SSE_DONE

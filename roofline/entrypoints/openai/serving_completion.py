@@ -162,7 +162,7 @@ class OpenAIServingCompletion:
                     check_finish(comp)
                     self._accumulate(choices[i * n + comp.index], self._visible(comp, prompt_only))
         except Exception as e:
-            raise engine_error(self.engine, e) from e
+            raise engine_error(self.engine, e, request_id=request_id) from e
         finally:
             await close_all(streams, merged)
         out_choices = []
@@ -269,7 +269,7 @@ class OpenAIServingCompletion:
         except APIError as e:
             yield sse_error(e)
         except Exception as e:
-            yield sse_error(engine_error(self.engine, e))
+            yield sse_error(engine_error(self.engine, e, request_id=request_id))
         finally:
             await close_all(streams, merged)
         yield SSE_DONE

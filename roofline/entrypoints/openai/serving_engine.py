@@ -29,6 +29,7 @@ from roofline.entrypoints.openai.protocol import (
     ErrorResponse,
     PromptTokensDetails,
     UsageInfo,
+    random_id,
 )
 from roofline.outputs import CompletionOutput, Logprob, RequestOutput
 from roofline.sampling_params import RequestOutputKind, SamplingParams
@@ -67,8 +68,12 @@ def bad_request(message: str, param: Optional[str] = None, code: Optional[str] =
     return APIError(400, message, "invalid_request_error", param, code)
 
 
-def engine_error(engine: AsyncLLM, e: BaseException, prompt_field: str = "prompt") -> APIError:
-    """Map an AsyncLLM exception to the HTTP error a client should see."""
+def engine_error(engine: AsyncLLM, e: BaseException, prompt_field: str = "prompt",
+                 request_id: Optional[str] = None) -> APIError:
+    """Map an AsyncLLM exception to the HTTP error a client should see.  What the client caused is
+    named (400 with the field); what went wrong inside the server is a short message with the request id
+    (or an error id), and the details -- exception texts that can hold host names, PIDs, ports and
+    collective-library output -- go to the log under that id."""
     if isinstance(e, APIError):
         return e
     if isinstance(e, ValueError):  # the engine rejected the request: name the field if we can
@@ -81,12 +86,21 @@ def engine_error(engine: AsyncLLM, e: BaseException, prompt_field: str = "prompt
         return APIError(503, str(e), "service_unavailable", None, "aborted")
     if isinstance(e, EngineDeadError):
         if engine.dead_error is not None:
-            return APIError(503, str(e), "service_unavailable", None, "engine_dead")
-        return APIError(503, str(e), "service_unavailable", None, "shutting_down")
+            return internal_error(503, "the engine has stopped", "service_unavailable", "engine_dead", e, request_id)
+        return APIError(503, "the server is shutting down", "service_unavailable", None, "shutting_down")
     if isinstance(e, RequestFailedError):
-        return APIError(500, str(e), "internal_server_error", None, "request_failed")
-    logger.exception("unexpected error while serving a request", exc_info=e)
-    return APIError(500, f"internal error: {type(e).__name__}: {e}", "internal_server_error")
+        return internal_error(500, "the request failed inside the engine", "internal_server_error", "request_failed",
+                              e, request_id)
+    return internal_error(500, "internal error", "internal_server_error", None, e, request_id)
+
+
+def internal_error(status: int, what: str, kind: str, code: Optional[str], e: BaseException,
+                   request_id: Optional[str]) -> APIError:
+    """A short error for the client (what happened and an id); the exception goes to the log under the id."""
+    ref = request_id or random_id("err")
+    logger.error("%s (request %s): %s: %s", what, ref, type(e).__name__, e,
+                 exc_info=e if not isinstance(e, (EngineDeadError, RequestFailedError)) else None)
+    return APIError(status, f"{what} (request {ref}); the server log has the details", kind, None, code)
 
 
 _PARAM_RE = re.compile(r"(?:sampling parameter|parameter|argument)\s+'?([A-Za-z_]+)'?")
@@ -373,7 +387,7 @@ async def submit_all(engine: AsyncLLM, base_id: str, prompts: Sequence[tuple[Opt
         for s in streams:
             s.close()
         if isinstance(e, Exception):
-            raise engine_error(engine, e, prompt_field) from e
+            raise engine_error(engine, e, prompt_field, base_id) from e
         raise
     return streams
 
