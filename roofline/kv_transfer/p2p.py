@@ -25,7 +25,10 @@ of its wall time in CPU, sleeping between layers, so that on a core the pull sha
 engine's steps it stretches many steps a little instead of one step a lot (W8 on the 2-core machine: an
 unpaced 128 MB pull stretched one decode step of 16 requests by ~65 ms).  1.0 pulls flat out.
 Socket operations time out after transfer_timeout_s (default 30 s): a producer that died or hangs
-ends in a failed load, which the consumer recomputes or fails (kv_load_failure_policy).
+ends in a failed load, which the consumer recomputes or fails (kv_load_failure_policy).  Held blocks
+are freed as soon as their consumer is known gone: its pull connection broke mid-transfer (the producer
+sees it), or no decode engine took the request (the router tells the producer, release_held_kv);
+otherwise at send_timeout_s.
 This implementation moves CPU tensors over TCP; a CUDA pool is staged through host memory.
 """
 
@@ -169,6 +172,24 @@ class PairGroup:
 
     def recv(self, tensor: Any, tag: int) -> None:
         self.pg.recv([tensor], 0, tag).wait()
+
+
+def release_held_kv(params: dict, timeout_s: float = 5.0) -> bool:
+    """Tell a P2P producer that the KV it holds for a finished prefill will never be pulled (the decode
+    engine meant to take it is gone, or refused the request), so it frees the blocks now rather than at
+    send_timeout_s.  params: the prefill's answer's kv_transfer_params.  False when they name no P2P
+    producer, or it could not be told (it frees them at its timeout then)."""
+    host, port, rid = params.get("remote_host"), params.get("remote_port"), params.get("remote_request_id")
+    if not (isinstance(host, str) and isinstance(port, int) and isinstance(rid, str)):
+        return False
+    try:
+        with socket.create_connection((host, port), timeout=timeout_s) as sock:
+            sock.settimeout(timeout_s)
+            send_msg(sock, Pull(rid, [], release_only=True))
+            return recv_msg(sock, PullReply).ok
+    except (OSError, msgspec.DecodeError, ConnectionError) as e:
+        logger.info("releasing the KV of %s at %s:%d failed: %s", rid, host, port, e)
+        return False
 
 
 class P2pScheduler(KVConnectorScheduler):
@@ -316,12 +337,8 @@ class P2pWorker(KVConnectorWorker):
             self._out.bytes_received[load.req_id] = nbytes
 
     def _release(self, src: RemoteSource) -> None:
-        try:
-            with self._connect(src) as sock:
-                send_msg(sock, Pull(src.request_id, [], release_only=True))
-                recv_msg(sock, PullReply)
-        except Exception as e:  # the producer frees them at its timeout anyway
-            logger.info("releasing %s at %s:%d failed: %s", src.request_id, src.host, src.port, e)
+        release_held_kv({"remote_host": src.host, "remote_port": src.port, "remote_request_id": src.request_id},
+                        self.timeout)  # on failure the producer frees them at its timeout anyway
 
     # ---- producer --------------------------------------------------------------------------------
     def _serve(self) -> None:
@@ -338,6 +355,7 @@ class P2pWorker(KVConnectorWorker):
         import torch
 
         rid = None
+        serving = False  # a consumer is pulling rid's held blocks on this connection
         try:
             with conn:
                 conn.settimeout(self.timeout)
@@ -362,6 +380,7 @@ class P2pWorker(KVConnectorWorker):
                     send_msg(conn, PullReply(False, f"blocks {sorted(set(pull.block_ids) - set(held))[:8]} are not "
                                                     f"held for request {rid!r}"))
                     return
+                serving = True
                 send_msg(conn, PullReply(True, num_layers=len(self.kv_caches)))
                 group = None
                 if pull.store_port:  # transport "torch": the consumer's store, at the consumer's address
@@ -388,6 +407,11 @@ class P2pWorker(KVConnectorWorker):
                     self._out.bytes_sent += sent
         except Exception as e:
             logger.warning("serving KV of %s failed: %s", rid, e)
+            if serving:  # the consumer's connection broke (it died, or gave up): it never pulls these again
+                with self._lock:
+                    if self._sends.pop(rid, None) is not None:
+                        logger.warning("request %s: its consumer went away mid-pull; its held blocks are freed", rid)
+                        self._out.finished_sending.append(rid)
 
     def shutdown(self) -> None:
         self._closing = True

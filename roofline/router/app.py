@@ -6,7 +6,9 @@ PD mode (--prefill URL ... --decode URL ...), per request:
      engine needs (where the prompt's KV blocks are);
   2. the original request, plus those kv_transfer_params, goes to a decode engine, which loads the
      KV, computes the prompt's last token and generates the whole answer; it is passed through to the
-     client as it comes (SSE bytes untouched when streaming).
+     client as it comes (SSE bytes untouched when streaming).  When no decode engine takes it (none
+     reachable, one refused it, or the client left first), the router tells the prefill engine to free
+     the held blocks at once (kv_transfer.p2p.release_held_kv) instead of at its send timeout.
 Replica mode (--replica URL ...): each request goes whole to one data-parallel replica.
 
 Which engine of a kind serves a request is the policy's choice (policies.py).  An engine that refuses
@@ -18,6 +20,7 @@ engines abort its request.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 import logging
@@ -30,6 +33,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from roofline.entrypoints.openai.server import run_cancellable
+from roofline.kv_transfer.p2p import release_held_kv
 from roofline.router.backends import Backend, BackendPool
 from roofline.router.policies import make_policy
 
@@ -213,24 +217,33 @@ class Router:
             return RouterError(400, "n must be 1 with prefill/decode disaggregation", "invalid_request_error").response()
         headers = self.headers(request)
         role = "decode" if self.config.pd else "replica"
+        held: Optional[dict] = None  # PD: the prefill's kv_transfer_params until a decode engine took them
         try:
             if self.config.pd:
                 decode_body = await run_cancellable(request, self.prefill(path, body, headers))
                 if isinstance(decode_body, Response):  # the prefill's error, or 499: the client left
                     self.client_disconnects += decode_body.status_code == 499
                     return decode_body
-                body = decode_body
+                body, held = decode_body, decode_body["kv_transfer_params"]
             if body.get("stream"):
-                return await self.stream(role, path, body, headers)
+                response = await self.stream(role, path, body, headers)
+                if response.status_code == 200:
+                    held = None
+                return response
             result = await run_cancellable(request, self.read(role, path, body, headers))
             if isinstance(result, Response):
                 self.client_disconnects += 1
                 return result
             status, content = result
+            if status == 200:
+                held = None
             return Response(content, status_code=status, media_type="application/json")
         except RouterError as e:
             self.request_errors += 1
             return e.response()
+        finally:
+            if held is not None:  # no decode engine took the prefill's KV: its engine frees it now, not at timeout
+                await asyncio.to_thread(release_held_kv, held)
 
     # ---- operational ---------------------------------------------------------------------------------
     def healthy(self) -> bool:
