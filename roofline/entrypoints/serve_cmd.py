@@ -10,6 +10,7 @@ from roofline.config import env_flag
 from roofline.entrypoints.engine_flags import add_engine_args, engine_args_from
 from roofline.entrypoints.openai.serving_engine import (
     DEFAULT_BODY_TIMEOUT_S,
+    DEFAULT_HEAD_TIMEOUT_S,
     DEFAULT_MAX_BODY_BYTES,
     DEFAULT_MAX_COMPLETIONS_PER_REQUEST,
     MAX_PROMPTS_PER_REQUEST,
@@ -32,6 +33,10 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--request-body-timeout", type=float, default=DEFAULT_BODY_TIMEOUT_S,
                        help=f"seconds a client gets to send its whole request body; then 408 "
                             f"(default: {DEFAULT_BODY_TIMEOUT_S:g})")
+    group.add_argument("--request-head-timeout", type=float, default=DEFAULT_HEAD_TIMEOUT_S,
+                       help=f"seconds a connection gets to send a complete request head (on opening, and "
+                            f"after each answer on a kept-alive one); then it is closed (default: "
+                            f"{DEFAULT_HEAD_TIMEOUT_S:g})")
     group.add_argument("--trust-request-chat-template", action="store_true",
                        help="accept a chat_template in requests (rendered in a sandboxed process with time, "
                             "memory and size limits); off by default: such requests get 400")
@@ -75,6 +80,7 @@ def run(args: argparse.Namespace) -> int:
         max_request_body_bytes=args.max_request_body_bytes,
         max_completions_per_request=args.max_completions_per_request,
         request_body_timeout=args.request_body_timeout,
+        request_head_timeout=args.request_head_timeout,
         trust_request_chat_template=args.trust_request_chat_template,
         max_template_renders_per_client=args.max_template_renders_per_client,
         shutdown_timeout=args.shutdown_timeout,

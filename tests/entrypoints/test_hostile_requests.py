@@ -1,6 +1,8 @@
 """The server as a hostile client finds it: every malformed or adversarial request is a 4xx naming the
 problem, never a 500 and never the end of the engine; afterwards /health is 200 and every KV block is
-back.  A property test throws random bodies at both generation routes."""
+back.  A property test throws random bodies at both generation routes, and a fuzzer driven by the
+server's OpenAPI document throws schema-shaped bodies at every POST route; idle and slowloris
+connections time out without holding anyone up."""
 
 from __future__ import annotations
 
@@ -18,6 +20,7 @@ from roofline.config import EngineArgs
 from roofline.engine.async_llm import AsyncLLM
 from roofline.entrypoints.openai.server import ServerConfig, ServerThread, build_app
 from roofline.metrics.prometheus import metric_value, parse_metrics
+from tests.reference.openapi_strategies import from_openapi_schema
 
 API_KEY = "sk-hostile"
 MAX_MODEL_LEN = 256
@@ -217,6 +220,52 @@ def test_a_dead_end_mid_stream_is_an_error_event(http):
     assert_idle_and_healthy(http)
 
 
+def test_idle_and_slowloris_connections_time_out_and_stop_nobody(server, http):
+    """200 connections that send nothing, or trickle a request head a byte at a time: normal requests are
+    answered meanwhile, and each idle one is closed at the head deadline (1.5 s here), however it trickles."""
+    config = ServerConfig(api_key=API_KEY, request_head_timeout=1.5, uvicorn_log_level="warning", access_log=False,
+                          shutdown_timeout=2.0)
+    srv = ServerThread(build_app(server.engine, config, shutdown_engine=False), config=config).start()
+    socks, stop_trickle = [], threading.Event()
+    try:
+        t_open = time.monotonic()
+        for i in range(200):
+            s = socket.create_connection((srv.host, srv.port), timeout=10)
+            if i % 2:
+                s.sendall(b"POST /v1/completions HTTP/1.1\r\n")
+            socks.append(s)
+
+        def trickle():  # one more header byte every 0.2 s on the odd ones, until they are closed
+            while not stop_trickle.wait(0.2):
+                for s in socks[1::2]:
+                    try:
+                        s.send(b"X")
+                    except OSError:
+                        pass
+
+        threading.Thread(target=trickle, daemon=True).start()
+        with httpx.Client(base_url=srv.url, headers={"Authorization": f"Bearer {API_KEY}"}, timeout=30) as c:
+            for _ in range(3):
+                t0 = time.monotonic()
+                assert c.post("/v1/completions", json={**COMP, "temperature": 0}).status_code == 200
+                assert time.monotonic() - t0 < 5.0
+        closed_at = []
+        for s in socks:
+            s.settimeout(10)
+            try:
+                assert s.recv(4096) == b""
+            except ConnectionResetError:
+                pass
+            closed_at.append(time.monotonic() - t_open)
+        assert min(closed_at) >= 1.4 and max(closed_at) < 8.0, (min(closed_at), max(closed_at))
+    finally:
+        stop_trickle.set()
+        for s in socks:
+            s.close()
+        srv.stop()
+    assert_idle_and_healthy(http)
+
+
 # ---- random bodies ------------------------------------------------------------------------------
 junk = st.recursive(
     st.none() | st.booleans() | st.integers(min_value=-(2**70), max_value=2**70)
@@ -254,6 +303,93 @@ def test_after_the_storm_the_engine_is_idle_and_healthy(http):
     assert_idle_and_healthy(http)
     r = http.post("/v1/completions", json={**COMP, "temperature": 0})
     assert r.status_code == 200
+
+
+# ---- a fuzzer driven by the server's own OpenAPI document ------------------------------------------
+# For every POST route whose body the document declares, hypothesis draws bodies that fit the declared
+# schema (tests/reference/openapi_strategies.py), and the same bodies with one field set to a hostile
+# value; no answer may be a 5xx, nor an error event of the server's own making in a stream.  GET routes
+# are called too.  Work per request is bounded (two completions a request; a body's max_tokens 8 when it
+# has none, capped at 8 when it is a small positive number) so the examples fit the CI budget.
+
+FUZZ_HOSTILE = st.one_of(st.none(), st.booleans(), st.integers(-(2**70), 2**70), st.floats(allow_nan=False, allow_infinity=False),
+                    st.text(max_size=12), st.lists(st.integers(-5, 2**66), max_size=3),
+                    st.dictionaries(st.text(max_size=6), st.integers(), max_size=2))
+
+
+@pytest.fixture(scope="module")
+def fuzz_http(server):
+    """The module's engine behind a server that takes at most two completions a request."""
+    config = ServerConfig(max_completions_per_request=2, uvicorn_log_level="warning", access_log=False,
+                          shutdown_timeout=2.0)
+    srv = ServerThread(build_app(server.engine, config, shutdown_engine=False), config=config).start()
+    with httpx.Client(base_url=srv.url, timeout=120) as c:
+        yield c
+    srv.stop()
+
+
+@pytest.fixture(scope="module")
+def openapi(fuzz_http):
+    doc = fuzz_http.get("/openapi.json").json()
+    assert doc["paths"]["/v1/chat/completions"]["post"]["requestBody"]  # the bodies are in the document
+    return doc
+
+
+def body_strategy(openapi: dict, path: str):
+    """Bodies valid by the route's declared schema, and such bodies with one field made hostile."""
+    ref = openapi["paths"][path]["post"]["requestBody"]["content"]["application/json"]["schema"]
+    valid = from_openapi_schema(ref, openapi["components"]["schemas"])
+    model = openapi["components"]["schemas"][ref["$ref"].rsplit("/", 1)[1]]
+    fields = sorted(model["properties"])
+    hostile = st.tuples(valid, st.sampled_from(fields), FUZZ_HOSTILE).map(lambda t: {**t[0], t[1]: t[2]})
+    return st.one_of(valid, hostile).map(bounded)
+
+
+def bounded(body: dict) -> dict:
+    if "max_tokens" not in body and "max_completion_tokens" not in body:
+        body["max_tokens"] = 8  # a chat body's default is the rest of max_model_len
+    for k in ("max_tokens", "max_completion_tokens"):
+        v = body.get(k)
+        if isinstance(v, int) and not isinstance(v, bool) and 8 < v <= MAX_MODEL_LEN:
+            body[k] = 8
+    return body
+
+
+def check(http: httpx.Client, path: str, body: dict) -> None:
+    data = json.dumps(body, allow_nan=False).encode()
+    with http.stream("POST", path, content=data, headers={"Content-Type": "application/json"}) as r:
+        text = r.read().decode()
+    assert r.status_code < 500, (path, body, r.status_code, text[:500])
+    if r.status_code >= 400:
+        assert "error" in json.loads(text)
+    elif r.headers.get("content-type", "").startswith("text/event-stream"):
+        for line in text.splitlines():
+            if line.startswith("data: {") and '"error"' in line[:20]:
+                err = json.loads(line[6:])["error"]
+                assert err["type"] != "internal_server_error", (path, body, err)
+
+
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions", "/tokenize", "/detokenize"])
+def test_schema_driven_bodies_never_get_a_5xx(fuzz_http, openapi, path):
+    @settings(max_examples=60 if path.startswith("/v1") else 30, deadline=None, derandomize=True, database=None,
+              suppress_health_check=list(HealthCheck))
+    @given(body=body_strategy(openapi, path))
+    def run(body):
+        check(fuzz_http, path, body)
+
+    run()
+
+
+def test_every_get_route_answers_without_a_5xx(fuzz_http, openapi):
+    for path, ops in openapi["paths"].items():
+        if "get" in ops and "{" not in path:
+            assert fuzz_http.get(path).status_code < 500, path
+    assert fuzz_http.get("/v1/models/no-such-model").status_code == 404
+
+
+def test_after_the_fuzzing_every_block_is_back(http):
+    assert_idle_and_healthy(http)
+    assert http.post("/v1/completions", json={**COMP, "temperature": 0}).status_code == 200
 
 
 def test_json_bytes_is_json_dumps():

@@ -41,10 +41,13 @@ from roofline.entrypoints.openai.protocol import (
     ModelList,
     TokenizeRequest,
 )
+from roofline.entrypoints.openai.http_protocol import head_deadline_protocol
+from roofline.entrypoints.openai.openapi import install_openapi
 from roofline.entrypoints.openai.serving_chat import OpenAIServingChat, apply_chat_template
 from roofline.entrypoints.openai.serving_completion import OpenAIServingCompletion
 from roofline.entrypoints.openai.serving_engine import (
     DEFAULT_BODY_TIMEOUT_S,
+    DEFAULT_HEAD_TIMEOUT_S,
     DEFAULT_MAX_BODY_BYTES,
     DEFAULT_MAX_COMPLETIONS_PER_REQUEST,
     APIError,
@@ -83,6 +86,7 @@ class ServerConfig:
     max_request_body_bytes: int = DEFAULT_MAX_BODY_BYTES
     max_completions_per_request: int = DEFAULT_MAX_COMPLETIONS_PER_REQUEST  # prompts x n of one request
     request_body_timeout: float = DEFAULT_BODY_TIMEOUT_S  # seconds a client has to send its whole body
+    request_head_timeout: float = DEFAULT_HEAD_TIMEOUT_S  # seconds a connection has to send a request head
     trust_request_chat_template: bool = False  # render a request's own chat_template (sandboxed)
     template_timeout_s: float = 2.0  # a request chat template's render time limit
     max_template_renders_per_client: int = 2  # request chat templates in flight per client address (429 beyond)
@@ -323,6 +327,8 @@ def build_app(engine: AsyncLLM, config: Optional[ServerConfig] = None, *, shutdo
             raise bad_request(f"cannot decode tokens: {e}", param="tokens")
         return await large_json({"prompt": text})  # DetokenizeResponse's shape
 
+    install_openapi(app, {"/v1/completions": CompletionRequest, "/v1/chat/completions": ChatCompletionRequest,
+                          "/tokenize": TokenizeRequest, "/detokenize": DetokenizeRequest})
     return app
 
 
@@ -427,7 +433,8 @@ def bind_socket(host: str, port: int) -> socket.socket:
 def _uvicorn_config(app: FastAPI, config: ServerConfig) -> uvicorn.Config:
     # the drain (above) bounds the wait for requests; uvicorn's own timeout is a backstop past it
     return uvicorn.Config(app, log_level=config.uvicorn_log_level, access_log=config.access_log,
-                          timeout_graceful_shutdown=10.0, lifespan="on", timeout_keep_alive=5)
+                          timeout_graceful_shutdown=10.0, lifespan="on", timeout_keep_alive=5,
+                          http=head_deadline_protocol(config.request_head_timeout))
 
 
 def run_server(engine_args: Any, config: ServerConfig) -> int:

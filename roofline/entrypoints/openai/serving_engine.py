@@ -117,6 +117,7 @@ def _param_from_message(msg: str, prompt_field: Optional[str] = None) -> Optiona
 
 # --------------------------------------------------------------------------- request bodies
 DEFAULT_BODY_TIMEOUT_S = 30.0
+DEFAULT_HEAD_TIMEOUT_S = 10.0  # a connection's request head (http_protocol.py)
 MAX_JSON_DEPTH = 32  # a chat request nests ~5 levels; anything deeper is an attack or a mistake
 _OFF_LOOP_BYTES = 1 << 20  # bodies larger than this are parsed in a thread
 
