@@ -45,6 +45,22 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
                             "in flight; 429 beyond (default: 2)")
     group.add_argument("--max-request-body-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES,
                        help=f"larger request bodies get 413 (default: {DEFAULT_MAX_BODY_BYTES})")
+    chat = parser.add_argument_group("chat")
+    chat.add_argument("--chat-template", default=None, metavar="PATH_OR_TEMPLATE",
+                      help="the chat template to use instead of the model's: a Jinja file's path, or the template "
+                           "itself")
+    chat.add_argument("--chat-template-content-format", default="auto", choices=["auto", "string", "openai"],
+                      help="message content as the template wants it: one string, OpenAI's list of text parts, "
+                           "or auto (from the template) (default: auto)")
+    chat.add_argument("--enable-auto-tool-choice", action="store_true",
+                      help='let the model decide to call tools (tool_choice "auto", the default with tools): its '
+                           "text is parsed by --tool-call-parser")
+    chat.add_argument("--tool-call-parser", default=None,
+                      help="how the model writes tool calls: hermes (Hermes, Qwen2.5, SmolLM3), llama3_json, "
+                           "mistral, pythonic (Llama 4), deepseek_v3, qwen3_coder")
+    chat.add_argument("--reasoning-parser", default=None,
+                      help="split a reasoning model's thinking into message.reasoning_content: deepseek_r1, "
+                           "qwen3, deepseek_v3 (structured outputs and required tool calls apply after it)")
     group.add_argument("--max-completions-per-request", type=int, default=DEFAULT_MAX_COMPLETIONS_PER_REQUEST,
                        help=f"a request's prompts x n beyond this get 400 (default: "
                             f"{DEFAULT_MAX_COMPLETIONS_PER_REQUEST}); a completions request holds at most "
@@ -83,13 +99,21 @@ def run(args: argparse.Namespace) -> int:
         request_head_timeout=args.request_head_timeout,
         trust_request_chat_template=args.trust_request_chat_template,
         max_template_renders_per_client=args.max_template_renders_per_client,
+        chat_template=args.chat_template,
+        chat_template_content_format=args.chat_template_content_format,
+        enable_auto_tool_choice=args.enable_auto_tool_choice,
+        tool_call_parser=args.tool_call_parser,
+        reasoning_parser=args.reasoning_parser,
         shutdown_timeout=args.shutdown_timeout,
         retry_after=args.retry_after,
         log_stats_interval=args.log_stats_interval,
         uvicorn_log_level=args.uvicorn_log_level,
         access_log=not args.disable_access_log,
     )
-    return run_server(engine_args, config)
+    try:
+        return run_server(engine_args, config)
+    except ValueError as e:  # a bad flag (a parser's name, a chat template): said before anything loads
+        raise SystemExit(f"roofline serve: {e}") from None
 
 
 def register(subparsers) -> None:

@@ -52,7 +52,7 @@ class StructuredOutputManager:
         """count fresh matchers' holders on one (shared, cached) compile; a failed compile fails the
         request at the next step (take_failed), like one that fails later."""
         fut = self.cache.get(params)
-        return [RequestGrammar(fut, list(stop_token_ids)) for _ in range(count)]
+        return [RequestGrammar(fut, list(stop_token_ids), params.start_after_token_id) for _ in range(count)]
 
     def track(self, request: Any) -> None:
         """Watch a queued request until its compile is done and its first position checked (forked n>1

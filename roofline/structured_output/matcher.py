@@ -5,7 +5,9 @@ meanwhile), then an xgrammar GrammarMatcher that advances with every token the r
 fills that request's row of the step's token bitmask.  dead_end() tells when the grammar allows no
 next token at all (the engine then fails the request before it samples).  The matcher sees output tokens only, so a
 request recomputed after preemption (same output tokens) keeps a consistent state.  rollback(k)
-undoes the last k accepted tokens: the hook speculative decoding needs for rejected proposals.
+undoes the last k accepted tokens: the hook speculative decoding needs for rejected proposals.  With
+start_after_token_id (a reasoning model's end-of-think) the request runs free until that token, and the
+grammar constrains what follows it.
 """
 
 from __future__ import annotations
@@ -22,9 +24,10 @@ logger = logging.getLogger(__name__)
 
 
 class RequestGrammar:
-    def __init__(self, compiled: Future, stop_token_ids: list[int]) -> None:
+    def __init__(self, compiled: Future, stop_token_ids: list[int], start_after_token_id: Optional[int] = None) -> None:
         self.compiled = compiled
         self.stop_token_ids = stop_token_ids  # EOS (unless ignored) and the request's stop_token_ids
+        self.waiting_for = start_after_token_id  # the constraint starts after this token (end of thinking)
         self._matcher: Any = None
         self.num_accepted = 0
         self.broken = False  # a token the grammar rejected was appended (see accept)
@@ -55,7 +58,7 @@ class RequestGrammar:
     @property
     def constrains(self) -> bool:
         """Whether the next token is constrained (ready, consistent and not terminated)."""
-        return (not self.pending and self.error is None and not self.broken
+        return (self.waiting_for is None and not self.pending and self.error is None and not self.broken
                 and not self.matcher.is_terminated())
 
     def next_token_mask(self, vocab_size: int) -> torch.Tensor:
@@ -89,6 +92,11 @@ class RequestGrammar:
         rather than let it go on unconstrained."""
         if self.broken or self.pending or self.error is not None:
             return
+        if self.waiting_for is not None:  # free until the start token; the grammar takes what follows it
+            if self.waiting_for not in token_ids:
+                return
+            token_ids = token_ids[token_ids.index(self.waiting_for) + 1:]
+            self.waiting_for = None
         m = self.matcher
         for tok in token_ids:
             if m.is_terminated():

@@ -24,6 +24,9 @@ class StructuredOutputsParams:
     grammar: Optional[str] = None
     json_object: Optional[bool] = None
     disable_any_whitespace: bool = False  # JSON: no free whitespace between elements
+    # The constraint starts after the first output token with this id (a reasoning model's end-of-think):
+    # the thinking before it is free.  None: from the first token.  Not part of the compiled grammar.
+    start_after_token_id: Optional[int] = None
 
     def __post_init__(self) -> None:
         set_ = [k for k in KINDS if getattr(self, k) not in (None, False)]
@@ -49,6 +52,9 @@ class StructuredOutputsParams:
                     or any(not isinstance(c, str) or not c for c in self.choice)):
                 raise ValueError("invalid structured_outputs.choice: must be a non-empty list of non-empty strings")
             self.choice = list(self.choice)
+        t = self.start_after_token_id
+        if t is not None and (not isinstance(t, int) or isinstance(t, bool) or t < 0):
+            raise ValueError("invalid structured_outputs.start_after_token_id: must be a token id")
         for name in ("json_object", "disable_any_whitespace"):
             v = getattr(self, name)
             if v is not None and not isinstance(v, bool):

@@ -193,6 +193,7 @@ class ChatCompletionRequest(_SamplingFields):
     # Extensions
     add_generation_prompt: bool = True
     continue_final_message: bool = False
+    echo: bool = False  # the answer starts with the last message's content when that is the assistant's
     chat_template: Optional[str] = None
     chat_template_kwargs: Optional[dict[str, Any]] = None
 
@@ -214,9 +215,24 @@ class ChatChoiceLogprobs(BaseModel):
     content: Optional[list[ChatTokenLogprob]] = None
 
 
+class FunctionCall(BaseModel):
+    name: str
+    arguments: str  # a JSON object's text
+
+
+class ToolCallOut(BaseModel):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatResponseMessage(BaseModel):
     role: str = "assistant"
     content: Optional[str] = None
+    # the reasoning model's thinking (--reasoning-parser): reasoning_content (vLLM's name) and reasoning (newer)
+    reasoning_content: Optional[str] = None
+    reasoning: Optional[str] = None
+    tool_calls: list[ToolCallOut] = Field(default_factory=list)
 
 
 class ChatCompletionResponseChoice(BaseModel):

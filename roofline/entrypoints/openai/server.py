@@ -43,8 +43,10 @@ from roofline.entrypoints.openai.protocol import (
 )
 from roofline.entrypoints.openai.http_protocol import head_deadline_protocol
 from roofline.entrypoints.openai.openapi import install_openapi
-from roofline.entrypoints.openai.serving_chat import OpenAIServingChat, apply_chat_template
+from roofline.engine.chat_template import load_chat_template, resolve_content_format
+from roofline.entrypoints.openai.serving_chat import ChatOptions, OpenAIServingChat, apply_chat_template
 from roofline.entrypoints.openai.serving_completion import OpenAIServingCompletion
+from roofline.entrypoints.openai.serving_responses import OpenAIServingResponses, ResponsesRequest
 from roofline.entrypoints.openai.serving_engine import (
     DEFAULT_BODY_TIMEOUT_S,
     DEFAULT_HEAD_TIMEOUT_S,
@@ -90,6 +92,11 @@ class ServerConfig:
     trust_request_chat_template: bool = False  # render a request's own chat_template (sandboxed)
     template_timeout_s: float = 2.0  # a request chat template's render time limit
     max_template_renders_per_client: int = 2  # request chat templates in flight per client address (429 beyond)
+    chat_template: Optional[str] = None  # --chat-template: a path or the template (default: the model's)
+    chat_template_content_format: str = "auto"  # auto | string | openai
+    enable_auto_tool_choice: bool = False
+    tool_call_parser: Optional[str] = None  # hermes, llama3_json, mistral, pythonic, deepseek_v3, qwen3_coder
+    reasoning_parser: Optional[str] = None  # deepseek_r1, qwen3, deepseek_v3
     shutdown_timeout: float = 30.0  # seconds in-flight requests get to finish on SIGINT/SIGTERM
     retry_after: int = 1  # seconds, in 503 queue-full answers
     log_stats_interval: float = 10.0  # 0 disables the periodic log line
@@ -161,17 +168,27 @@ def build_app(engine: AsyncLLM, config: Optional[ServerConfig] = None, *, shutdo
     names = model_names(engine.model_config, config.served_model_name)
     model_name = names[0]
     max_model_len = int(engine.model_config.max_model_len)
+    chat_template = load_chat_template(config.chat_template)
+    chat_options = ChatOptions(
+        enable_auto_tool_choice=config.enable_auto_tool_choice, tool_call_parser=config.tool_call_parser,
+        reasoning_parser=config.reasoning_parser,
+        chat_template_content_format=resolve_content_format(
+            config.chat_template_content_format,
+            chat_template or getattr(engine.tokenizer, "chat_template", None)))
     tokenizer = (ServerTokenizer(engine.tokenizer, max_model_len,
                                  trust_request_chat_template=config.trust_request_chat_template,
                                  template_timeout_s=config.template_timeout_s,
-                                 max_template_renders_per_client=config.max_template_renders_per_client)
+                                 max_template_renders_per_client=config.max_template_renders_per_client,
+                                 chat_template=chat_template)
                  if engine.tokenizer is not None else None)
     vocab_size = _vocab_size(engine, tokenizer.loop if tokenizer is not None else None)
     metrics = PrometheusStatLogger(model_name)
     engine.stat_loggers.append(metrics)
     completions = OpenAIServingCompletion(engine, tokenizer, model_name, max_model_len,
                                           config.max_completions_per_request)
-    chat = OpenAIServingChat(engine, tokenizer, model_name, max_model_len, config.max_completions_per_request)
+    chat = OpenAIServingChat(engine, tokenizer, model_name, max_model_len, config.max_completions_per_request,
+                             chat_options)
+    responses = OpenAIServingResponses(chat, model_name)
     limit = config.max_request_body_bytes
 
     async def parse(request: Request, cls: Any) -> Any:
@@ -240,7 +257,7 @@ def build_app(engine: AsyncLLM, config: Optional[ServerConfig] = None, *, shutdo
             return result
         if isinstance(result, SSEStream):
             return _SSEResponse(result)
-        return JSONResponse(result.model_dump(mode="json"))
+        return JSONResponse(result if isinstance(result, dict) else result.model_dump(mode="json"))
 
     # ------------------------------------------------------------------ /v1
     v1 = APIRouter(prefix="/v1")
@@ -273,6 +290,15 @@ def build_app(engine: AsyncLLM, config: Optional[ServerConfig] = None, *, shutdo
             return respond(await chat.create(req, client))
         return respond(await run_cancellable(request, chat.create(req, client)))
 
+    @v1.post("/responses")
+    async def create_response(request: Request) -> Response:
+        req = await parse(request, ResponsesRequest)
+        check_model(req.model)
+        client = request.client.host if request.client else ""
+        if req.stream:
+            return respond(await responses.create(req, client))
+        return respond(await run_cancellable(request, responses.create(req, client)))
+
     app.include_router(v1)
 
     # ------------------------------------------------------------------ operational routes
@@ -302,7 +328,8 @@ def build_app(engine: AsyncLLM, config: Optional[ServerConfig] = None, *, shutdo
         if (req.prompt is None) == (req.messages is None):
             raise bad_request("give exactly one of 'prompt' or 'messages'", param="prompt")
         if req.messages is not None:
-            _, ids = await apply_chat_template(tokenizer, req.messages, add_generation_prompt=req.add_generation_prompt)
+            _, ids = await apply_chat_template(tokenizer, req.messages, add_generation_prompt=req.add_generation_prompt,
+                                               content_format=chat_options.chat_template_content_format)
         else:
             ids = await tokenizer.encode(req.prompt, add_special_tokens=req.add_special_tokens, bounded=False)
         strs = await tokenizer.convert_ids_to_tokens(ids) if req.return_token_strs else None
@@ -328,7 +355,8 @@ def build_app(engine: AsyncLLM, config: Optional[ServerConfig] = None, *, shutdo
         return await large_json({"prompt": text})  # DetokenizeResponse's shape
 
     install_openapi(app, {"/v1/completions": CompletionRequest, "/v1/chat/completions": ChatCompletionRequest,
-                          "/tokenize": TokenizeRequest, "/detokenize": DetokenizeRequest})
+                          "/v1/responses": ResponsesRequest, "/tokenize": TokenizeRequest,
+                          "/detokenize": DetokenizeRequest})
     return app
 
 
@@ -439,6 +467,9 @@ def _uvicorn_config(app: FastAPI, config: ServerConfig) -> uvicorn.Config:
 
 def run_server(engine_args: Any, config: ServerConfig) -> int:
     """Load the engine, serve until SIGINT/SIGTERM, shut down gracefully. Returns the exit status."""
+    load_chat_template(config.chat_template)  # bad chat flags fail before the model loads, naming the flag
+    ChatOptions(enable_auto_tool_choice=config.enable_auto_tool_choice, tool_call_parser=config.tool_call_parser,
+                reasoning_parser=config.reasoning_parser)
     sock = bind_socket(config.host, config.port)  # fail fast on a busy port, before loading the model
     t0 = time.monotonic()
     engine = AsyncLLM.from_engine_args(engine_args, retry_after=config.retry_after)

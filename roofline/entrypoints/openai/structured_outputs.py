@@ -76,8 +76,12 @@ def _named(message: str, field: str) -> str:
 async def attach_structured_outputs(engine: Any, req: Any, params: SamplingParams) -> None:
     """Set params.structured_outputs from the request, once its grammar compiled (400 if it does not)."""
     field, so = structured_outputs_of(req)
-    if so is None:
-        return
+    if so is not None:
+        await attach_constraint(engine, so, field, params)
+
+
+async def attach_constraint(engine: Any, so: StructuredOutputsParams, field: str, params: SamplingParams) -> None:
+    """Set params.structured_outputs to so once its grammar compiled (a 400 naming field if it does not)."""
     manager = getattr(getattr(engine, "core", None), "structured_output", None)
     if manager is None:
         raise bad_request("structured outputs are not available on this server", param=field)

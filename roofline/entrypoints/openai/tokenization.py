@@ -7,7 +7,7 @@ long to fit max_model_len tokens whatever it says is refused at once: no token i
 vocabulary's longest entry, so a text of more than `max_model_len x longest entry` characters
 (with a margin for normalization) cannot fit.
 
-Chat templates: the model's own renders in the pool too; a template sent with the request is refused
+Chat templates: the server's (--chat-template) or the model's own renders in the pool too; a template sent with the request is refused
 unless the server trusts request templates, and then renders in sandboxed child processes
 (template_sandbox.py) under time, memory and output limits.  Request templates have a pool of their own
 (template_threads threads, as many sandbox children), so a request without one never queues behind a
@@ -39,8 +39,10 @@ def _longest_entry(tokenizer: Any) -> int:
 class ServerTokenizer:
     def __init__(self, tokenizer: Any, max_model_len: int, *, trust_request_chat_template: bool = False,
                  template_timeout_s: float = 2.0, threads: int = 2, template_threads: int = 2,
-                 max_template_renders_per_client: int = 2, max_pending_template_renders: int = 64) -> None:
+                 max_template_renders_per_client: int = 2, max_pending_template_renders: int = 64,
+                 chat_template: Optional[str] = None) -> None:
         self.base = tokenizer
+        self.chat_template = chat_template  # the server's --chat-template (trusted), else the model's own
         self.loop = server_tokenizer(tokenizer)  # the event loop's own copy, for short decodes (logprob tokens)
         self.max_model_len = max_model_len
         self.trust_request_chat_template = trust_request_chat_template
@@ -113,7 +115,7 @@ class ServerTokenizer:
 
         def render() -> str:
             return self._tok().apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt,
-                                                   **extra)
+                                                   chat_template=self.chat_template, **extra)
         try:
             return await self._run(render)
         except Exception as e:
