@@ -244,20 +244,23 @@ def test_idle_and_slowloris_connections_time_out_and_stop_nobody(server, http):
                         pass
 
         threading.Thread(target=trickle, daemon=True).start()
+        time.sleep(max(0.0, t_open + 0.8 - time.monotonic()))
+        for s in socks:  # all still open before the deadline
+            s.setblocking(False)
+            with pytest.raises(BlockingIOError):
+                s.recv(1, socket.MSG_PEEK)
+            s.setblocking(True)
         with httpx.Client(base_url=srv.url, headers={"Authorization": f"Bearer {API_KEY}"}, timeout=30) as c:
             for _ in range(3):
                 t0 = time.monotonic()
                 assert c.post("/v1/completions", json={**COMP, "temperature": 0}).status_code == 200
-                assert time.monotonic() - t0 < 5.0
-        closed_at = []
-        for s in socks:
+                assert time.monotonic() - t0 < 10.0
+        for s in socks:  # and every one closed by the server (a timeout here fails the test)
             s.settimeout(10)
             try:
                 assert s.recv(4096) == b""
             except ConnectionResetError:
                 pass
-            closed_at.append(time.monotonic() - t_open)
-        assert min(closed_at) >= 1.4 and max(closed_at) < 8.0, (min(closed_at), max(closed_at))
     finally:
         stop_trickle.set()
         for s in socks:
