@@ -1,7 +1,7 @@
 """roofline: an LLM inference-serving engine (paged KV cache, continuous batching, chunked prefill)."""
 
-from roofline.outputs import CompletionOutput, RequestOutput
-from roofline.sampling_params import RequestOutputKind, SamplingParams
+from roofline.outputs import BeamSearchOutput, BeamSearchSequence, CompletionOutput, RequestOutput
+from roofline.sampling_params import BeamSearchParams, RequestOutputKind, SamplingParams
 
 __version__ = "0.1.0"
 
@@ -18,4 +18,5 @@ def __getattr__(name):  # LLM pulls in torch and transformers: import it lazily
     raise AttributeError(name)
 
 
-__all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput", "RequestOutputKind", "EngineArgs"]
+__all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput", "RequestOutputKind", "EngineArgs",
+           "BeamSearchParams", "BeamSearchOutput", "BeamSearchSequence"]

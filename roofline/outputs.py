@@ -48,6 +48,8 @@ class CompletionOutput:
     logprobs: Optional[list[LogprobsDict]]
     finish_reason: Optional[str] = None  # "stop" | "length" | "abort" | "error"
     stop_reason: Optional[object] = None  # the stop string or stop token id that ended it
+    # beam search: cumulative_logprob / len(token_ids) ** length_penalty, what the beams are ranked by
+    score: Optional[float] = None
 
     def finished(self) -> bool:
         return self.finish_reason is not None
@@ -71,3 +73,22 @@ class RequestOutput:
     # A prefill for another engine (kv_transfer_params.do_remote_decode): what the decoder needs to
     # fetch its KV (do_remote_prefill, remote_engine_id, remote_block_ids, remote_host, remote_port, ...)
     kv_transfer_params: Optional[dict] = None
+
+
+@dataclass
+class BeamSearchSequence:
+    """One hypothesis of LLM.beam_search (vLLM's names): tokens holds the prompt and then the generated
+    tokens (the EOS included when it ended on one); text is the generated text only."""
+
+    tokens: list[int]
+    text: str
+    cum_logprob: float
+    score: float  # cum_logprob / (generated tokens) ** length_penalty
+    finish_reason: Optional[str] = None  # "stop" (EOS) | "length" (max_tokens)
+
+
+@dataclass
+class BeamSearchOutput:
+    """LLM.beam_search's result for one prompt: its beam_width hypotheses, best (highest score) first."""
+
+    sequences: list[BeamSearchSequence]

@@ -13,6 +13,9 @@ from roofline.structured_output.params import StructuredOutputsParams
 
 # A seed is a signed 64-bit integer (the range OpenAI-style servers accept and msgpack carries).
 SEED_MIN, SEED_MAX = -(2**63), 2**63 - 1
+# The widest beam search: every live beam returns its top 2 * width logprobs each step, so a step weighs at
+# most 64 * 128 candidates.
+MAX_BEAM_WIDTH = 64
 
 
 def _is_int(v) -> bool:
@@ -53,6 +56,10 @@ class SamplingParams:
     structured_outputs: Optional[StructuredOutputsParams] = None  # JSON schema / regex / choice / grammar
     # prefill/decode disaggregation (kv_transfer/config.py KVTransferParams): do_remote_decode, ...
     kv_transfer_params: Optional[dict] = None
+    # beam search (core/beam_search.py): n beams, ranked by cumulative logprob / length ** length_penalty; one
+    # output, when the search ends, carrying the n best hypotheses (sampling options do not apply)
+    use_beam_search: bool = False
+    length_penalty: float = 1.0
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -73,7 +80,7 @@ class SamplingParams:
             raise ValueError(f"invalid sampling parameter {name}={value!r}: {why}")
 
         for name in ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty",
-                     "frequency_penalty"):
+                     "frequency_penalty", "length_penalty"):
             value = getattr(self, name)
             if not _is_number(value) or not math.isfinite(value):
                 bad(name, value, "must be a finite number")
@@ -81,7 +88,8 @@ class SamplingParams:
             if not _is_int(getattr(self, name)):
                 bad(name, getattr(self, name), "must be an integer")
         if self.n < 1:
-            bad("n", self.n, "must be an integer >= 1")
+            bad("n", self.n, "must be an integer >= 1" + (" (with use_beam_search: the beam width, beam_width)"
+                                                          if self.use_beam_search else ""))
         if self.temperature < 0.0:
             bad("temperature", self.temperature, "must be >= 0")
         if not 0.0 < self.top_p <= 1.0:
@@ -116,6 +124,25 @@ class SamplingParams:
             bad("stop_token_ids", self.stop_token_ids, "must be non-negative integers")
         if self.structured_outputs is not None and not isinstance(self.structured_outputs, StructuredOutputsParams):
             bad("structured_outputs", self.structured_outputs, "must be a StructuredOutputsParams or a dict")
+        if self.use_beam_search:
+            self._validate_beam_search(bad)
+
+    def _validate_beam_search(self, bad) -> None:
+        """Beam search ranks by the model's raw logprobs and stops on EOS and max_tokens only: the options
+        that would change that are refused rather than ignored."""
+        if self.n > MAX_BEAM_WIDTH:
+            bad("n", self.n, f"with use_beam_search n is the beam width (beam_width), at most {MAX_BEAM_WIDTH}")
+        unsupported = {
+            "stop": bool(self.stop), "stop_token_ids": bool(self.stop_token_ids), "min_tokens": self.min_tokens > 0,
+            "logprobs": self.logprobs is not None, "prompt_logprobs": self.prompt_logprobs is not None,
+            "repetition_penalty": self.repetition_penalty != 1.0, "presence_penalty": self.presence_penalty != 0.0,
+            "frequency_penalty": self.frequency_penalty != 0.0,
+            "structured_outputs": self.structured_outputs is not None,
+            "kv_transfer_params": self.kv_transfer_params is not None,
+        }
+        for name, used in unsupported.items():
+            if used:
+                bad(name, getattr(self, name), "is not supported with use_beam_search")
 
     @property
     def greedy(self) -> bool:
@@ -123,3 +150,30 @@ class SamplingParams:
 
     def clone(self) -> "SamplingParams":
         return copy.deepcopy(self)
+
+
+@dataclass
+class BeamSearchParams:
+    """LLM.beam_search's parameters (vLLM's names): beam_width beams of up to max_tokens new tokens; finished
+    hypotheses rank by cumulative logprob / (generated tokens) ** length_penalty; ignore_eos: EOS is an
+    ordinary token, so every hypothesis runs to max_tokens."""
+
+    beam_width: int
+    max_tokens: int
+    length_penalty: float = 1.0
+    ignore_eos: bool = False
+
+    def __post_init__(self) -> None:
+        if not _is_int(self.beam_width) or not 1 <= self.beam_width <= MAX_BEAM_WIDTH:
+            raise ValueError(f"invalid beam search parameter beam_width={self.beam_width!r}: "
+                             f"must be an integer in [1, {MAX_BEAM_WIDTH}]")
+        if not _is_int(self.max_tokens) or self.max_tokens < 1:
+            raise ValueError(f"invalid beam search parameter max_tokens={self.max_tokens!r}: must be an integer >= 1")
+        if not _is_number(self.length_penalty) or not math.isfinite(self.length_penalty):
+            raise ValueError(f"invalid beam search parameter length_penalty={self.length_penalty!r}: "
+                             "must be a finite number")
+
+    def sampling_params(self) -> SamplingParams:
+        """The engine request that runs this search (what AsyncLLM callers submit for use_beam_search)."""
+        return SamplingParams(n=self.beam_width, use_beam_search=True, length_penalty=float(self.length_penalty),
+                              max_tokens=self.max_tokens, ignore_eos=bool(self.ignore_eos))

@@ -91,6 +91,10 @@ class DataParallelScheduler:
     def has_unfinished_requests(self) -> bool:
         return any(s.has_unfinished_requests() for s in self.ranks)
 
+    def take_finished_beam_groups(self) -> list:
+        """The beam searches done on any rank since the last call (a search's beams live on one rank)."""
+        return [g for s in self.ranks for g in s.take_finished_beam_groups()]
+
     # ---- views the engine reads ----------------------------------------------------------------
     @property
     def requests(self) -> ChainMap:

@@ -16,6 +16,7 @@ class RequestStatus(enum.IntEnum):
     PREEMPTED = 3  # waiting again after preemption by recompute
     SWAPPED = 4  # its KV lives in the CPU swap pool
     WAITING_FOR_REMOTE_KVS = 5  # its blocks are allocated; a KV connector is filling them (kv_transfer/)
+    WAITING_FOR_BEAMS = 6  # a beam that reported its next-token logprobs, waiting for its search's step
     FINISHED_STOPPED = 10
     FINISHED_LENGTH = 11
     FINISHED_ABORTED = 12

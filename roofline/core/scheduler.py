@@ -23,16 +23,27 @@ update_from_output; such a request is neither scheduled again (its next token is
 preempted (a stage may still write its blocks), so no token is ever scheduled twice.
 `schedule(max_requests=...)` caps a step's requests, so that the engine can spread the running
 requests over as many batches as the pipeline holds.
+
+Beam search (use_beam_search, core/beam_search.py): a request starts as one beam, an ordinary request that
+samples greedily and returns its top 2W logprobs.  A beam's sampled token is never appended: the beam is
+*parked* (out of `running`, keeping its blocks) until every live beam of its search has reported, then the
+search's step continues it with the chosen token (its first child), forks it for further children (the
+child shares every block, the partial last one copy-on-write) or ends it.  Continued and forked beams
+queue at the front of `waiting` holding their blocks, so each step of a beam feeds one new token.  Under
+memory pressure a parked beam, like a waiting one, gives its blocks up and recomputes later (from the
+prefix cache).  Parked beams hold no place in the running batch, so beams never wait on each other for one.
 """
 
 from __future__ import annotations
 
+import itertools
 import time
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Iterable, Optional
 
 from roofline.config import CacheConfig, SchedulerConfig
+from roofline.core.beam_search import BeamGroup, BeamSearch
 from roofline.core.kv_cache_manager import KVCacheManager
 from roofline.core.request import Request, RequestStatus
 from roofline.spec_decode.stats import SpecDecodeStats
@@ -41,6 +52,7 @@ from roofline.kv_transfer.tracker import KVTransferTracker
 from roofline.core.scheduler_output import (
     ModelRunnerOutput,
     NewRequestData,
+    PositionLogprobs,
     SamplingSpec,
     ScheduledRequest,
     SchedulerOutput,
@@ -72,6 +84,10 @@ class SchedulerStats:
 
 def sampling_spec(request: Request) -> SamplingSpec:
     p = request.sampling_params
+    if p.use_beam_search:  # a beam: the raw distribution's top 2W logprobs (the token drawn is not used)
+        return SamplingSpec(temperature=0.0, top_p=1.0, top_k=0, min_p=0.0, repetition_penalty=1.0,
+                            presence_penalty=0.0, frequency_penalty=0.0, seed=None, min_tokens=0, stop_token_ids=[],
+                            logprobs=2 * p.n, prompt_logprobs=None)
     return SamplingSpec(
         temperature=p.temperature,
         top_p=p.top_p,
@@ -123,12 +139,22 @@ class Scheduler:
         # KV transfer between engines (kv_transfer/): loads in flight, held prefills
         self.kv_transfer = KVTransferTracker(kv_connector, self.kv) if kv_connector is not None else None
         self.in_flight: dict[str, int] = {}  # request id -> scheduled steps not yet through update_from_output
+        # beam search: searches in progress by user request id, beams waiting for their search's step (they
+        # hold their blocks), and the searches done since the engine last took them
+        self.beam_groups: dict[str, BeamGroup] = {}
+        self.parked: dict[str, Request] = {}
+        self.finished_beam_groups: list[BeamGroup] = []
 
     # ---- intake -------------------------------------------------------------------------------
     def add_request(self, request: Request) -> None:
         if request.request_id in self.requests:
             raise ValueError(f"request id {request.request_id!r} is already in use")
         self.requests[request.request_id] = request
+        p = request.sampling_params
+        if p.use_beam_search:
+            eos = None if p.ignore_eos else request.eos_token_id
+            search = BeamSearch(p.n, p.max_tokens, p.length_penalty, eos)
+            self.beam_groups[request.group_id] = BeamGroup(request, search)
         if request.status == RequestStatus.WAITING:
             self._enqueue(request)
 
@@ -142,14 +168,21 @@ class Scheduler:
             self.waiting.append(request)
 
     def finish_requests(self, request_ids: Iterable[str], status: RequestStatus) -> list[Request]:
-        """Abort or stop requests from outside (client gone, stop string). Frees their blocks now."""
+        """Abort or stop requests from outside (client gone, stop string). Frees their blocks now.
+        The id of a beam search in progress (the user's request id) ends every live beam of it."""
         done = []
         for rid in request_ids:
+            group = self.beam_groups.pop(rid, None)
+            if group is not None:
+                done += self.finish_requests([b.request_id for b in group.beams], status)
+                continue
             req = self.requests.get(rid)
             if req is None or req.is_finished:
                 continue
             if req.status == RequestStatus.RUNNING:
                 self.running.remove(req)
+            elif req.status == RequestStatus.WAITING_FOR_BEAMS:
+                del self.parked[rid]
             elif req in self.waiting:
                 self.waiting.remove(req)
             elif req in self.swapped:
@@ -211,9 +244,10 @@ class Scheduler:
         return returned
 
     def _release_waiting_holder(self, keep: Request) -> bool:
-        """Free the blocks of a waiting request that holds some (a forked sibling not yet run);
-        it will recompute (cheaply, from the prefix cache).  Returns False when there is none."""
-        for r in reversed(self.waiting):
+        """Free the blocks of a waiting request that holds some (a forked sibling or a continued beam not
+        yet run) or else of a parked beam; it will recompute (cheaply, from the prefix cache).  Returns
+        False when there is none."""
+        for r in itertools.chain(reversed(self.waiting), reversed(self.parked.values())):
             if r is not keep and r.request_id in self.kv.req_blocks:
                 self.kv.free(r)
                 r.num_computed_tokens = 0
@@ -435,6 +469,7 @@ class Scheduler:
             for req in reversed(resumed):
                 self._enqueue(req, front=True)
         sampled = dict(zip(result.req_ids, result.sampled_token_ids))
+        logprobs = dict(zip(result.req_ids, result.logprobs))
         drafts = dict(zip(result.req_ids, result.draft_token_ids))
         if out.num_tokens_to_propose and self.draft_length_policy is not None:
             self.draft_length_policy.observe_proposals(len(result.req_ids), sum(1 for d in result.draft_token_ids if d))
@@ -456,6 +491,9 @@ class Scheduler:
                 self.draft_length_policy.observe(item.num_draft_tokens, num_accepted)
             req.spec_token_ids = (drafts.get(item.req_id) or []) if req.grammar is None else []
             if not tokens:
+                continue
+            if req.sampling_params.use_beam_search:
+                self._beam_report(req, logprobs[item.req_id][0])
                 continue
             appended = 0
             for tok in tokens:
@@ -503,11 +541,78 @@ class Scheduler:
             self._enqueue(child, front=True)
         parent.forks_pending = []
 
+    # ---- beam search ----------------------------------------------------------------------------
+    def _beam_report(self, beam: Request, lp: PositionLogprobs) -> None:
+        """A beam sampled: park it with its top-2W next tokens; the search steps once every live beam has."""
+        group = self.beam_groups[beam.group_id]
+        self.running.remove(beam)
+        beam.status = RequestStatus.WAITING_FOR_BEAMS
+        self.parked[beam.request_id] = beam
+        group.reports[beam.request_id] = list(zip(lp.token_ids[1:], lp.logprobs[1:]))  # [0] is the argmax
+        group.num_scored += 1
+        if len(group.reports) == len(group.beams):
+            self._beam_step(group)
+
+    def _beam_step(self, group: BeamGroup) -> None:
+        """The search's step (core/beam_search.py) applied to the parked beams: a parent's first child is the
+        parent itself with the new token, further children fork it, a parent without children ends."""
+        moves = group.search.step([group.reports[b.request_id] for b in group.beams])
+        group.reports = {}
+        children: dict[int, list[int]] = {}  # parent index -> its children's places among the next beams
+        for j, (parent, _) in enumerate(moves):
+            children.setdefault(parent, []).append(j)
+        next_beams: list[Optional[Request]] = [None] * len(moves)
+        for i, beam in enumerate(group.beams):
+            del self.parked[beam.request_id]
+            mine = children.get(i)
+            if not mine:  # its blocks go back, those shared with its forks stay with them
+                beam.status = RequestStatus.FINISHED_STOPPED
+                self._free(beam)
+                continue
+            for j in mine[1:]:  # forks first: they copy the parent's tokens before it grows
+                next_beams[j] = self._fork_beam(group, beam, moves[j][1])
+            beam.append_output_token(moves[mine[0]][1])
+            beam.status = RequestStatus.WAITING
+            self._enqueue(beam, front=True)
+            next_beams[mine[0]] = beam
+        group.beams = next_beams
+        if group.search.done:
+            del self.beam_groups[group.group_id]
+            self.finished_beam_groups.append(group)
+
+    def _fork_beam(self, group: BeamGroup, parent: Request, token: int) -> Request:
+        """A new beam: parent's tokens plus token.  It shares the parent's blocks when the parent still
+        holds the KV of all its tokens (a write into the shared partial last block copies it first, see
+        KVCacheManager.allocate_slots), else it computes them anew."""
+        rid = group.next_beam_id()
+        while rid in self.requests:  # a user's request may carry such an id
+            rid = group.next_beam_id()
+        child = Request(rid, parent.prompt_token_ids, parent.sampling_params, parent.eos_token_id,
+                        parent.arrival_time, parent.priority, parent.cache_salt, group_id=parent.group_id)
+        child.output_token_ids = list(parent.output_token_ids)
+        child.all_token_ids = list(parent.all_token_ids)
+        if parent.num_computed_tokens == parent.num_tokens:
+            self.kv.fork(parent, child, parent.num_tokens)
+            child.num_computed_tokens = parent.num_tokens
+        child.append_output_token(token)
+        self.requests[child.request_id] = child
+        self._enqueue(child, front=True)
+        return child
+
+    def take_finished_beam_groups(self) -> list[BeamGroup]:
+        """The beam searches done since the last call (their beams are freed; results in group.search)."""
+        done, self.finished_beam_groups = self.finished_beam_groups, []
+        return done
+
     def get_stats(self) -> SchedulerStats:
         pool = self.kv.pool
+        # beams past their search's first step run, whether parked or queued for their next token
+        beams = len(self.parked) + sum(1 for r in self.waiting
+                                       if r.sampling_params.use_beam_search and r.output_token_ids)
         return SchedulerStats(
-            num_running=len(self.running),
-            num_waiting=len(self.waiting) + (len(self.kv_transfer.loading) if self.kv_transfer else 0) + sum(
+            num_running=len(self.running) + beams,
+            num_waiting=len(self.waiting) + len(self.parked) - beams
+            + (len(self.kv_transfer.loading) if self.kv_transfer else 0) + sum(
                 1 for r in self.requests.values() if r.status == RequestStatus.WAITING_FOR_FORK
             ),
             num_swapped=len(self.swapped),

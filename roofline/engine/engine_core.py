@@ -15,6 +15,12 @@ the workers detect come back in ModelRunnerOutput.failed; any other exception fr
 ExecutorDeadError, which stops the engine) is narrowed down by re-running the step's requests in
 halves until the failing ones run alone.  Re-running a step is safe: it writes the same K/V into the
 same slots and repeats the same block moves.
+
+Beam search is one request: SamplingParams(n=W, use_beam_search=True, length_penalty=..., max_tokens=...,
+ignore_eos=...) through add_request (BeamSearchParams.sampling_params() builds it).  It starts as one engine
+request whose id is the user's; the scheduler forks and ends the beams (core/beam_search.py), and the
+request's single RequestOutput, when the search ends, carries the W best hypotheses best first
+(CompletionOutput.score, cumulative_logprob).  abort_requests([request_id]) ends every live beam.
 """
 
 from __future__ import annotations
@@ -224,6 +230,11 @@ class EngineCore:
                 + (f" plus the draft model's {lookahead} lookahead slots" if lookahead else "")
                 + f" exceeds the KV cache capacity ({self.kv_capacity_tokens} tokens)"
             )
+        if params.use_beam_search and self.config.speculative_config is not None:
+            raise ValueError("use_beam_search does not run with speculative decoding")
+        if params.use_beam_search and 2 * params.n > self.vocab_size:
+            raise ValueError(f"beam_width (n) {params.n}: a step weighs each beam's top 2 * beam_width tokens, "
+                             f"more than the vocabulary's {self.vocab_size}")
         if params.structured_outputs is not None and self.tokenizer is None:
             raise ValueError("structured_outputs need the model's tokenizer, and this model has none")
         if params.kv_transfer_params is not None:
@@ -243,6 +254,12 @@ class EngineCore:
         if limit is not None and self.scheduler.get_stats().num_waiting >= limit:
             raise EngineOverloadedError(f"the waiting queue is full ({limit} requests)")
         arrival = time.monotonic() if arrival_time is None else arrival_time
+        if params.use_beam_search:  # the first beam, under the user's id; the scheduler forks the others
+            root = Request(request_id, prompt_token_ids, params, self.eos_token_id, arrival, priority, cache_salt)
+            self.output_processor.add_group(request_id, prompt, prompt_token_ids, params, [None] * params.n, arrival)
+            self.group_children[request_id] = [request_id]  # finish_requests takes a beam search's id
+            self.scheduler.add_request(root)
+            return
         child_ids = [request_id] if params.n == 1 else [f"{request_id}#{i}" for i in range(params.n)]
         reqs = [
             Request(cid, prompt_token_ids, params, self.eos_token_id, arrival, priority, cache_salt,
@@ -280,9 +297,7 @@ class EngineCore:
         if children is None:
             return
         self.scheduler.finish_requests(children, status)
-        now = time.monotonic()
-        for cid in children:
-            self.output_processor.abort_child(cid, now, status.finish_reason)
+        self.output_processor.abort_group(gid, time.monotonic(), status.finish_reason)
         out = self.output_processor.make_output(gid, set())
         if out is not None:
             out.error, out.error_param = error, error_param
@@ -292,7 +307,8 @@ class EngineCore:
         """Fail the user requests owning these engine requests (req_id -> error), alone; params: req_id ->
         the request field at fault, for errors the request's own input caused."""
         for rid, error in failed.items():
-            gid = self.output_processor.group_of(rid)
+            req = self.scheduler.requests.get(rid)  # a beam is known to the scheduler only
+            gid = req.group_id if req is not None else self.output_processor.group_of(rid)
             if gid is not None and gid in self.group_children:
                 logger.warning("request %s failed, the engine carries on: %s", gid, error)
                 self._end_group(gid, RequestStatus.FINISHED_ERROR, error, (params or {}).get(rid))
@@ -328,8 +344,9 @@ class EngineCore:
         sched_out = self.scheduler.schedule(max_requests)
         self.structured_output.attach_bitmask(sched_out, self.scheduler.requests)
         now = time.monotonic()
+        requests = self.scheduler.requests
         for item in sched_out.scheduled:
-            self.output_processor.mark_scheduled(item.req_id, now)
+            self.output_processor.mark_scheduled(requests[item.req_id].group_id, now)
         return sched_out
 
     def _step_pipelined(self) -> list[RequestOutput]:
@@ -401,6 +418,7 @@ class EngineCore:
         if failed:
             self._fail_requests(failed)
         outputs, self.pending_outputs = self.pending_outputs, []
+        outputs += self._finished_beam_searches(now)
         for gid, idxs in by_group.items():
             if gid not in self.group_children:
                 continue  # failed above: its final output is already out
@@ -424,6 +442,21 @@ class EngineCore:
         if self.step_roofline is not None and sched_out.scheduled and self.config.observability_config.step_roofline:
             self._step_records.append(self.step_roofline.account(
                 sched_out.scheduled, time.perf_counter() - t_start, now, self.scheduler.kv_cache_usage()))
+        return outputs
+
+    def _finished_beam_searches(self, now: float) -> list[RequestOutput]:
+        """The final outputs of the beam searches that ended this step."""
+        outputs = []
+        for group in self.scheduler.take_finished_beam_groups():
+            gid = group.group_id
+            if self.group_children.pop(gid, None) is None:
+                continue  # failed or aborted meanwhile: its final output is already out
+            self.prompt_tokens += group.root.num_prompt_tokens
+            self.generation_tokens += group.num_scored
+            out = self.output_processor.finish_beam_group(gid, group.search.finished, group.root.num_cached_tokens,
+                                                          group.root.num_preemptions, now)
+            if out is not None:
+                outputs.append(out)
         return outputs
 
     def _record_parallel(self, p: StepParallelStats) -> None:

@@ -8,9 +8,10 @@ from typing import Optional, Sequence, Union
 from tqdm import tqdm
 
 from roofline.config import EngineArgs
+from roofline.engine.chat_template import format_content, load_chat_template, resolve_content_format
 from roofline.engine.engine_core import EngineCore
-from roofline.outputs import RequestOutput
-from roofline.sampling_params import RequestOutputKind, SamplingParams
+from roofline.outputs import BeamSearchOutput, BeamSearchSequence, RequestOutput
+from roofline.sampling_params import BeamSearchParams, RequestOutputKind, SamplingParams
 
 PromptType = Union[str, dict]
 
@@ -89,6 +90,27 @@ class LLM:
             bar.close()
         return results  # type: ignore[return-value]
 
+    def beam_search(
+        self,
+        prompts: Union[PromptType, Sequence[PromptType]],
+        params: BeamSearchParams,
+        use_tqdm: bool = False,
+    ) -> list[BeamSearchOutput]:
+        """Beam search on each prompt, all in one batch (each prompt is one engine request: see
+        EngineCore); raises RuntimeError when a prompt's search failed in the engine."""
+        if isinstance(prompts, (str, dict)):
+            prompts = [prompts]
+        outs = self.generate(prompts, params.sampling_params(), use_tqdm=use_tqdm)
+        results = []
+        for i, out in enumerate(outs):
+            if out.error:
+                raise RuntimeError(f"prompt {i}: {out.error}")
+            results.append(BeamSearchOutput([
+                BeamSearchSequence(tokens=out.prompt_token_ids + c.token_ids, text=c.text,
+                                   cum_logprob=c.cumulative_logprob, score=c.score, finish_reason=c.finish_reason)
+                for c in out.outputs]))
+        return results
+
     def chat(
         self,
         messages: Union[list[dict], list[list[dict]]],
@@ -96,15 +118,26 @@ class LLM:
         use_tqdm: bool = True,
         add_generation_prompt: bool = True,
         chat_template: Optional[str] = None,
+        chat_template_content_format: str = "auto",
+        chat_template_kwargs: Optional[dict] = None,
+        continue_final_message: bool = False,
+        tools: Optional[list[dict]] = None,
     ) -> list[RequestOutput]:
+        """Render each conversation with the model's chat template (or chat_template: a Jinja file's path or
+        the template itself) and generate.  Message content may be a string or a list of text parts."""
         tok = self.llm_engine.tokenizer
         if tok is None:
             raise ValueError("this model has no tokenizer, so no chat template")
+        template = load_chat_template(chat_template)
+        fmt = resolve_content_format(chat_template_content_format, template or getattr(tok, "chat_template", None))
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
         prompts = []
         for conv in conversations:
-            text = tok.apply_chat_template(conv, tokenize=False, add_generation_prompt=add_generation_prompt,
-                                           chat_template=chat_template)
+            conv = [{**m, "content": format_content(m.get("content"), fmt)} for m in conv]
+            text = tok.apply_chat_template(conv, tokenize=False, chat_template=template, tools=tools,
+                                           add_generation_prompt=add_generation_prompt and not continue_final_message,
+                                           continue_final_message=continue_final_message,
+                                           **(chat_template_kwargs or {}))
             ids = tok.encode(text, add_special_tokens=False)
             prompts.append({"prompt": text, "prompt_token_ids": ids})
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)

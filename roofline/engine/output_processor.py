@@ -7,6 +7,8 @@ tokens end inside a multi-byte character (decode gives U+FFFD) nothing is emitte
 Stop strings are searched across token boundaries in the text; the text stops before them.
 In streaming (DELTA) mode, the last len(longest stop)-1 characters are held back until they
 cannot be the start of a stop string.
+A beam search (use_beam_search) streams nothing: its n completions are filled in once, with the search's
+best hypotheses, when it ends (finish_beam_group), whatever the output kind.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Optional
 
+from roofline.core.beam_search import Hypothesis
 from roofline.core.request import Request, RequestStatus
 from roofline.core.scheduler_output import PositionLogprobs
 from roofline.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
@@ -48,7 +51,7 @@ class IncrementalDetokenizer:
 @dataclass
 class CompletionState:
     index: int
-    request_id: str  # the engine-level (child) request id
+    request_id: Optional[str]  # the engine-level (child) request id; None: a beam search's completion
     detok: Optional[IncrementalDetokenizer]
     text: str = ""
     token_ids: list[int] = field(default_factory=list)
@@ -56,6 +59,7 @@ class CompletionState:
     cumulative_logprob: Optional[float] = None
     finish_reason: Optional[str] = None
     stop_reason: object = None
+    score: Optional[float] = None  # beam search: the hypothesis' length-normalised score
     sent_text: int = 0  # characters already emitted (DELTA)
     sent_tokens: int = 0
     sent_logprobs: int = 0
@@ -85,7 +89,8 @@ class OutputProcessor:
         self.child_to_group: dict[str, tuple[str, int]] = {}
 
     def add_group(self, request_id: str, prompt: Optional[str], prompt_token_ids: list[int],
-                  params: SamplingParams, child_ids: list[str], arrival_time: float) -> None:
+                  params: SamplingParams, child_ids: list[Optional[str]], arrival_time: float) -> None:
+        """child_ids: the engine request feeding each completion (None for all n of a beam search)."""
         comps = []
         for i, cid in enumerate(child_ids):
             detok = IncrementalDetokenizer(self.tokenizer, prompt_token_ids, params.skip_special_tokens) \
@@ -95,7 +100,8 @@ class OutputProcessor:
                 logprobs=[] if params.logprobs is not None else None,
                 cumulative_logprob=0.0 if params.logprobs is not None else None,
             ))
-            self.child_to_group[cid] = (request_id, i)
+            if cid is not None:
+                self.child_to_group[cid] = (request_id, i)
         self.groups[request_id] = GroupState(
             request_id=request_id, prompt=prompt, prompt_token_ids=list(prompt_token_ids), params=params,
             metrics=RequestMetrics(arrival_time=arrival_time), completions=comps,
@@ -183,25 +189,44 @@ class OutputProcessor:
         c.text = c.text[: i + len(s)] if p.include_stop_str_in_output else c.text[:i]
         return s
 
-    def mark_scheduled(self, child_id: str, now: float) -> None:
-        gid, _ = self.child_to_group.get(child_id, (None, 0))
-        if gid is not None and self.groups[gid].metrics.first_scheduled_time is None:
-            self.groups[gid].metrics.first_scheduled_time = now
+    def mark_scheduled(self, gid: str, now: float) -> None:
+        g = self.groups.get(gid)
+        if g is not None and g.metrics.first_scheduled_time is None:
+            g.metrics.first_scheduled_time = now
 
     def group_of(self, child_id: str) -> Optional[str]:
         """The user request an engine request belongs to (None once it is finished)."""
         return self.child_to_group.get(child_id, (None, 0))[0]
 
-    def abort_child(self, child_id: str, now: float, reason: str = "abort") -> None:
-        gid, idx = self.child_to_group.get(child_id, (None, 0))
-        if gid is None:
+    def abort_group(self, gid: str, now: float, reason: str = "abort") -> None:
+        """Every completion of gid not finished yet ends with `reason`."""
+        g = self.groups.get(gid)
+        if g is None:
             return
-        c = self.groups[gid].completions[idx]
-        if c.finish_reason is None:
-            c.finish_reason = reason
-        g = self.groups[gid]
-        if g.finished and g.metrics.finished_time is None:
+        for c in g.completions:
+            if c.finish_reason is None:
+                c.finish_reason = reason
+        if g.metrics.finished_time is None:
             g.metrics.finished_time = now
+
+    def finish_beam_group(self, gid: str, hypotheses: list[Hypothesis], num_cached_tokens: int,
+                          num_preemptions: int, now: float) -> Optional[RequestOutput]:
+        """A beam search's final output: completion i is the i-th best hypothesis (the EOS it ended on is
+        in its token_ids, not in its text, as with any request)."""
+        g = self.groups[gid]
+        p = g.params
+        g.num_cached_tokens = g.metrics.num_cached_tokens = max(num_cached_tokens, 0)
+        g.metrics.num_preemptions = num_preemptions
+        g.metrics.first_token_time = g.metrics.first_token_time or now
+        g.metrics.last_token_time = g.metrics.finished_time = now
+        for c, h in zip(g.completions, hypotheses):
+            c.token_ids = list(h.token_ids)
+            c.cumulative_logprob, c.score = h.cumulative_logprob, h.score
+            c.finish_reason = h.finish_reason
+            if c.detok is not None:
+                eos_hidden = h.finish_reason == "stop" and not p.include_stop_str_in_output
+                c.text = c.detok.add(h.token_ids[:-1] if eos_hidden else list(h.token_ids), final=True)
+        return self.make_output(gid, {c.index for c in g.completions})
 
     def make_output(self, gid: str, touched: set[int]) -> Optional[RequestOutput]:
         """The RequestOutput to emit now for group gid (None when nothing is due)."""
@@ -229,7 +254,7 @@ class OutputProcessor:
                 c.finished_sent = True
             outs.append(CompletionOutput(
                 index=c.index, text=text, token_ids=toks, cumulative_logprob=c.cumulative_logprob,
-                logprobs=lps, finish_reason=c.finish_reason, stop_reason=c.stop_reason,
+                logprobs=lps, finish_reason=c.finish_reason, stop_reason=c.stop_reason, score=c.score,
             ))
         if not outs and not finished:
             return None

@@ -250,6 +250,25 @@ def test_chat_template_flag_content_parts_and_echo(engine):
         srv.stop()
 
 
+def test_beam_search_through_the_api_equals_the_offline_search(client, tools_server, default_llm):
+    """use_beam_search with n as the width: the choices are the offline LLM.beam_search beams (which equal
+    HF's, tests/engine/test_beam_search.py), best first; streaming one and too wide a beam are 400s."""
+    from roofline.sampling_params import BeamSearchParams
+
+    prompt = "The capital of France is"
+    r = client.completions.create(model=MODEL, prompt=prompt, n=3, max_tokens=6, temperature=0,
+                                  extra_body={"use_beam_search": True, "length_penalty": 0.5})
+    offline = default_llm.beam_search([prompt], BeamSearchParams(beam_width=3, max_tokens=6, length_penalty=0.5))
+    assert [c.text for c in r.choices] == [b.text for b in offline[0].sequences]
+    chat = client.chat.completions.create(model=MODEL, messages=ASK, n=2, max_tokens=5,
+                                          extra_body={"use_beam_search": True})
+    assert len(chat.choices) == 2 and chat.choices[0].message.content
+    for body, word in [({"stream": True, "n": 2}, "stream"), ({"n": 65}, "beam_width")]:
+        bad = httpx.post(tools_server.url + "/v1/completions", timeout=60,
+                         json={"prompt": prompt, "max_tokens": 2, "use_beam_search": True, **body})
+        assert bad.status_code == 400 and word in bad.text, bad.text
+
+
 def test_everything_returned_its_blocks(tools_server):
     m = parse_metrics(httpx.get(tools_server.url + "/metrics").text)
     assert metric_value(m, "roofline:kv_cache_num_free_blocks") == metric_value(m, "roofline:kv_cache_num_blocks")

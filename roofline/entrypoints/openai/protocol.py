@@ -101,6 +101,9 @@ class _SamplingFields(OpenAIModel):
     stop_token_ids: Optional[list[TokenId]] = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    # Beam search (vLLM's fields): n is the beam width; the n best beams come back as the choices
+    use_beam_search: bool = False
+    length_penalty: float = 1.0
     # Structured outputs (entrypoints/openai/structured_outputs.py): OpenAI's response_format, vLLM's
     # structured_outputs dict and its older guided_* fields
     response_format: Optional[ResponseFormat] = None

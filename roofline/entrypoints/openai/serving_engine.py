@@ -266,6 +266,9 @@ def build_sampling_params(req: Any, *, max_tokens: int, logprobs: Optional[int],
         raise bad_request("logit_bias is not supported", param="logit_bias")
     if req.n < 1 or req.n > 128:
         raise bad_request(f"n must be between 1 and 128, got {req.n}", param="n")
+    if req.use_beam_search and req.stream:
+        raise bad_request("use_beam_search does not stream: the beams are ranked when the search ends",
+                          param="stream")
     if logprobs is not None and not 0 <= logprobs <= MAX_LOGPROBS:
         raise bad_request(f"the number of logprobs must be between 0 and {MAX_LOGPROBS}, got {logprobs}",
                           param="top_logprobs" if hasattr(req, "top_logprobs") else "logprobs")
@@ -290,7 +293,11 @@ def build_sampling_params(req: Any, *, max_tokens: int, logprobs: Optional[int],
         include_stop_str_in_output=req.include_stop_str_in_output,
         output_kind=RequestOutputKind.DELTA,
         kv_transfer_params=req.kv_transfer_params,
+        use_beam_search=req.use_beam_search,
+        length_penalty=req.length_penalty,
     )
+    if req.use_beam_search:  # the beams rank by the raw model: sampling options do not apply
+        kwargs.update(temperature=0.0, top_p=1.0, top_k=0, min_p=0.0, seed=None)
     try:
         return SamplingParams(**kwargs)
     except (ValueError, TypeError) as e:
