@@ -295,3 +295,15 @@ def test_registry():
         assert cls.name == name and issubclass(cls, ToolParser)
     with pytest.raises(ValueError, match=r"unknown --tool-call-parser 'nope'; one of: deepseek_v3, hermes"):
         get_tool_parser("nope")
+
+
+def test_unknown_parser_names_fail_at_start_up_naming_the_flag():
+    from roofline.entrypoints.openai.serving_chat import ChatOptions
+
+    with pytest.raises(ValueError, match="--tool-call-parser 'nope'"):
+        ChatOptions(tool_call_parser="nope")
+    with pytest.raises(ValueError, match="--reasoning-parser 'nope'"):
+        ChatOptions(reasoning_parser="nope")
+    with pytest.raises(ValueError, match="--enable-auto-tool-choice needs --tool-call-parser"):
+        ChatOptions(enable_auto_tool_choice=True)
+    assert ChatOptions(enable_auto_tool_choice=True, tool_call_parser="hermes", reasoning_parser="qwen3")

@@ -48,6 +48,24 @@ def test_accept_stop_and_rollback(grammar_cache):
     assert not g.constrains  # terminated: nothing left to constrain
 
 
+def test_a_constraint_after_the_thinking_starts_at_its_end_token(grammar_cache):
+    """start_after_token_id (a reasoning model's end-of-think): free text until that token, then the
+    grammar constrains what follows it, from the token after it on."""
+    tok = grammar_cache.tokenizer
+    end = tok.encode("<|im_end|>", add_special_tokens=False)[0]  # any single token stands in for </think>
+    g = RequestGrammar(grammar_cache.get(StructuredOutputsParams(regex="ab[0-9]{2}")), [EOS], start_after_token_id=end)
+    g.compiled.result(60)
+    thinking = tok.encode("let me think", add_special_tokens=False)
+    assert not g.constrains  # free while thinking
+    g.accept(thinking)
+    assert not g.constrains and g.num_accepted == 0
+    answer = tok.encode("ab12", add_special_tokens=False)
+    g.accept(thinking[:1] + [end] + answer[:1])  # the end token and the first answer token in one step
+    assert g.constrains and g.num_accepted == 1 and not g.broken
+    g.accept(answer[1:])
+    assert g.is_completed() and allowed(g, grammar_cache.vocab_size) == {EOS}
+
+
 def test_an_ungrammatical_token_leaves_the_request_unconstrained(grammar_cache):
     tok = grammar_cache.tokenizer
     g = RequestGrammar(grammar_cache.get(StructuredOutputsParams(regex="[0-9]+")), [EOS])
