@@ -151,6 +151,15 @@ class CoreProcess:
             self.send(Added(msg.request_id))
         return True
 
+    def refuse_invalid(self, data: bytes, error: Exception) -> None:
+        """An AddRequest that decodes but does not validate (SamplingParams.__post_init__ refused it) is
+        answered like any refused request; anything else that does not decode is a protocol fault."""
+        raw = msgspec.msgpack.decode(data)
+        if not (isinstance(raw, list) and len(raw) > 1 and raw[0] == "add" and isinstance(raw[1], str)):
+            raise error
+        self.commands_taken += 1
+        self.send(Added(raw[1], "ValueError", str(error).split(" - at `")[0]))
+
     def run(self) -> None:
         core = self.core
         while True:
@@ -163,7 +172,13 @@ class CoreProcess:
                 except (EOFError, OSError):
                     logger.warning("the server is gone; the engine core stops")
                     return
-                if not self.handle(to_core_decoder.decode(data)):
+                try:
+                    msg = to_core_decoder.decode(data)
+                except msgspec.ValidationError as e:  # a request whose parameters do not validate: refused alone
+                    self.refuse_invalid(data, e)
+                    took += 1
+                    continue
+                if not self.handle(msg):
                     return
                 took += 1
                 timeout = 0.0

@@ -73,6 +73,12 @@ def test_refusals_come_back_with_the_cores_error_type(llama):
         client.add_request("a", [5, 6, 7], SamplingParams(temperature=0, max_tokens=200, ignore_eos=True))
         with pytest.raises(ValueError, match="already in use"):
             client.add_request("a", [5, 6], SamplingParams(max_tokens=2))
+        # parameters that validated here but not in the core (changed after construction): that request
+        # alone is refused, the core keeps serving
+        beams = SamplingParams(n=2, use_beam_search=True, max_tokens=2)
+        beams.stop_token_ids = [3]
+        with pytest.raises(ValueError, match="not supported with use_beam_search"):
+            client.add_request("mutated", [5, 6], beams)
         # an abort is answered on the next step with the request's final output
         client.abort_requests(["a"])
         finished = []

@@ -115,6 +115,9 @@ HOSTILE = [
     ("/v1/completions", json.dumps({**COMP, "guided_json": {"type": "integer", "maximum": 2**70}}), 400, "guided_json"),
     ("/v1/completions", json.dumps({**COMP, "structured_outputs": {"json": True}, "kv_transfer_params": {"x": 2**70}}),
      400, "kv_transfer_params"),
+    # beam search with a constraint (the fuzzer found it killing the core process)
+    ("/v1/completions", json.dumps({**COMP, "use_beam_search": True, "n": 2, "guided_choice": ["a", "b"]}), 400,
+     "use_beam_search"),
     # bounded work per request
     ("/v1/completions", json.dumps({**COMP, "prompt": ["a"] * 5000}), 400, "too many prompts"),
     ("/v1/completions", json.dumps({**COMP, "prompt": ["a"] * 300, "n": 100}), 400, "too many completions"),

@@ -273,31 +273,27 @@ def build_app(engine: AsyncLLM, config: Optional[ServerConfig] = None, *, shutdo
         return ModelCard(id=model_name, root=str(engine.model_config.model or model_name),
                          max_model_len=max_model_len, vocab_size=vocab_size).model_dump()
 
+    async def generate(request: Request, cls: Any, create: Any, per_client: bool = False) -> Response:
+        """A generation route: parse and check the body, then a stream answers at once and a whole answer is
+        cancelled if the client leaves.  per_client: create also takes the sender's address."""
+        req = await parse(request, cls)
+        check_model(req.model)
+        args = (req, request.client.host if request.client else "") if per_client else (req,)
+        if req.stream:
+            return respond(await create(*args))
+        return respond(await run_cancellable(request, create(*args)))
+
     @v1.post("/completions")
     async def create_completion(request: Request) -> Response:
-        req = await parse(request, CompletionRequest)
-        check_model(req.model)
-        if req.stream:
-            return respond(await completions.create(req))
-        return respond(await run_cancellable(request, completions.create(req)))
+        return await generate(request, CompletionRequest, completions.create)
 
     @v1.post("/chat/completions")
     async def create_chat_completion(request: Request) -> Response:
-        req = await parse(request, ChatCompletionRequest)
-        check_model(req.model)
-        client = request.client.host if request.client else ""
-        if req.stream:
-            return respond(await chat.create(req, client))
-        return respond(await run_cancellable(request, chat.create(req, client)))
+        return await generate(request, ChatCompletionRequest, chat.create, per_client=True)
 
     @v1.post("/responses")
     async def create_response(request: Request) -> Response:
-        req = await parse(request, ResponsesRequest)
-        check_model(req.model)
-        client = request.client.host if request.client else ""
-        if req.stream:
-            return respond(await responses.create(req, client))
-        return respond(await run_cancellable(request, responses.create(req, client)))
+        return await generate(request, ResponsesRequest, responses.create, per_client=True)
 
     app.include_router(v1)
 

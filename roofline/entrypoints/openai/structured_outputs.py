@@ -82,6 +82,8 @@ async def attach_structured_outputs(engine: Any, req: Any, params: SamplingParam
 
 async def attach_constraint(engine: Any, so: StructuredOutputsParams, field: str, params: SamplingParams) -> None:
     """Set params.structured_outputs to so once its grammar compiled (a 400 naming field if it does not)."""
+    if params.use_beam_search:
+        raise bad_request(f"{field} does not run with use_beam_search (the beams rank by the raw model)", param=field)
     manager = getattr(getattr(engine, "core", None), "structured_output", None)
     if manager is None:
         raise bad_request("structured outputs are not available on this server", param=field)
