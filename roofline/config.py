@@ -16,7 +16,8 @@ from typing import Any, Literal, Optional
 from roofline.kv_transfer.config import KVTransferConfig
 
 GiB = 1 << 30
-GGUF_WEIGHTS = ("native", "dequantize")  # how a GGUF file's quantized layers are computed
+QUANTIZED_WEIGHTS = ("native", "dequantize")  # how quantized layers (GGUF blocks, FP8 blocks) are computed
+FP8_GEMMS = ("auto", "w8a8", "weight_only")  # the CUDA route of FP8 block weights
 CPU_ISAS = ("auto", "avx512", "avx2", "neon", "portable")  # builds of the native CPU kernels
 GGUF_ACTIVATIONS = ("fp32", "q8")  # what the native kernels multiply the blocks with
 
@@ -28,8 +29,9 @@ class ModelConfig:
     dtype: str = "auto"  # auto | float32 | bfloat16 | float16
     seed: int = 0
     load_format: str = "auto"  # auto | safetensors | gguf | dummy
-    gguf_weights: str = "native"  # native (layers computed on GGUF blocks, CPU) | dequantize (fp32)
+    quantized_weights: str = "native"  # native (layers computed on GGUF / FP8 blocks) | dequantize (at load)
     gguf_activations: str = "fp32"  # fp32 | q8 (native blocks: 8-bit activations, integer dot products)
+    fp8_gemm: str = "auto"  # CUDA, FP8 blocks: auto | w8a8 | weight_only
     max_model_len: Optional[int] = None
     served_model_name: Optional[str] = None
     trust_remote_code: bool = False
@@ -244,8 +246,10 @@ class EngineArgs:
     seed: int = 0
     device: Optional[str] = None
     load_format: str = "auto"
-    gguf_weights: str = "native"
+    quantized_weights: str = "native"
+    gguf_weights: Optional[str] = None  # the old name of quantized_weights
     gguf_activations: str = "fp32"
+    fp8_gemm: str = "auto"
     max_model_len: Optional[int] = None
     served_model_name: Optional[str] = None
     trust_remote_code: bool = False
@@ -345,8 +349,15 @@ class EngineArgs:
                 parse_partition(self.pp_layer_partition, self.pipeline_parallel_size)
             except ValueError as e:
                 errors.append(str(e))
-        if self.gguf_weights not in GGUF_WEIGHTS:
-            errors.append(f"gguf_weights must be one of {', '.join(GGUF_WEIGHTS)}, got {self.gguf_weights!r}")
+        for name in ("quantized_weights", "gguf_weights"):
+            value = getattr(self, name)
+            if value is not None and value not in QUANTIZED_WEIGHTS:
+                errors.append(f"{name} must be one of {', '.join(QUANTIZED_WEIGHTS)}, got {value!r}")
+        if self.gguf_weights is not None and self.quantized_weights not in (self.gguf_weights, "native"):
+            errors.append(f"gguf_weights ({self.gguf_weights!r}) is the old name of quantized_weights "
+                          f"({self.quantized_weights!r}): give one")
+        if self.fp8_gemm not in FP8_GEMMS:
+            errors.append(f"fp8_gemm must be one of {', '.join(FP8_GEMMS)}, got {self.fp8_gemm!r}")
         if self.cpu_isa not in CPU_ISAS:
             errors.append(f"cpu_isa must be one of {', '.join(CPU_ISAS)}, got {self.cpu_isa!r}")
         if self.gguf_activations not in GGUF_ACTIVATIONS:
@@ -400,8 +411,9 @@ class EngineArgs:
             dtype=self.dtype,
             seed=self.seed,
             load_format=self.load_format,
-            gguf_weights=self.gguf_weights,
+            quantized_weights=self.gguf_weights if self.gguf_weights is not None else self.quantized_weights,
             gguf_activations=self.gguf_activations,
+            fp8_gemm=self.fp8_gemm,
             max_model_len=self.max_model_len,
             served_model_name=self.served_model_name,
             trust_remote_code=self.trust_remote_code,

@@ -193,7 +193,7 @@ def w1(args) -> dict:
     res = _run_offline(llm, reqs)
     outs = res.pop("outputs")
     out = {"workload": "W1", "num_requests": args.num_requests,
-           "gguf_weights": llm.llm_engine.config.model_config.gguf_weights, "roofline": res}
+           "quantized_weights": llm.llm_engine.config.model_config.quantized_weights, "roofline": res}
     if pp > 1:  # each rank's idle share of the run against the planner's (pp - 1) / (m + pp - 1), m = pp in flight
         from roofline.planner.cost_model import pp_bubble_fraction
 
@@ -367,7 +367,7 @@ def w5(args) -> dict:
     tb = token_bytes(worker.model)
     bw = measure_bandwidth(str(worker.device))  # same run, same machine
     bound = tb / bw
-    res = {"workload": "W5", "gguf_weights": llm.llm_engine.config.model_config.gguf_weights,
+    res = {"workload": "W5", "quantized_weights": llm.llm_engine.config.model_config.quantized_weights,
            "tpot_ms": 1000 * tpot, "decode_tok_s": 1 / tpot,
            "prefill_tok_s": len(req.prompt) / (m.first_token_time - m.first_scheduled_time),
            "weight_bytes": dict(worker.weight_bytes), "token_bytes": tb,

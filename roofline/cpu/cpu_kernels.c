@@ -1507,8 +1507,9 @@ void quant_rows_f32(int qt, const float *a, int64_t lda, const uint8_t *w, int64
 void quant_expand_panel(int qt, const uint8_t *w, int64_t row_bytes, int64_t n0, int64_t nn, int64_t K,
                         float *panel, float *rowbuf);
 
-/* The panel route of both quantized GEMMs: rows n0 .. n0+nn of W expanded into packed panels in a thread's
- * own buffer (in L2), and every row of A run over them by packed_gemm.  silu == 0: c [M x N] = a W^T (+ bias).
+/* The panel route of the quantized GEMMs (GGUF blocks here, FP8 blocks in fp8_kernels.c): rows n0 .. n0+nn of
+ * W expanded by `expand` into packed panels in a thread's own buffer (in L2), and every row of A run over them
+ * by packed_gemm.  silu == 0: c [M x N] = a W^T (+ bias).
  * silu == 1: W holds [W_g; W_u] (2N rows, N a multiple of 16: packed_gemm's silu); a unit expands its gate panels and then the
  * up panels N rows further, in packed_gemm's silu layout, so c [M x N] = silu(a W_g^T) * (a W_u^T) comes out
  * of the up tiles' epilogue and the [M x 2N] projection is never written.
@@ -1516,10 +1517,13 @@ void quant_expand_panel(int qt, const uint8_t *w, int64_t row_bytes, int64_t n0,
  * (gate/up pairs of pairs with silu); packed_gemm's panel groups (at most eight panels, as many groups as a
  * multiple of the thread count) when the rows fill more than one row block, so each block of input rows is
  * read from cache once per group rather than once per one or two panels (prefill-sized batches: the input
- * rows are megabytes).  Unit u holds output panels [u np / units, (u + 1) np / units). */
-static void quant_panels_gemm(int qt, const float *a, int64_t lda, const uint8_t *w, int64_t row_bytes,
-                              const float *bias, float *c, int64_t ldc, int64_t M, int64_t K, int64_t N, int silu,
-                              int nthreads) {
+ * rows are megabytes).  Unit u holds output panels [u np / units, (u + 1) np / units).
+ * expand(ctx, n0, nn, K, panel, rowbuf): rows n0 .. n0+nn (nn <= 16) of W into one panel [K x 16], zero past
+ * nn (pack_panels_f32's layout); rowbuf holds K floats of scratch. */
+typedef void (*panel_expander_t)(const void *ctx, int64_t n0, int64_t nn, int64_t K, float *panel, float *rowbuf);
+
+void expanded_panels_gemm(panel_expander_t expand, const void *ctx, const float *a, int64_t lda, const float *bias,
+                          float *c, int64_t ldc, int64_t M, int64_t K, int64_t N, int silu, int nthreads) {
     const int64_t np = (N + GEMM_NR - 1) / GEMM_NR;
     const int64_t units = M > GEMM_MB ? panel_groups(np, silu, nthreads) : (np + PAIR_TILES) / (1 + PAIR_TILES);
     const int64_t per = (np + units - 1) / units;
@@ -1534,14 +1538,27 @@ static void quant_panels_gemm(int qt, const float *a, int64_t lda, const uint8_t
             for (int half = 0; half <= silu; half++)  /* the gate panels, then (silu) the up panels */
                 for (int64_t q = 0; q < cnt; q++) {
                     const int64_t nq = nu - q * GEMM_NR < GEMM_NR ? nu - q * GEMM_NR : GEMM_NR;
-                    quant_expand_panel(qt, w, row_bytes, half * N + n0 + q * GEMM_NR, nq, K,
-                                       panel + (half * cnt + q) * K * GEMM_NR, rowbuf);
+                    expand(ctx, half * N + n0 + q * GEMM_NR, nq, K, panel + (half * cnt + q) * K * GEMM_NR, rowbuf);
                 }
             packed_gemm(a, lda, panel, bias ? bias + n0 : 0, c + n0, ldc, M, K, nu, silu, 1);
         }
         free(panel);
         free(rowbuf);
     }
+}
+
+typedef struct { int qt; const uint8_t *w; int64_t row_bytes; } gguf_panels_t;
+
+static void gguf_expand(const void *ctx, int64_t n0, int64_t nn, int64_t K, float *panel, float *rowbuf) {
+    const gguf_panels_t *g = (const gguf_panels_t *)ctx;
+    quant_expand_panel(g->qt, g->w, g->row_bytes, n0, nn, K, panel, rowbuf);
+}
+
+static void quant_panels_gemm(int qt, const float *a, int64_t lda, const uint8_t *w, int64_t row_bytes,
+                              const float *bias, float *c, int64_t ldc, int64_t M, int64_t K, int64_t N, int silu,
+                              int nthreads) {
+    const gguf_panels_t ctx = {qt, w, row_bytes};
+    expanded_panels_gemm(gguf_expand, &ctx, a, lda, bias, c, ldc, M, K, N, silu, nthreads);
 }
 
 /* C [M x N] = A [M x K] (row stride lda) W^T (+ bias), W [N x K] in GGUF blocks of type qt (rows row_bytes

@@ -28,8 +28,7 @@ from typing import Iterable, Optional
 import torch
 import torch.nn.functional as F
 
-from roofline.cpu import ops as cpu_ops, gguf_quant
-from roofline.cpu.gguf_quant import QuantizedTensor
+from roofline.cpu import ops as cpu_ops
 
 # One row uses the dense weight: the native GEMV streams it from memory faster than a one-row panel tile.
 PACKED_MIN_ROWS = 2
@@ -53,14 +52,14 @@ def use_packed(x: torch.Tensor) -> bool:
     return x.shape[0] >= PACKED_MIN_ROWS
 
 
-def routes_alike(rows_a: int, rows_b: int, quant_types: Iterable[int] = ()) -> bool:
+def routes_alike(rows_a: int, rows_b: int, quantized: Iterable = ()) -> bool:
     """Whether batches of these many rows take the same route (so a row comes out the same bits in either):
-    the fp32 weights' (GEMV or packed) and, for weights kept in GGUF blocks of these kernel types, theirs
-    (the GEMV routes or the packed GEMM: gguf_quant.rows_route)."""
+    the fp32 weights' (GEMV or packed) and, for these quantized weights (GGUF or FP8 blocks), theirs (the
+    per-row GEMV routes or the packed GEMM: their rows_route)."""
     if rows_a == rows_b:
         return True
     return ((rows_a >= PACKED_MIN_ROWS) == (rows_b >= PACKED_MIN_ROWS)
-            and all(gguf_quant.rows_route(t, rows_a) == gguf_quant.rows_route(t, rows_b) for t in quant_types))
+            and all(q.rows_route(rows_a) == q.rows_route(rows_b) for q in quantized))
 
 
 def _takes_packed(x: torch.Tensor, packed: Optional[torch.Tensor]) -> bool:
@@ -70,11 +69,12 @@ def _takes_packed(x: torch.Tensor, packed: Optional[torch.Tensor]) -> bool:
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, packed: Optional[torch.Tensor],
-           bias: Optional[torch.Tensor] = None, quant: Optional[QuantizedTensor] = None) -> torch.Tensor:
+           bias: Optional[torch.Tensor] = None, quant=None) -> torch.Tensor:
     """F.linear(x, weight, bias); for fp32 CPU input by the fastest route this batch has.  With `quant`
-    (the weight kept in GGUF blocks; `weight` then holds no values) the native quantized kernels."""
+    (a quantized weight: GGUF or FP8 blocks, layers/quantization; `weight` then holds no values) its own
+    native route."""
     if quant is not None:
-        return gguf_quant.linear(x, quant, bias)
+        return quant.linear(x, bias)
     if _takes_packed(x, packed):
         return cpu_ops.gemm_packed(x, packed, weight.shape[0], bias)
     if x.dtype != torch.float32 or x.device.type != "cpu":
@@ -86,13 +86,13 @@ def linear(x: torch.Tensor, weight: torch.Tensor, packed: Optional[torch.Tensor]
 
 def gate_up_silu(x: torch.Tensor, gate_up) -> Optional[torch.Tensor]:
     """silu(gate(x)) * up(x) for a MergedColumnParallelLinear [gate; up] layer in one native pass: over its
-    GGUF blocks where it keeps them (gguf_quant.linear_silu_mul), else over its packed weight
+    quantized blocks where it keeps them (their linear_silu_mul), else over its packed weight
     (cpu_ops.gemm_packed_silu_mul); None where that does not apply (the caller runs the projection and
     SiluAndMul): a bias, or (fp32 weights) not a packed fp32 CPU batch of 2+ rows or halves not 16-aligned."""
     if gate_up.bias is not None:
         return None
     if gate_up.quant is not None:
-        return gguf_quant.linear_silu_mul(x, gate_up.quant)
+        return gate_up.quant.linear_silu_mul(x)
     d = gate_up.weight.shape[0] // 2
     if not _takes_packed(x, gate_up.cpu_packed) or d % cpu_ops.PANEL:
         return None

@@ -138,6 +138,16 @@ class QuantizedTensor:
         """The type the kernels are called with: the ggml id, with the activation-quantized mode's bit."""
         return self.qtype | (ACT_Q8_FLAG if self.quantize_activations and self.qtype in ACT_Q8_FORMATS else 0)
 
+    def linear(self, x: torch.Tensor, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """F.linear(x, dequantize(), bias) natively (the quantized-weight seam: layers/quantization)."""
+        return linear(x, self, bias)
+
+    def linear_silu_mul(self, x: torch.Tensor) -> Optional[torch.Tensor]:
+        return linear_silu_mul(x, self)
+
+    def rows_route(self, rows: int) -> bool:
+        return rows_route(self.kernel_type, rows)
+
     def dequantize(self) -> torch.Tensor:
         """fp32 [rows x cols] by gguf's own dequantization (the reference, and the fallback)."""
         import gguf
@@ -253,15 +263,17 @@ def rows_route(kernel_type: int, rows: int) -> bool:
 
 
 def weight_bytes_by_format(model: torch.nn.Module) -> dict[str, int]:
-    """The bytes a model's weights occupy as its layers compute on them, by format ("Q4_1", "float32",
-    ...): blocks where a layer keeps them (a module's `quant`), every other parameter once (tied ones
+    """The bytes a model's weights occupy as its layers compute on them, by format ("Q4_1", "fp8_e4m3",
+    "float32", ...): blocks where a layer keeps them (a module's `quant`, a MoE layer's FP8 expert stacks;
+    scales included), every other parameter once (tied ones
     once); packed copies and caches not counted."""
     out: dict[str, int] = {}
     seen: set[int] = set()
     for module in model.modules():
-        q = getattr(module, "quant", None)
-        if isinstance(q, QuantizedTensor):
-            out[q.format] = out.get(q.format, 0) + q.nbytes
+        for attr in ("quant", "w13_quant", "w2_quant"):  # linear layers' blocks, expert stacks (FP8)
+            q = getattr(module, attr, None)
+            if q is not None and hasattr(q, "nbytes") and hasattr(q, "format"):
+                out[q.format] = out.get(q.format, 0) + q.nbytes
     for p in model.parameters():  # unique parameters (tied ones once); meta ones hold nothing
         if p.device.type != "meta" and id(p) not in seen:
             seen.add(id(p))

@@ -13,8 +13,13 @@ _SHORT = {"tensor_parallel_size": ["-tp"], "pipeline_parallel_size": ["-pp"]}
 _HELP = {
     "model": "HF model directory or .gguf file (default: the embedded SmolLM2-135M-Instruct)",
     "load_format": "auto | safetensors | gguf | dummy (random weights)",
-    "gguf_weights": "native (a GGUF file's Q4_0/Q4_1/Q8_0/Q4_K/Q5_K/Q6_K layers stay in their blocks and are "
-                    "computed natively on the CPU) | dequantize (fp32 copies, as on GPUs)",
+    "quantized_weights": "native (quantized layers stay in their format and are computed on it: a GGUF file's "
+                         "Q4_0/Q4_1/Q8_0/Q4_K/Q5_K/Q6_K blocks on the CPU, an FP8 block checkpoint's e4m3 "
+                         "weights on the CPU and through Triton on CUDA) | dequantize (dense copies at load)",
+    "gguf_weights": "the old name of --quantized-weights",
+    "fp8_gemm": "CUDA route of FP8 block weights: auto (w8a8 where the GPU has FP8 units, sm_89+, else "
+                "weight_only) | w8a8 (activations quantized per token and 128-column group, FP8 tensor cores) | "
+                "weight_only (e4m3 weights expanded to the activations' dtype in the kernel)",
     "cpu_kernels": "the native C kernels for CPU layers (attention, GEMMs, norms, ...); --no-cpu-kernels runs "
                    "torch ops instead",
     "cpu_isa": "which build of the native CPU kernels to load: auto (the best this CPU runs) | avx512 | avx2 | "

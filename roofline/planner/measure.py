@@ -249,7 +249,7 @@ def run_measure(
     # the planner models weights in the engine's dtype, not GGUF blocks: the engine measured against it
     # computes on the same dense weights (--gguf-weights dequantize)
     kwargs = dict(model=model, dtype=dtype, device=device, load_format=load_format,
-                  max_num_seqs=max(64, max(batches)), enable_prefix_caching=False, gguf_weights="dequantize")
+                  max_num_seqs=max(64, max(batches)), enable_prefix_caching=False, quantized_weights="dequantize")
     kwargs.update(llm_kwargs or {})
     t0 = time.perf_counter()
     llm = _make_engine(engine_factory, kwargs)

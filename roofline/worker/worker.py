@@ -21,6 +21,8 @@ from roofline.distributed.parallel_state import collective_stats, get_layout
 from roofline.cpu import ops as cpu_ops, gguf_quant
 from roofline.model_executor.layers import cpu_prepare
 from roofline.model_executor.loader.source import ModelSource
+from roofline.model_executor.layers.quantization import checkpoint_quantization
+from roofline.model_executor.layers.quantization import fp8 as fp8_blocks
 from roofline.model_executor.loader.weights import gguf_weights, init_dummy_weights, safetensors_weights
 from roofline.model_executor.models import llama_cpu_stack
 from roofline.model_executor.models.registry import resolve_architecture
@@ -168,8 +170,10 @@ class Worker:
             raise ValueError("speculative_config.method 'mtp' needs a safetensors checkpoint (GGUF files carry no "
                              "MTP layers)")
         else:
-            mtp.load_weights(safetensors_weights(source.path, show_progress))
+            mtp.load_weights(self._checkpoint_weights(safetensors_weights(source.path, show_progress), self.hf_config))
         mtp.eval()
+        fp8_blocks.compact_scales(mtp)
+        fp8_blocks.set_gemm(mtp, self.config.model_config.fp8_gemm)
         if self.device.type == "cpu":
             cpu_prepare.prepare_model(mtp)
         return mtp
@@ -194,13 +198,16 @@ class Worker:
                 weights = gguf_weights(os.path.join(source.path, source.gguf_file), hf_config, show_progress,
                                        keep_quantized=self._keeps_gguf_blocks(cls))
             else:
-                weights = safetensors_weights(source.path, show_progress)
+                weights = self._checkpoint_weights(safetensors_weights(source.path, show_progress), hf_config)
             loaded = model.load_weights(weights)
             expected = {n for n, _ in model.named_parameters(remove_duplicate=False)}
             missing = expected - loaded
             if missing:
                 raise ValueError(f"checkpoint is missing tensors: {sorted(missing)[:8]}{' ...' if len(missing) > 8 else ''}")
         model.eval()
+        fp8_blocks.compact_scales(model)
+        if fp8_blocks.set_gemm(model, self.config.model_config.fp8_gemm):
+            logger.info("FP8 block weights kept (CUDA route: %s)", self.config.model_config.fp8_gemm)
         if self.device.type == "cpu":
             n = gguf_quant.quantize_activations(model, self.config.model_config.gguf_activations)
             if n:
@@ -215,10 +222,23 @@ class Worker:
                     ", ".join(f"{k} {v / 1e6:.1f} MB" for k, v in sorted(weight_bytes.items())))
         return model
 
+    def _checkpoint_weights(self, weights, hf_config):
+        """A safetensors checkpoint's tensors, quantized ones joined with their scales (layers/quantization):
+        kept in their blocks with --quantized-weights native (each layer that cannot take them dequantizes
+        its own), dequantized here otherwise.  A quantization_config we cannot honour fails here, naming the
+        field."""
+        cfg = checkpoint_quantization(hf_config)
+        if cfg is None:
+            return weights
+        keep = self.config.model_config.quantized_weights == "native"
+        logger.info("FP8 block checkpoint ([%d, %d] blocks): %s", cfg.block_n, cfg.block_k,
+                    "kept in blocks where a layer takes them" if keep else "dequantized at load")
+        return fp8_blocks.fp8_checkpoint_weights(weights, cfg, keep)
+
     def _keeps_gguf_blocks(self, model_cls) -> bool:
-        """Whether a GGUF file's quantized layers stay in their blocks (--gguf-weights native): on the
+        """Whether a GGUF file's quantized layers stay in their blocks (--quantized-weights native): on the
         CPU in fp32 with the native kernels, one rank, a model class that takes them; else fp32 copies."""
-        if self.config.model_config.gguf_weights != "native":
+        if self.config.model_config.quantized_weights != "native":
             return False
         why = None
         if self.device.type != "cpu" or self.dtype != torch.float32:

@@ -1,4 +1,4 @@
-"""Weights kept in GGUF blocks (--gguf-weights native): the engine computes on them natively and is
+"""Weights kept in GGUF blocks (--quantized-weights native): the engine computes on them natively and is
 the same function as HF transformers over the dequantized values -- every format, batched and single
 stream, with the layer stack -- and the default model runs on its Q4_1 blocks by default."""
 
@@ -106,7 +106,7 @@ def test_default_model_runs_on_its_blocks(default_llm):
     """The default model (a Q4_1 file with a Q8_0 embedding) keeps its layers' Q4_1 blocks by default:
     the HF-parity and feature-invariance tests on it run the native quantized kernels."""
     worker = default_llm.llm_engine.executor.worker
-    assert default_llm.llm_engine.config.model_config.gguf_weights == "native"
+    assert default_llm.llm_engine.config.model_config.quantized_weights == "native"
     lin = worker.model.model.layers[0].self_attn.qkv_proj
     assert lin.quant is not None and lin.quant.format == "Q4_1"
     # 30 layers x (q, k, v, o: 576 x (576 + 192 + 192 + 576); gate, up, down: 3 x 576 x 1536) at 20 bytes / 32
@@ -117,16 +117,21 @@ def test_default_model_runs_on_its_blocks(default_llm):
     assert default_llm.llm_engine.step_roofline.weight_bytes_read(1) == sum(worker.weight_bytes.values())
 
 
-def test_dequantize_mode_keeps_fp32():
-    llm = LLM(gguf_weights="dequantize", show_progress=False, num_kv_blocks=16)
+@pytest.mark.parametrize("flag", ["quantized_weights", "gguf_weights"])  # the switch, and its old name
+def test_dequantize_mode_keeps_fp32(flag):
+    llm = LLM(**{flag: "dequantize"}, show_progress=False, num_kv_blocks=16)
     worker = llm.llm_engine.executor.worker
     assert worker.model.model.layers[0].self_attn.qkv_proj.quant is None
     assert set(worker.weight_bytes) == {"float32"}
 
 
-def test_bad_gguf_weights_value_is_refused():
-    with pytest.raises(ValueError, match="gguf_weights"):
-        LLM(gguf_weights="int4", show_progress=False)
+@pytest.mark.parametrize("flag", ["quantized_weights", "gguf_weights"])
+def test_bad_quantized_weights_value_is_refused(flag):
+    with pytest.raises(ValueError, match=flag):
+        LLM(**{flag: "int4"}, show_progress=False)
+    if flag == "gguf_weights":
+        with pytest.raises(ValueError, match="old name of quantized_weights"):
+            LLM(gguf_weights="native", quantized_weights="dequantize", show_progress=False)
 
 
 @pytest.fixture(scope="module")

@@ -165,7 +165,7 @@ def test_routes_alike_knows_the_quantized_routes(qtype):
     x = torch.randn(48, cols, generator=torch.Generator().manual_seed(qtype))
     said = {}
     for a, b in [(5, 3), (8, 2), (9, 3), (20, 6), (32, 8), (33, 8), (48, 6), (48, 40)]:
-        said[a, b] = cpu_gemm.routes_alike(a, b, [w.kernel_type])
+        said[a, b] = cpu_gemm.routes_alike(a, b, [w])
         if said[a, b]:
             torch.testing.assert_close(gguf_quant.linear(x[a - b:a], w), gguf_quant.linear(x[:a], w)[a - b:],
                                        atol=0, rtol=0)
@@ -173,7 +173,7 @@ def test_routes_alike_knows_the_quantized_routes(qtype):
     assert not (said[9, 3] or said[20, 6] or said[32, 8] or said[33, 8] or said[48, 6])
     assert not cpu_gemm.routes_alike(2, 1) and cpu_gemm.routes_alike(48, 6)  # fp32 alone: GEMV vs packed
     w.quantize_activations = True  # q8 mode: one route for any rows
-    assert cpu_gemm.routes_alike(48, 6, [w.kernel_type]) == (qtype in gguf_quant.ACT_Q8_FORMATS)
+    assert cpu_gemm.routes_alike(48, 6, [w]) == (qtype in gguf_quant.ACT_Q8_FORMATS)
 
 
 def test_gemm_reads_strided_rows():

@@ -4,9 +4,13 @@ Column-parallel: the output dimension is split; each rank holds weight rows [ran
 Row-parallel: the input dimension is split; partial products are summed by one all-reduce.
 QKV-parallel: Q heads split on head boundaries, KV heads split too or replicated when tp > num_kv_heads.
 
-A GGUF weight may stay in its block format (`load_weight`, tensor_parallel_size 1): the layer then
-holds `quant` (gguf_quant.QuantizedTensor), its `weight` becomes a meta tensor (shape and dtype only:
-nothing reads fp32 values that are not there) and forward computes on the blocks natively.
+A quantized weight may stay in its format (`load_weight`; layers/quantization): the layer then holds
+`quant`, its `weight` becomes a meta tensor (shape and dtype only: nothing reads values that are not there)
+and forward computes on the blocks natively.  GGUF blocks (gguf_quant.QuantizedTensor) stay on a CPU layer
+of one rank; FP8 blocks (quantization/fp8.Fp8BlockTensor) on a CPU fp32 layer with the native kernels or a
+CUDA layer, at any tensor-parallel size: the bytes and their scales are sliced like the rows and columns of a
+dense weight (per-row scales while assembling), and a shard of the input dimension must not cut a block.
+A layer marked `dense_only` (MLA's kv_b_proj, transformed at load) dequantizes whatever it is given.
 """
 
 from __future__ import annotations
@@ -18,7 +22,9 @@ from torch import nn
 
 from roofline.distributed.parallel_state import get_tp_rank, get_tp_size, tp_all_reduce
 from roofline.cpu import gemm as cpu_gemm
+from roofline.cpu import ops as cpu_ops
 from roofline.cpu.gguf_quant import QuantizedTensor
+from roofline.model_executor.layers.quantization.fp8 import Fp8BlockTensor
 
 
 def _divide(n: int, d: int, what: str) -> int:
@@ -33,8 +39,9 @@ class LinearBase(nn.Module):
         self.weight = nn.Parameter(torch.empty(out_features, in_features, dtype=dtype), requires_grad=False)
         self.bias = nn.Parameter(torch.empty(out_features, dtype=dtype), requires_grad=False) if bias else None
         self.cpu_packed: Optional[torch.Tensor] = None  # set by cpu_prepare.pack_model after loading (CPU)
-        self.quant: Optional[QuantizedTensor] = None  # the weight in GGUF blocks (load_weight)
+        self.quant = None  # the weight kept quantized (load_weight): GGUF or FP8 blocks
         self._dense_loaded = False  # a dense shard went into `weight`: blocks are no longer kept
+        self.dense_only = False  # always dequantize (a weight transformed after loading: MLA's kv_b_proj)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return cpu_gemm.linear(x, self.weight, self.cpu_packed, self.bias, self.quant)
@@ -42,24 +49,65 @@ class LinearBase(nn.Module):
     def takes_quantized(self) -> bool:
         """Whether GGUF blocks can stay here: a CPU layer of one rank (a shard of the input dimension
         would cut blocks; the native kernels run on the CPU)."""
-        return getattr(self, "tp_size", 1) == 1 and self.weight.device.type in ("cpu", "meta")
+        return (getattr(self, "tp_size", 1) == 1 and self.weight.device.type in ("cpu", "meta")
+                and not self.dense_only)
+
+    def takes_fp8(self) -> bool:
+        """Whether FP8 blocks can stay here: the CPU in fp32 with the native kernels, or CUDA (Triton)."""
+        device = self.weight.device.type
+        if self.dense_only:
+            return False
+        if device == "cuda":
+            return True
+        return device in ("cpu", "meta") and self.weight.dtype == torch.float32 and cpu_ops.available()
+
+    def _to_dense(self) -> None:
+        """Blocks kept so far become the dense weight (rows not loaded yet are 0 and are overwritten later)."""
+        if self.quant is not None:
+            self.weight = nn.Parameter(self.quant.dequantize().to(self.weight.dtype), requires_grad=False)
+            self.quant = None
+
+    def _load_fp8(self, loaded: Fp8BlockTensor, shard_id) -> None:
+        if self.quant is None and not self._dense_loaded and self.takes_fp8():
+            device = "cpu" if self.weight.device.type == "meta" else self.weight.device
+            self.quant = Fp8BlockTensor.empty(tuple(self.weight.shape), loaded.block_k, loaded.block_n, device)
+            self.weight = nn.Parameter(torch.empty(self.weight.shape, dtype=self.weight.dtype, device="meta"),
+                                       requires_grad=False)
+        if isinstance(self.quant, Fp8BlockTensor) and self.quant.block_k == loaded.block_k:
+            self._check_column_shard(loaded)
+            self.weight_loader(self.quant.data, loaded.data.to(self.quant.device), shard_id)
+            self.weight_loader(self.quant.scale, loaded.row_scales().to(self.quant.device), shard_id)
+            return
+        self._to_dense()
+        self._dense_loaded = True
+        self.weight_loader(self.weight, loaded.dequantize().to(self.weight.dtype), shard_id)
+
+    def _check_column_shard(self, loaded: Fp8BlockTensor) -> None:
+        """A shard of the input dimension (RowParallelLinear at tp > 1) must hold whole FP8 column blocks."""
+        cols = self.weight.shape[1]
+        if cols != loaded.shape[1] and cols % loaded.block_k:
+            raise ValueError(f"tensor parallelism gives each rank {cols} of the {loaded.shape[1]} input columns, "
+                             f"which cuts the {loaded.block_k}-column FP8 blocks (a rank's share must be a multiple "
+                             f"of {loaded.block_k}); use a tensor_parallel_size that keeps whole blocks, or "
+                             "--quantized-weights dequantize")
 
     def load_weight(self, loaded, shard_id=None) -> None:
         """weight_loader for the weight that keeps a GGUF tensor's blocks (gguf_quant.QuantizedTensor)
         where takes_quantized(): its rows go where weight_loader puts fp32 rows (at tp 1 the loaders move
         whole rows only).  A shard in another format than the ones before it (community files mix Q4_K
         and Q6_K within a layer), or a dense one, turns the layer back into fp32, and it stays fp32."""
+        if isinstance(loaded, Fp8BlockTensor):
+            self._load_fp8(loaded, shard_id)
+            return
         quantized = isinstance(loaded, QuantizedTensor)
         if quantized and self.quant is None and not self._dense_loaded and self.takes_quantized():
             self.quant = QuantizedTensor.empty(self.weight.shape[0], self.weight.shape[1], loaded.qtype)
             self.weight = nn.Parameter(torch.empty(self.weight.shape, dtype=self.weight.dtype, device="meta"),
                                        requires_grad=False)
-        if quantized and self.quant is not None and self.quant.qtype == loaded.qtype:
+        if quantized and isinstance(self.quant, QuantizedTensor) and self.quant.qtype == loaded.qtype:
             self.weight_loader(self.quant.data, loaded.data, shard_id)
             return
-        if self.quant is not None:  # rows not loaded yet dequantize to 0 and are overwritten later
-            self.weight = nn.Parameter(self.quant.dequantize().to(self.weight.dtype), requires_grad=False)
-            self.quant = None
+        self._to_dense()
         self._dense_loaded = True
         self.weight_loader(self.weight, (loaded.dequantize() if quantized else loaded).to(self.weight.dtype), shard_id)
 

@@ -91,6 +91,7 @@ class DeepseekMLA(nn.Module):
         self.kv_a_proj_with_mqa = ReplicatedLinear(hidden, self.latent + self.rope, bias=bias)
         self.kv_a_layernorm = RMSNorm(self.latent, LORA_NORM_EPS)
         self.kv_b_proj = ColumnParallelLinear(self.latent, total_heads * (self.nope + self.v_dim))
+        self.kv_b_proj.dense_only = True  # absorbed into the query and output (MLAWeights): FP8 blocks dequantized
         self.o_proj = RowParallelLinear(total_heads * self.v_dim, hidden, bias=bias)
         self.rotary = RotaryEmbedding(self.rope, config.max_position_embeddings, rope_parameters(config))
         self.interleaved = bool(getattr(config, "rope_interleave", True))
@@ -207,7 +208,7 @@ class DeepseekV2ForCausalLM(LlamaForCausalLM):
     """DeepSeek-V2 (and V2-Lite / Coder-V2); load_weights, logits and the KV specs are Llama's."""
 
     is_v3 = False
-    keeps_quantized_weights = False  # expert stacks load dense tensors: GGUF blocks are dequantized
+    keeps_quantized_weights = False  # expert stacks load dense tensors: GGUF blocks are dequantized (FP8 blocks stay)
     # checkpoint name fragment -> (our parameter fragment, shard id); experts are mapped in load_weights
     stacked_params = [(".gate_proj", ".gate_up_proj", 0), (".up_proj", ".gate_up_proj", 1)]
 
@@ -258,7 +259,7 @@ def load_expert_tensor(model: nn.Module, name: str, tensor: torch.Tensor) -> Opt
     moe = model.get_submodule(".".join(parts[:i + 1]))
     target = "w13_weight" if proj in ("gate_proj", "up_proj") else "w2_weight"
     param = getattr(moe, target)
-    moe.weight_loader(param, tensor.to(param.dtype), _EXPERT_SHARDS[proj], expert)
+    moe.weight_loader(param, tensor, _EXPERT_SHARDS[proj], expert)  # (it converts a dense tensor's dtype)
     return ".".join(parts[:i + 1] + [target])
 
 

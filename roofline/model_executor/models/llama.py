@@ -30,7 +30,7 @@ from roofline.attention.backend import AttentionBackend, AttentionMetadata
 from roofline.distributed import pipeline
 from roofline.cpu import gemm as cpu_gemm
 from roofline.model_executor.layers.activation import SiluAndMul
-from roofline.cpu.gguf_quant import QuantizedTensor
+from roofline.model_executor.layers.quantization.fp8 import is_quantized
 from roofline.model_executor.layers.linear import (
     LinearBase,
     MergedColumnParallelLinear,
@@ -149,13 +149,12 @@ class LlamaModel(nn.Module):
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps) if self.is_last_stage else pipeline.MissingLayer()
         self.cpu_stack = None  # llama_cpu_stack.CpuLayerStack where it applies (set after loading, CPU)
 
-    def _last_layer_quant_types(self) -> list[int]:
-        """Kernel types of the weights the stage's last layer keeps in GGUF blocks (the rows it keeps run
-        its projections after attention)."""
+    def _last_layer_quantized(self) -> list:
+        """The quantized weights (GGUF or FP8 blocks) of the stage's last layer (the rows it keeps run its
+        projections after attention)."""
         if self.end_layer <= self.start_layer:
             return []
-        return [m.quant.kernel_type for m in self.layers[self.end_layer - 1].modules()
-                if isinstance(getattr(m, "quant", None), QuantizedTensor)]
+        return [m.quant for m in self.layers[self.end_layer - 1].modules() if getattr(m, "quant", None) is not None]
 
     @property
     def stage_layers(self) -> list["LlamaDecoderLayer"]:
@@ -175,7 +174,7 @@ class LlamaModel(nn.Module):
             x, residual = intermediate
         keep = output_rows if self.is_last_stage else None
         if (keep is not None and x.is_cpu and keep.shape[0] != x.shape[0]
-                and not cpu_gemm.routes_alike(x.shape[0], keep.shape[0], self._last_layer_quant_types())):
+                and not cpu_gemm.routes_alike(x.shape[0], keep.shape[0], self._last_layer_quantized())):
             keep = None  # the kept rows would take another route than their batch's: taken after the norm instead
         # every layer shares one rope table: look it up once per step, not once per layer
         cos_sin = (self.layers[self.start_layer].self_attn.rotary.cos_sin(positions, x.dtype)
@@ -197,7 +196,7 @@ class LlamaModel(nn.Module):
 
 def _dense(tensor) -> torch.Tensor:
     """A checkpoint tensor as a dense tensor (GGUF blocks dequantized)."""
-    return tensor.dequantize() if isinstance(tensor, QuantizedTensor) else tensor
+    return tensor.dequantize() if is_quantized(tensor) else tensor
 
 
 class LlamaForCausalLM(nn.Module):
@@ -308,7 +307,7 @@ def load_named_tensor(model: nn.Module, name: str, tensor, params: dict[str, nn.
                 return None
             owner = owner_of(target)
             if isinstance(owner, LinearBase) and target.endswith(".weight"):
-                owner.load_weight(tensor, shard)
+                load_into_linear(owner, name, tensor, shard)
             else:
                 p = params[target]
                 owner.weight_loader(p, _dense(tensor).to(p.dtype), shard)
@@ -317,7 +316,7 @@ def load_named_tensor(model: nn.Module, name: str, tensor, params: dict[str, nn.
         raise ValueError(f"checkpoint tensor {name!r} has no matching parameter in {type(model).__name__}")
     owner = owner_of(name)
     if isinstance(owner, LinearBase) and name.endswith(".weight"):
-        owner.load_weight(tensor)
+        load_into_linear(owner, name, tensor)
         return name
     tensor = _dense(tensor)
     p = params[name]
@@ -326,6 +325,14 @@ def load_named_tensor(model: nn.Module, name: str, tensor, params: dict[str, nn.
     else:
         p.data.copy_(tensor.to(p.dtype))
     return name
+
+
+def load_into_linear(layer: LinearBase, name: str, tensor, shard=None) -> None:
+    """layer.load_weight, its errors (a tensor-parallel shard that cuts an FP8 block, ...) naming the tensor."""
+    try:
+        layer.load_weight(tensor, shard)
+    except ValueError as e:
+        raise ValueError(f"checkpoint tensor {name!r}: {e}") from e
 
 
 _LAYER_NAME = re.compile(r"model\.layers\.(\d+)\.")

@@ -30,6 +30,7 @@ from roofline.attention import kv_spec
 from roofline.attention.backend import AttentionMetadata
 from roofline.config import Switch
 from roofline.cpu import ops as cpu_ops
+from roofline.cpu.gguf_quant import QuantizedTensor
 
 SWITCH = Switch("cpu_layer_stack")
 
@@ -138,6 +139,8 @@ class CpuLayerStack:
                 return f"attention backend {a.backend.name!r}, not 'cpu'"
             if a.o_proj.tp_size != 1 or a.qkv_proj.tp_size != 1:
                 return "tensor parallel"
+            if any(lin.quant is not None and not isinstance(lin.quant, QuantizedTensor) for lin in _projections(layer)):
+                return f"layer {i}: a projection is kept in FP8 blocks (the stack's kernels take GGUF blocks)"
             if any(lin.quant is None and (lin.cpu_packed is None or lin.weight.dtype != torch.float32)
                    for lin in _projections(layer)):
                 return f"layer {i}: a projection is neither a packed fp32 weight nor kept in GGUF blocks"

@@ -14,7 +14,14 @@ share of its tokens, so the layer's output is again a partial sum over the TP gr
 other TP ranks' shares are zero) and the same one all-reduce completes it.  `expert_load` counts the
 tokens routed to each logical expert (from this rank's share) for EPLB (eplb/state.py).
 
+FP8 block checkpoints (quantization/fp8.py): on the CPU in fp32 with the native kernels the stacks stay in
+their blocks (`w13_quant` [E, 2I, H] and `w2_quant` [E, H, I], the dense parameters then meta tensors),
+sliced under tensor parallelism like the dense ones (the down projection's share of I must hold whole
+128-column blocks); elsewhere (CUDA: the grouped Triton kernel has no FP8 variant yet) they are dequantized
+at load.
+
 Expert compute by where the tensors live:
+    FP8 blocks kept                   quantized_experts.quantized_experts (each active expert's native linears)
     CPU, fp32, native kernels loaded  cpu_experts.CpuExperts (packed per-expert GEMMs, set by prepare_cpu)
     CUDA                              triton_moe.triton_experts (grouped GEMM over expert-sorted rows)
     anything else                     torch_experts.torch_experts (the reference)
@@ -27,12 +34,15 @@ from typing import Optional
 import torch
 from torch import nn
 
+from roofline.cpu import ops as cpu_ops
 from roofline.distributed.parallel_state import get_ep_group, get_layout, get_tp_group, tp_all_reduce
 from roofline.eplb.algorithm import initial_placement
 from roofline.model_executor.layers.moe.cpu_experts import CpuExperts
 from roofline.model_executor.layers.moe.expert_parallel import EXCHANGES, ExpertMap
 from roofline.model_executor.layers.moe.router import RoutingConfig, select_experts
+from roofline.model_executor.layers.moe.quantized_experts import quantized_experts
 from roofline.model_executor.layers.moe.torch_experts import torch_experts
+from roofline.model_executor.layers.quantization.fp8 import Fp8BlockTensor
 
 SHARDS = ("w1", "w3", "w2")  # gate, up, down
 
@@ -66,6 +76,9 @@ class FusedMoE(nn.Module):
         self.w2_weight = nn.Parameter(torch.empty(slots, hidden_size, self.inter_local), requires_grad=False)
         self.expert_load: Optional[torch.Tensor] = None  # [num_experts] token counts, set by eplb.state
         self.cpu_experts: Optional[CpuExperts] = None  # set by prepare_cpu after loading
+        self.w13_quant: Optional[Fp8BlockTensor] = None  # the stacks kept in FP8 blocks (see the module doc)
+        self.w2_quant: Optional[Fp8BlockTensor] = None
+        self._dense_loaded: set[str] = set()  # stacks ("w13", "w2") that took a dense tensor: no blocks kept
         self._loaded: set[tuple[int, str]] = set()
 
     # ---- loading ---------------------------------------------------------------------------------
@@ -81,6 +94,17 @@ class FusedMoE(nn.Module):
                                                                                     self.hidden_size)
         if tuple(loaded.shape) != want:
             raise ValueError(f"expert {expert_id} {shard_id}: checkpoint shape {tuple(loaded.shape)}, expected {want}")
+        if isinstance(loaded, Fp8BlockTensor):
+            if self._keep_fp8(loaded, shard_id):
+                self._load_fp8(loaded, shard_id, expert_id)
+                self._loaded.add((expert_id, shard_id))
+                return
+            loaded = loaded.dequantize()
+        stack = "w2" if shard_id == "w2" else "w13"
+        if getattr(self, f"{stack}_quant") is not None:  # a dense tensor after blocks: the whole stack goes dense
+            self._stack_to_dense(stack)
+        self._dense_loaded.add(stack)
+        param = getattr(self, f"{stack}_weight")
         loaded = loaded.to(param.dtype)
         for slot in self.local_slots(expert_id):
             if shard_id == "w2":
@@ -89,6 +113,54 @@ class FusedMoE(nn.Module):
                 offset = 0 if shard_id == "w1" else n
                 param.data[slot].narrow(0, offset, n).copy_(loaded.narrow(0, start, n))
         self._loaded.add((expert_id, shard_id))
+
+    # ---- FP8 block stacks ----------------------------------------------------------------------------------
+    def takes_fp8(self) -> bool:
+        """Whether FP8 expert stacks stay in their blocks here: CPU, fp32, native kernels."""
+        w = self.w13_weight
+        return w.device.type in ("cpu", "meta") and w.dtype == torch.float32 and cpu_ops.available()
+
+    def _keep_fp8(self, loaded: Fp8BlockTensor, shard_id: str) -> bool:
+        stack = "w2" if shard_id == "w2" else "w13"
+        kept = getattr(self, f"{stack}_quant")
+        if kept is None:
+            if stack in self._dense_loaded or not self.takes_fp8():
+                return False
+            dense = getattr(self, f"{stack}_weight")
+            kept = Fp8BlockTensor.empty(tuple(dense.shape), loaded.block_k, loaded.block_n)
+            setattr(self, f"{stack}_quant", kept)
+            setattr(self, f"{stack}_weight", nn.Parameter(torch.empty(dense.shape, dtype=dense.dtype, device="meta"),
+                                                          requires_grad=False))
+        if kept.block_k != loaded.block_k:
+            self._stack_to_dense(stack)
+            return False
+        return True
+
+    def _stack_to_dense(self, stack: str) -> None:
+        kept = getattr(self, f"{stack}_quant")
+        dense = getattr(self, f"{stack}_weight")
+        setattr(self, f"{stack}_weight", nn.Parameter(kept.dequantize().to(dense.dtype), requires_grad=False))
+        setattr(self, f"{stack}_quant", None)
+        self._dense_loaded.add(stack)
+
+    def _load_fp8(self, loaded: Fp8BlockTensor, shard_id: str, expert_id: int) -> None:
+        """One expert's FP8 tensor into this rank's slots: bytes and per-row scales, sliced like the dense rows;
+        the down projection's columns (I split under tensor parallelism) on whole blocks."""
+        n, start, bk = self.inter_local, self.tp_rank * self.inter_local, loaded.block_k
+        scales = loaded.row_scales()
+        for slot in self.local_slots(expert_id):
+            if shard_id == "w2":
+                if n != self.intermediate_size and n % bk:
+                    raise ValueError(f"tensor parallelism gives each rank {n} of the {self.intermediate_size} "
+                                     f"expert columns (moe_intermediate_size), which cuts the {bk}-column FP8 blocks "
+                                     f"(a rank's share must be a multiple of {bk}); use a tensor_parallel_size that "
+                                     "keeps whole blocks, expert parallelism, or --quantized-weights dequantize")
+                self.w2_quant.data[slot].copy_(loaded.data.narrow(1, start, n))
+                self.w2_quant.scale[slot].copy_(scales.narrow(1, start // bk, -(-n // bk)))
+            else:
+                offset = 0 if shard_id == "w1" else n
+                self.w13_quant.data[slot].narrow(0, offset, n).copy_(loaded.data.narrow(0, start, n))
+                self.w13_quant.scale[slot].narrow(0, offset, n).copy_(scales.narrow(0, start, n))
 
     def local_slots(self, expert_id: int) -> list[int]:
         """The slots of this rank's w13/w2 stacks that hold logical expert `expert_id` (none: another rank's)."""
@@ -120,11 +192,14 @@ class FusedMoE(nn.Module):
 
     def prepare_cpu(self) -> None:
         """After loading on the CPU: per-expert packed copies for the native kernels (cpu_prepare.prepare_model)."""
-        self.cpu_experts = CpuExperts.build(self.w13_weight, self.w2_weight)
+        if self.w13_quant is None and self.w2_quant is None:
+            self.cpu_experts = CpuExperts.build(self.w13_weight, self.w2_weight)
 
     # ---- compute ---------------------------------------------------------------------------------
     def experts(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """The chosen experts' weighted sum per token, un-reduced across tensor-parallel ranks."""
+        if self.w13_quant is not None or self.w2_quant is not None:
+            return quantized_experts(x, self._stack("w13"), self._stack("w2"), weights, ids)
         if self.cpu_experts is not None and self.cpu_experts.takes(x):
             return self.cpu_experts(x, self.w13_weight, self.w2_weight, weights, ids)
         if x.is_cuda:
@@ -132,6 +207,11 @@ class FusedMoE(nn.Module):
 
             return triton_experts(x, self.w13_weight, self.w2_weight, weights, ids)
         return torch_experts(x, self.w13_weight, self.w2_weight, weights, ids)
+
+    def _stack(self, stack: str):
+        """The FP8 stack, or (the other stack kept in blocks) the dense one seen through the same calls."""
+        kept = getattr(self, f"{stack}_quant")
+        return kept if kept is not None else _DenseStack(getattr(self, f"{stack}_weight"))
 
     def _local_experts(self, rows: torch.Tensor, slots: torch.Tensor, weights: Optional[torch.Tensor]) -> torch.Tensor:
         """rows [M, H] through this rank's expert slots [M], scaled by weights [M] (None: 1) -> [M, H]."""
@@ -155,7 +235,8 @@ class FusedMoE(nn.Module):
 
     def join_exchange(self) -> None:
         """This rank's part of the layer's token exchange with no tokens (join_expert_exchanges)."""
-        k, x = self.routing.top_k, self.w2_weight.new_zeros(0, self.hidden_size)
+        device = self.w2_quant.device if self.w2_quant is not None else self.w2_weight.device
+        k, x = self.routing.top_k, torch.zeros(0, self.hidden_size, dtype=self.w2_weight.dtype, device=device)
         self._expert_parallel(x, torch.zeros(0, k, dtype=torch.float32, device=x.device),
                               torch.zeros(0, k, dtype=torch.int64, device=x.device))
 
@@ -176,6 +257,28 @@ class FusedMoE(nn.Module):
         y = torch.zeros_like(x)
         y[start:start + n] = y_mine
         return y
+
+
+class _DenseStack:
+    """A dense expert stack [E, out, in] answering quantized_experts' calls (when only the other stack is FP8)."""
+
+    def __init__(self, w: torch.Tensor):
+        self.w = w
+        self.shape = tuple(w.shape)
+
+    def __getitem__(self, e: int) -> "_DenseMatrix":
+        return _DenseMatrix(self.w[e])
+
+
+class _DenseMatrix:
+    def __init__(self, w: torch.Tensor):
+        self.w = w
+
+    def linear(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.linear(x, self.w)
+
+    def linear_silu_mul(self, x: torch.Tensor):
+        return None
 
 
 def join_expert_exchanges(model: nn.Module) -> None:

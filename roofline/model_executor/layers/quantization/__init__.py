@@ -1,0 +1,81 @@
+"""Quantized weights behind one seam: GGUF blocks, FP8 blocks (and later MXFP4).
+
+A quantized weight is an object a linear layer keeps in `quant` instead of a dense `weight` (which becomes
+a meta tensor).  Every kind answers the same calls:
+    shape, nbytes, format        [N, K]; bytes held (scales included); the name weight_bytes_by_format shows
+    dequantize()                 the dense fp32 weight (the reference, and the dequantize-at-load route)
+    linear(x, bias)              F.linear(x, dequantize(), bias) by the kind's native route
+    linear_silu_mul(x)           silu(x W_g^T) * (x W_u^T) fused, or None (the caller projects, then SiluAndMul)
+    rows_route(rows)             whether `rows` rows take the per-row (GEMV) route: LlamaModel keeps a batch's
+                                 rows only where they come out the same bits as in the whole batch
+Kinds:
+    gguf        roofline/cpu/gguf_quant.QuantizedTensor (llama.cpp's blocks; the CPU's native kernels)
+    fp8 blocks  fp8.Fp8BlockTensor (DeepSeek-V3's e4m3 weights with [128, 128] block scales; the CPU's native
+                kernels, Triton on CUDA)
+One switch decides native vs dequantize-at-load for every kind: EngineConfig.quantized_weights
+(--quantized-weights native|dequantize).  `checkpoint_quantization(hf_config)` reads and checks a checkpoint's
+`quantization_config`, failing at start-up with the field named.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any, Optional
+
+SUPPORTED_METHODS = ("fp8",)
+
+
+@dataclass(frozen=True)
+class Fp8BlockConfig:
+    """DeepSeek-V3's FP8 recipe: e4m3 weights, a fp32 `weight_scale_inv` per [block_n x block_k] block,
+    activations quantized dynamically (per token and 1 x block_k group) where the GEMM runs in FP8."""
+
+    block_n: int
+    block_k: int
+    ignored: tuple[str, ...] = ()  # modules_to_not_convert / ignored_layers: stored in high precision
+
+    @property
+    def scale_bytes_per_weight(self) -> float:
+        return 4.0 / (self.block_n * self.block_k)
+
+
+def _field(q: Any, name: str, default=None):
+    return q.get(name, default) if isinstance(q, dict) else getattr(q, name, default)
+
+
+def checkpoint_quantization(hf_config) -> Optional[Fp8BlockConfig]:
+    """The checkpoint's quantization (None: plain weights), or ValueError naming the field we cannot honour."""
+    q = getattr(hf_config, "quantization_config", None)
+    if q is None:
+        return None
+    if not isinstance(q, dict) and hasattr(q, "to_dict"):
+        q = q.to_dict()
+    method = _field(q, "quant_method")
+    if method not in SUPPORTED_METHODS:
+        raise ValueError(f"quantization_config.quant_method {method!r} is not supported (supported: "
+                         f"{', '.join(SUPPORTED_METHODS)}: DeepSeek-style FP8 blocks)")
+    fmt = _field(q, "fmt", "e4m3")
+    if fmt != "e4m3":
+        raise ValueError(f"quantization_config.fmt {fmt!r} is not supported (only e4m3)")
+    scheme = _field(q, "activation_scheme", "dynamic")
+    if scheme != "dynamic":
+        raise ValueError(f"quantization_config.activation_scheme {scheme!r} is not supported (only dynamic: "
+                         "activations quantized per token group at run time)")
+    block = _field(q, "weight_block_size")
+    if block is None:
+        raise ValueError("quantization_config.weight_block_size is missing: per-tensor FP8 checkpoints are not "
+                         "supported (only block scales, e.g. [128, 128])")
+    if (not isinstance(block, (list, tuple)) or len(block) != 2
+            or not all(isinstance(b, int) and not isinstance(b, bool) and b > 0 for b in block)):
+        raise ValueError(f"quantization_config.weight_block_size must be two positive integers [block_n, block_k], "
+                         f"got {block!r}")
+    if block[1] % 16:
+        raise ValueError(f"quantization_config.weight_block_size [{block[0]}, {block[1]}]: block_k must be a "
+                         "multiple of 16")
+    ignored = tuple(_field(q, "modules_to_not_convert", None) or ()) + tuple(_field(q, "ignored_layers", None) or ())
+    return Fp8BlockConfig(int(block[0]), int(block[1]), ignored)
+
+
+def blocks(n: int, b: int) -> int:
+    return math.ceil(n / b)

@@ -1,0 +1,74 @@
+"""Block-FP8 checkpoints for tests: a saved HF model's projections quantized to e4m3 with DeepSeek-V3's
+`weight_scale_inv` block scales, and beside it the same model with those weights dequantized in fp32 (what HF
+transformers runs as the reference)."""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+import shutil
+
+import torch
+from safetensors.torch import load_file, save_file
+
+E4M3_MAX = 448.0
+
+
+def quantize_blocks(w: torch.Tensor, block: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """w [N, K] -> (e4m3 [N, K], fp32 scales [ceil(N/bn), ceil(K/bk)]): DeepSeek's recipe, scale = amax / 448."""
+    bn, bk = block
+    n, k = w.shape
+    rows, cols = -(-n // bn), -(-k // bk)
+    padded = torch.zeros(rows * bn, cols * bk, dtype=torch.float32)
+    padded[:n, :k] = w.float()
+    tiles = padded.view(rows, bn, cols, bk)
+    amax = tiles.abs().amax(dim=(1, 3))
+    scale = torch.where(amax > 0, amax / E4M3_MAX, torch.ones_like(amax))
+    q = (tiles / scale[:, None, :, None]).clamp(-E4M3_MAX, E4M3_MAX).view(rows * bn, cols * bk)[:n, :k]
+    return q.to(torch.float8_e4m3fn).contiguous(), scale.contiguous()
+
+
+def dequantize_blocks(q: torch.Tensor, scale: torch.Tensor, block: tuple[int, int]) -> torch.Tensor:
+    bn, bk = block
+    n, k = q.shape
+    full = scale.repeat_interleave(bn, 0)[:n].repeat_interleave(bk, 1)[:, :k]
+    return q.to(torch.float32) * full
+
+
+def is_projection(name: str) -> bool:
+    """The weights DeepSeek-V3's checkpoints store in FP8: every attention and MLP projection (experts and
+    shared experts included); not the router gate, norms, embeddings or the LM head."""
+    return name.endswith(".weight") and "proj" in name.rsplit(".", 2)[-2]
+
+
+def write_fp8_checkpoint(src: str, fp8_dir: str, ref_dir: str, block=(128, 128), quantize=is_projection,
+                         extra_config: dict | None = None) -> list[str]:
+    """src: a save_pretrained directory.  Writes fp8_dir (e4m3 + scales, quantization_config in config.json)
+    and ref_dir (the same weights dequantized, fp32); returns the quantized tensors' names."""
+    state = {}
+    for f in sorted(glob.glob(os.path.join(src, "*.safetensors"))):
+        state.update(load_file(f))
+    fp8, ref, names = {}, {}, []
+    for name, t in state.items():
+        if t.dim() == 2 and quantize(name):
+            q, s = quantize_blocks(t, block)
+            fp8[name], fp8[name + "_scale_inv"] = q, s
+            ref[name] = dequantize_blocks(q, s, block)
+            names.append(name)
+        else:
+            fp8[name] = ref[name] = t
+    for d, tensors in ((fp8_dir, fp8), (ref_dir, ref)):
+        os.makedirs(d, exist_ok=True)
+        for f in os.listdir(src):
+            if not f.endswith(".safetensors") and not f.endswith(".index.json"):
+                shutil.copy(os.path.join(src, f), os.path.join(d, f))
+        save_file(tensors, os.path.join(d, "model.safetensors"), metadata={"format": "pt"})
+    cfg_path = os.path.join(fp8_dir, "config.json")
+    with open(cfg_path) as fh:
+        cfg = json.load(fh)
+    cfg["quantization_config"] = dict({"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
+                                       "weight_block_size": list(block)}, **(extra_config or {}))
+    with open(cfg_path, "w") as fh:
+        json.dump(cfg, fh, indent=2)
+    return names
