@@ -97,7 +97,9 @@ class PlanInputs:
 
     @property
     def weight_bytes(self) -> float:
-        return DTYPE_BYTES[self.weight_dtype]
+        """Bytes per weight: the dtype's, plus an FP8 block checkpoint's fp32 scale shared by a block."""
+        extra = 4.0 / self.model.weight_block_elems if self.weight_dtype == "fp8" and self.model.weight_block_elems else 0.0
+        return DTYPE_BYTES[self.weight_dtype] + extra
 
     @property
     def kv_bytes(self) -> float:

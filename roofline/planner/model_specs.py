@@ -64,6 +64,7 @@ class ModelSpec:
     shared_expert_gate: bool = False  # Qwen2-MoE: a [1 x hidden] gate scales the shared expert per token
     num_moe_layers: int = 0
     native_dtype: str = "bf16"  # dtype of the released checkpoint
+    weight_block_elems: int = 0  # FP8 block checkpoints: weights per fp32 scale (128 x 128); 0: none
 
     # ---- structure -------------------------------------------------------------------------
     @property
@@ -259,6 +260,7 @@ class ModelSpec:
                                 or str(get("model_type", "")).startswith("qwen2")),
             qk_norm=qk_norm,
             native_dtype=_native_dtype(cfg),
+            weight_block_elems=_weight_block_elems(cfg),
             **mla,
             **moe,
         )
@@ -290,6 +292,15 @@ def _count_moe_layers(cfg: Mapping[str, Any], layers: int) -> int:
     mlp_only = set(cfg.get("mlp_only_layers") or [])
     step = int(cfg.get("decoder_sparse_step") or 1)  # Qwen-MoE
     return sum(1 for i in range(layers) if i not in mlp_only and (i + 1) % step == 0)
+
+
+def _weight_block_elems(cfg: Mapping[str, Any]) -> int:
+    """Weights sharing one fp32 scale in an FP8 block checkpoint (weight_block_size [128, 128]: 16384)."""
+    quant = cfg.get("quantization_config") or {}
+    block = quant.get("weight_block_size") if isinstance(quant, Mapping) else None
+    if isinstance(block, (list, tuple)) and len(block) == 2 and all(isinstance(b, int) and b > 0 for b in block):
+        return block[0] * block[1]
+    return 0
 
 
 def _native_dtype(cfg: Mapping[str, Any]) -> str:

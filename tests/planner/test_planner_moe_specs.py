@@ -81,3 +81,17 @@ def test_expert_parallel_weights_per_gpu_match_our_ranks(tmp_path, tp, dp, redun
     assert make_plan(p).results["ep_size"] == ep
     with pytest.raises(ValueError, match="8 experts \\+ 1 redundant do not split evenly over 4"):
         PlanInputs(spec, get_hardware("h100-sxm"), tp=2, dp=2, expert_parallel=True, num_redundant_experts=1)
+
+
+def test_fp8_block_checkpoints_count_one_byte_per_weight_plus_scales():
+    """DeepSeek-V3 ships e4m3 weights with an fp32 scale per 128 x 128 block: 1 + 4/16384 bytes a weight."""
+    from roofline.planner.cost_model import PlanInputs, weight_bytes_per_gpu
+    from roofline.planner.hardware import get_hardware
+
+    spec = load_model_spec("deepseek-v3")
+    assert spec.native_dtype == "fp8" and spec.weight_block_elems == 128 * 128
+    p = PlanInputs(spec, get_hardware("h100-sxm"), tp=8)
+    assert p.weight_bytes == pytest.approx(1 + 4 / 16384)
+    assert weight_bytes_per_gpu(p) == pytest.approx(spec.total_params() * (1 + 4 / 16384) / 8)
+    bf16 = PlanInputs(spec, get_hardware("h100-sxm"), tp=8, weight_dtype="bf16")
+    assert bf16.weight_bytes == 2  # dequantized: no scales
