@@ -39,7 +39,7 @@ def enabled() -> bool:
     global _triton_importable
     if SWITCH.override is not None:
         return SWITCH.override
-    if not SWITCH.from_env():
+    if not SWITCH.on():
         return False
     if _triton_importable is None:
         try:
