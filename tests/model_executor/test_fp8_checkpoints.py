@@ -21,7 +21,8 @@ from tests.reference.fp8_checkpoint import write_fp8_checkpoint
 from tests.reference.hf_models import build_tiny_model, hf_greedy
 from tests.spec_decode.test_mtp import ReferenceMTP, mtp_spec
 
-pytestmark = pytest.mark.skipif(not cpu_ops.available(), reason="native CPU kernels unavailable (no C compiler)")
+pytestmark = pytest.mark.skipif(not cpu_ops.available() and not torch.cuda.is_available(),
+                                reason="native CPU kernels unavailable (no C compiler)")
 
 GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
 # DeepSeek's [128, 128] blocks (a tiny model's matrices are one partial block each) and small blocks that cut
@@ -163,3 +164,23 @@ def test_bad_checkpoint_fails_at_start_up_naming_the_tensor(fp8_models, tmp_path
     (bad / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(Exception, match="quantization_config.quant_method 'gptq'"):
         LLM(str(bad), dtype="float32", device="cpu", show_progress=False, num_kv_blocks=16)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (scripts/gpu_checks.sh fp8)")
+@pytest.mark.parametrize("gemm", ["weight_only", "w8a8"])
+def test_cuda_layers_run_their_fp8_blocks_through_triton(fp8_models, gemm):
+    """On CUDA the projections keep their blocks and run the Triton GEMMs: weight-only is the function of the
+    dequantized weights (HF's greedy tokens in fp32); w8a8 rounds activations to e4m3 per 128-column group
+    (DeepSeek's recipe), so only its first token is checked against HF, the rest for completion."""
+    path, prompts, reference = fp8_models("llama", "128x128")
+    llm = LLM(path, dtype="float32", device="cuda", show_progress=False, num_kv_blocks=64, fp8_gemm=gemm)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY, use_tqdm=False)
+    tokens = [o.outputs[0].token_ids for o in outs]
+    stats = llm.llm_engine.get_stats()
+    assert stats.num_free_blocks == stats.num_total_blocks
+    qkv = llm.llm_engine.executor.worker.model.model.layers[0].self_attn.qkv_proj.quant
+    assert isinstance(qkv, Fp8BlockTensor) and qkv.data.is_cuda and qkv.gemm == gemm
+    if gemm == "weight_only":
+        assert tokens == reference
+    else:
+        assert [t[0] for t in tokens] == [r[0] for r in reference] and all(len(t) == len(r) for t, r in zip(tokens, reference))
