@@ -1,9 +1,9 @@
 """`roofline bench`: throughput (offline workloads), serve (online, against a running server), w8 (PD
-interference) and eplb (expert parallelism under a skewed router)."""
+interference), eplb (expert parallelism under a skewed router) and fp8 (FP8 block weights on the CPU)."""
 
 from __future__ import annotations
 
-from roofline.benchmarks import eplb_skew, pd_interference, serve, throughput
+from roofline.benchmarks import eplb_skew, fp8_weights, pd_interference, serve, throughput
 
 
 def register(subparsers) -> None:
@@ -13,3 +13,4 @@ def register(subparsers) -> None:
     serve.register(sub)
     pd_interference.register(sub)
     eplb_skew.register(sub)
+    fp8_weights.register(sub)

@@ -12,21 +12,7 @@ import shutil
 import torch
 from safetensors.torch import load_file, save_file
 
-E4M3_MAX = 448.0
-
-
-def quantize_blocks(w: torch.Tensor, block: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor]:
-    """w [N, K] -> (e4m3 [N, K], fp32 scales [ceil(N/bn), ceil(K/bk)]): DeepSeek's recipe, scale = amax / 448."""
-    bn, bk = block
-    n, k = w.shape
-    rows, cols = -(-n // bn), -(-k // bk)
-    padded = torch.zeros(rows * bn, cols * bk, dtype=torch.float32)
-    padded[:n, :k] = w.float()
-    tiles = padded.view(rows, bn, cols, bk)
-    amax = tiles.abs().amax(dim=(1, 3))
-    scale = torch.where(amax > 0, amax / E4M3_MAX, torch.ones_like(amax))
-    q = (tiles / scale[:, None, :, None]).clamp(-E4M3_MAX, E4M3_MAX).view(rows * bn, cols * bk)[:n, :k]
-    return q.to(torch.float8_e4m3fn).contiguous(), scale.contiguous()
+from roofline.model_executor.layers.quantization.fp8 import quantize_fp8_blocks as quantize_blocks  # noqa: F401
 
 
 def dequantize_blocks(q: torch.Tensor, scale: torch.Tensor, block: tuple[int, int]) -> torch.Tensor:

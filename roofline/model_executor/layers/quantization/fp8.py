@@ -137,6 +137,22 @@ class Fp8BlockTensor:
         return replace(self, data=self.data.to(device), scale=self.scale.to(device))
 
 
+def quantize_fp8_blocks(w: torch.Tensor, block: tuple[int, int] = (128, 128)) -> tuple[torch.Tensor, torch.Tensor]:
+    """w [N, K] -> (e4m3 [N, K], fp32 weight_scale_inv [ceil(N/bn), ceil(K/bk)]) by DeepSeek's recipe: each
+    block's scale is its amax / 448 (1 for an all-zero block).  For tests and benchmarks that write FP8 block
+    checkpoints from dense weights."""
+    bn, bk = block
+    n, k = w.shape
+    rows, cols = blocks(n, bn), blocks(k, bk)
+    padded = torch.zeros(rows * bn, cols * bk, dtype=torch.float32)
+    padded[:n, :k] = w.float()
+    tiles = padded.view(rows, bn, cols, bk)
+    amax = tiles.abs().amax(dim=(1, 3))
+    scale = torch.where(amax > 0, amax / fp8_quant.E4M3_MAX, torch.ones_like(amax))
+    q = (tiles / scale[:, None, :, None]).clamp(-fp8_quant.E4M3_MAX, fp8_quant.E4M3_MAX)
+    return q.view(rows * bn, cols * bk)[:n, :k].to(torch.float8_e4m3fn).contiguous(), scale.contiguous()
+
+
 def is_quantized(t) -> bool:
     """A quantized weight of any kind (it dequantizes)."""
     return hasattr(t, "dequantize") and not isinstance(t, torch.Tensor)
