@@ -69,7 +69,7 @@ static inline float e4m3_value(uint8_t b) {
 static inline const float *scale_row(const fp8_weight_t *W, int64_t n) { return W->s + (n / W->sr) * W->ss; }
 
 #if FP8_LANES == 16
-/* 16 bytes -> e4m3(w) * s, with s256 = 256 s broadcast */
+/* 16 bytes -> e4m3(w) * s through fp16 bits (see the file's comment), with s256 = 256 s broadcast */
 static inline __m512 fp8_chunk(const uint8_t *p, __m512 s256) {
     const __m256i h = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)p));
     const __m256i bits = _mm256_and_si256(_mm256_slli_epi16(h, 7), _mm256_set1_epi16((short)0xbfff));
@@ -116,7 +116,12 @@ static void expand_row(const fp8_weight_t *W, int64_t n, float *out) {
     int64_t k = 0;
 #if FP8_LANES > 1
     const int64_t kv = K / FP8_LANES * FP8_LANES;
-    for (; k < kv; k += FP8_LANES) VSTORE(out + k, fp8_chunk(w + k, VSET1(s[k / W->bk] * 256.f)));
+    for (int64_t k0 = 0; k0 < kv; k0 += W->bk) {
+        const int64_t k1 = k0 + W->bk < kv ? k0 + W->bk : kv;
+        const vec_t sc = VSET1(s[k0 / W->bk] * 256.f);
+        for (k = k0; k < k1; k += FP8_LANES) VSTORE(out + k, fp8_chunk(w + k, sc));
+    }
+    k = kv;
 #endif
     for (; k < K; k++) out[k] = e4m3_value(w[k]) * s[k / W->bk];
 }
@@ -129,59 +134,77 @@ void fp8_dequantize_f32(const uint8_t *w, int64_t N, int64_t K, const float *s, 
 }
 
 /* ---- the GEMV route: R output rows n .. n+R-1 times M input rows, each (row, output) pair one running sum over
- * the row's chunks of FP8_LANES (then the scalar tail), so its bits do not depend on R, M or the threads ---- */
-static inline __attribute__((always_inline)) void gemv_tile(const fp8_weight_t *W, int64_t n, const int R,
-                                                            const float *a, int64_t lda, const int M,
-                                                            const float *bias, float *c, int64_t ldc) {
-    const int64_t K = W->K;
-    const uint8_t *w[4];
-    const float *s[4];
-    for (int r = 0; r < R; r++) {
-        w[r] = W->w + (n + r) * K;
-        s[r] = scale_row(W, n + r);
-    }
-    float sum[4][FP8_ROWS_MAX];
-    int64_t k = 0;
+ * the row's chunks of FP8_LANES (then the scalar tail), so its bits do not depend on R, M or the threads.
+ * One function per (R, M) with arrays of exactly R x M accumulators, which the compiler keeps in registers. ---- */
 #if FP8_LANES > 1
-    const int64_t kv = K / FP8_LANES * FP8_LANES;
-    vec_t acc[4][FP8_ROWS_MAX];
-    for (int r = 0; r < R; r++)
-        for (int m = 0; m < M; m++) acc[r][m] = VZERO();
-    for (int64_t k0 = 0; k0 < kv; k0 += W->bk) {  /* one scale block at a time */
-        const int64_t k1 = k0 + W->bk < kv ? k0 + W->bk : kv, kb = k0 / W->bk;
-        vec_t sc[4];
-        for (int r = 0; r < R; r++) sc[r] = VSET1(s[r][kb] * 256.f);
-        for (k = k0; k < k1; k += FP8_LANES) {
-            vec_t x[FP8_ROWS_MAX];
-            for (int m = 0; m < M; m++) x[m] = VLOAD(a + m * lda + k);
-            for (int r = 0; r < R; r++) {
-                const vec_t wv = fp8_chunk(w[r] + k, sc[r]);
-                for (int m = 0; m < M; m++) acc[r][m] = VFMA(wv, x[m], acc[r][m]);
-            }
-        }
-    }
-    k = kv;
-    for (int r = 0; r < R; r++)
-        for (int m = 0; m < M; m++) sum[r][m] = vsum(acc[r][m]);
+#define VECTOR_PART(RR, MM)                                                                                   \
+    const int64_t kv = K / FP8_LANES * FP8_LANES;                                                              \
+    vec_t acc[RR][MM];                                                                                         \
+    for (int r = 0; r < RR; r++)                                                                               \
+        for (int m = 0; m < MM; m++) acc[r][m] = VZERO();                                                      \
+    for (int64_t k0 = 0; k0 < kv; k0 += W->bk) { /* one scale block at a time */                              \
+        const int64_t k1 = k0 + W->bk < kv ? k0 + W->bk : kv, kb = k0 / W->bk;                                 \
+        vec_t sc[RR];                                                                                          \
+        for (int r = 0; r < RR; r++) sc[r] = VSET1(s[r][kb] * 256.f);                                          \
+        for (k = k0; k < k1; k += FP8_LANES) {                                                                 \
+            vec_t x[MM];                                                                                       \
+            for (int m = 0; m < MM; m++) x[m] = VLOAD(a + m * lda + k);                                        \
+            for (int r = 0; r < RR; r++) {                                                                     \
+                const vec_t wv = fp8_chunk(w[r] + k, sc[r]);                                                   \
+                for (int m = 0; m < MM; m++) acc[r][m] = VFMA(wv, x[m], acc[r][m]);                            \
+            }                                                                                                  \
+        }                                                                                                      \
+    }                                                                                                          \
+    k = kv;                                                                                                    \
+    for (int r = 0; r < RR; r++)                                                                               \
+        for (int m = 0; m < MM; m++) sum[r][m] = vsum(acc[r][m]);
 #else
-    for (int r = 0; r < R; r++)
-        for (int m = 0; m < M; m++) sum[r][m] = 0.f;
+#define VECTOR_PART(RR, MM)                                                                                   \
+    for (int r = 0; r < RR; r++)                                                                               \
+        for (int m = 0; m < MM; m++) sum[r][m] = 0.f;
 #endif
-    for (; k < K; k++)
-        for (int r = 0; r < R; r++) {
-            const float wv = e4m3_value(w[r][k]) * s[r][k / W->bk];
-            for (int m = 0; m < M; m++) sum[r][m] += wv * a[m * lda + k];
-        }
-    for (int r = 0; r < R; r++)
-        for (int m = 0; m < M; m++) c[m * ldc + n + r] = bias ? sum[r][m] + bias[n + r] : sum[r][m];
-}
+
+#define DEFINE_TILE(RR, MM)                                                                                   \
+    static void gemv_tile_##RR##_##MM(const fp8_weight_t *W, int64_t n, const float *a, int64_t lda,            \
+                                      const float *bias, float *c, int64_t ldc) {                              \
+        const int64_t K = W->K;                                                                                \
+        const uint8_t *w[RR];                                                                                  \
+        const float *s[RR];                                                                                    \
+        for (int r = 0; r < RR; r++) {                                                                         \
+            w[r] = W->w + (n + r) * K;                                                                         \
+            s[r] = scale_row(W, n + r);                                                                        \
+        }                                                                                                      \
+        float sum[RR][MM];                                                                                     \
+        int64_t k = 0;                                                                                         \
+        VECTOR_PART(RR, MM)                                                                                    \
+        for (; k < K; k++)                                                                                     \
+            for (int r = 0; r < RR; r++) {                                                                     \
+                const float wv = e4m3_value(w[r][k]) * s[r][k / W->bk];                                        \
+                for (int m = 0; m < MM; m++) sum[r][m] += wv * a[m * lda + k];                                 \
+            }                                                                                                  \
+        for (int r = 0; r < RR; r++)                                                                           \
+            for (int m = 0; m < MM; m++) c[m * ldc + n + r] = bias ? sum[r][m] + bias[n + r] : sum[r][m];       \
+    }
+
+DEFINE_TILE(4, 1)
+DEFINE_TILE(4, 2)
+DEFINE_TILE(2, 3)
+DEFINE_TILE(2, 4)
+DEFINE_TILE(1, 1)
+DEFINE_TILE(1, 2)
+DEFINE_TILE(1, 3)
+DEFINE_TILE(1, 4)
+DEFINE_TILE(1, 5)
+DEFINE_TILE(1, 6)
+DEFINE_TILE(1, 7)
+DEFINE_TILE(1, 8)
 
 /* output rows per tile for M input rows: R * M accumulators stay in registers */
 static inline int tile_rows(int64_t M) { return M <= 2 ? 4 : M <= 4 ? 2 : 1; }
 
 static void gemv_tile_any(const fp8_weight_t *W, int64_t n, int R, const float *a, int64_t lda, int M,
                           const float *bias, float *c, int64_t ldc) {
-#define TILE(RR, MM) gemv_tile(W, n, RR, a, lda, MM, bias, c, ldc)
+#define TILE(RR, MM) gemv_tile_##RR##_##MM(W, n, a, lda, bias, c, ldc)
     if (R == 4 && M == 1) TILE(4, 1);
     else if (R == 4 && M == 2) TILE(4, 2);
     else if (R == 2 && M == 3) TILE(2, 3);
