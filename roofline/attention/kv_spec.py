@@ -8,6 +8,9 @@ Every layer's cache is one tensor  [num_kv_slots, num_blocks, block_size, num_kv
   * ordinary attention (MHA/GQA):  slots = 2 (index 0 = K, 1 = V), num_kv_heads x head_dim each;
   * multi-head latent attention (DeepSeek MLA): slots = 1, one shared "head" whose row is the
     normalised latent (kv_lora_rank values) followed by the roped shared key (qk_rope_head_dim).
+  * the sparse-attention indexer's keys (DeepSeek-V3.2 DSA): slots = 1, one head of index_head_dim values,
+    declared by the same layer right after its MLA latent and addressed by the same block ids.
+A layer may declare more than one spec (the model's list holds them in layer order, each layer's together).
 The block index is dim 1 for every kind, so block swaps and copies (`cache[:, dst] = cache[:, src]`)
 are generic.  Which attention backend reads and writes the tensor follows from `kind`.
 """
@@ -19,12 +22,12 @@ from typing import Callable, Sequence
 
 import torch
 
-KINDS = ("attention", "mla")
+KINDS = ("attention", "mla", "indexer")
 
 
 @dataclass(frozen=True)
 class KVCacheSpec:
-    kind: str  # "attention" (K and V per KV head) | "mla" (one latent per token)
+    kind: str  # "attention" (K and V per KV head) | "mla" (one latent per token) | "indexer" (DSA's index keys)
     num_kv_heads: int
     head_size: int  # values per head and slot
     latent_rank: int = 0  # MLA: the latent's width (the first latent_rank values of the row)
@@ -59,6 +62,11 @@ def attention_spec(num_kv_heads: int, head_dim: int) -> KVCacheSpec:
 def mla_spec(kv_lora_rank: int, qk_rope_head_dim: int) -> KVCacheSpec:
     """MLA: one latent of kv_lora_rank + qk_rope_head_dim values per token, shared by every head."""
     return KVCacheSpec("mla", 1, kv_lora_rank + qk_rope_head_dim, latent_rank=kv_lora_rank, rope_dim=qk_rope_head_dim)
+
+
+def indexer_spec(index_head_dim: int) -> KVCacheSpec:
+    """DSA's lightning indexer: one key of index_head_dim values per token, scored against every query."""
+    return KVCacheSpec("indexer", 1, index_head_dim)
 
 
 def dtype_bytes(dtype: torch.dtype) -> int:

@@ -163,8 +163,9 @@ class EngineCore:
         if spec is not None and spec.method == "mtp":
             hf = self.model_config.hf_config
             archs = list(getattr(hf, "architectures", None) or [])
-            if "DeepseekV3ForCausalLM" not in archs and getattr(hf, "model_type", "") != "deepseek_v3":
-                raise ValueError(f"speculative_config.method 'mtp' needs a DeepSeek-V3 checkpoint with MTP layers; "
+            mtp_archs = ("DeepseekV3ForCausalLM", "DeepseekV32ForCausalLM")
+            if not set(mtp_archs) & set(archs) and getattr(hf, "model_type", "") not in ("deepseek_v3", "deepseek_v32"):
+                raise ValueError(f"speculative_config.method 'mtp' needs a DeepSeek-V3 / V3.2 checkpoint with MTP layers; "
                                  f"this model is {archs[0] if archs else hf.model_type}")
             if int(getattr(hf, "num_nextn_predict_layers", 0) or 0) < 1:
                 raise ValueError("speculative_config.method 'mtp' needs a checkpoint with MTP layers "

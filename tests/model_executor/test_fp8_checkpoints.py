@@ -1,5 +1,5 @@
 """Block-FP8 checkpoints (DeepSeek-V3/R1's format) against HF transformers on the same weights dequantized:
-tiny random DeepSeek-V3 and Llama checkpoints written by `save_pretrained`, their projections quantized to e4m3
+tiny random DeepSeek-V3, V3.2 and Llama checkpoints written by `save_pretrained`, their projections quantized to e4m3
 with `weight_scale_inv` blocks by tests/reference/fp8_checkpoint.py.  Greedy tokens identical in fp32 on the
 CPU with the weights kept in their blocks (one byte each) under the default engine, a 16-token budget, a pool
 small enough to preempt, tensor and expert parallelism and MTP speculation; every block back in the pool."""
@@ -17,7 +17,7 @@ from roofline.cpu import ops as cpu_ops
 from roofline.model_executor.layers.quantization.fp8 import Fp8BlockTensor, quantized_tensors
 from tests.engine.test_feature_invariance import shared_prefix_prompts
 from tests.model_executor.test_deepseek import CHECKPOINTS, VARIANTS, build_deepseek  # the same engine variants
-from tests.reference.fp8_checkpoint import write_fp8_checkpoint
+from tests.reference.fp8_checkpoint import is_projection, write_fp8_checkpoint
 from tests.reference.hf_models import build_tiny_model, hf_greedy
 from tests.spec_decode.test_mtp import ReferenceMTP, mtp_spec
 
@@ -51,15 +51,26 @@ def fp8_models(tmp_path_factory):
 
                     tensors = ReferenceMTP(main, seed=7).tensors(main.config.num_hidden_layers)
                     save_file(tensors, os.path.join(src, "mtp.safetensors"))
+            elif arch == "deepseek_v32":
+                from tests.model_executor.test_deepseek_v32 import build_v32
+
+                build_v32(src)
             else:
                 build_tiny_model(arch, src, seed=3)
-            write_fp8_checkpoint(src, str(root / "fp8"), str(root / "ref"), block={**BLOCKS, **TP_BLOCKS}[blocks])
+            write_fp8_checkpoint(src, str(root / "fp8"), str(root / "ref"), block={**BLOCKS, **TP_BLOCKS}[blocks],
+                                 quantize=v32_fp8_tensors)
             hf = AutoModelForCausalLM.from_pretrained(str(root / "ref"), dtype=torch.float32).eval()
             prompts = shared_prefix_prompts(hf.config.vocab_size, n=4, seed=4)
             made[key] = (str(root / "fp8"), prompts, [hf_greedy(hf, p, GREEDY.max_tokens) for p in prompts])
         return made[key]
 
     return get
+
+
+def v32_fp8_tensors(name: str) -> bool:
+    """DeepSeek's FP8 releases: every projection, and V3.2's indexer wq_b / wk (its weights_proj stays fp32)."""
+    return is_projection(name) and not name.endswith("indexer.weights_proj.weight") or name.endswith(
+        ("indexer.wq_b.weight", "indexer.wk.weight"))
 
 
 def generate(path, prompts, **engine_args):
@@ -91,6 +102,16 @@ def test_deepseek_v3_on_its_fp8_blocks_matches_hf(fp8_models, blocks, variant):
         assert all(t.data.dtype == torch.uint8 for t in kept)
     if variant.startswith("preempt"):
         assert stats.num_preemptions > 0
+
+
+@pytest.mark.parametrize("variant", ["default", "budget_16"])
+def test_deepseek_v32_on_its_fp8_blocks_matches_hf(fp8_models, variant):
+    """V3.2: the indexer's wq_b and wk in blocks too; sparse attention over FP8 projections."""
+    path, prompts, reference = fp8_models("deepseek_v32", "16x32")
+    tokens, _, llm = generate(path, prompts, **VARIANTS[variant])
+    assert tokens == reference
+    indexer = llm.llm_engine.executor.worker.model.model.layers[0].self_attn.indexer
+    assert isinstance(indexer.wq_b.quant, Fp8BlockTensor) and indexer.weights_proj.quant is None
 
 
 def test_dequantize_at_load_gives_the_same_tokens(fp8_models):

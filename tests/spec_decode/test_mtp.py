@@ -191,5 +191,5 @@ def test_random_sampling_with_mtp_is_reproducible(mtp_checkpoint):
 
 def test_a_model_without_mtp_layers_is_refused(tiny_models):
     path, _ = tiny_models["llama"]
-    with pytest.raises(ValueError, match="speculative_config.method 'mtp' needs a DeepSeek-V3 checkpoint"):
+    with pytest.raises(ValueError, match="speculative_config.method 'mtp' needs a DeepSeek-V3 / V3.2 checkpoint"):
         LLM(path, device="cpu", num_kv_blocks=16, show_progress=False, speculative_config=mtp_spec(2))

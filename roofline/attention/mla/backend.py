@@ -26,11 +26,14 @@ whole (replicated) latent cache.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Optional
 
 import torch
 import torch.nn.functional as F
 
 from roofline.attention.backend import AttentionMetadata
+from roofline.attention.sparse import dsa
+from roofline.attention.sparse.dsa import TopkSelection
 from roofline.attention.torch_backend import TorchAttentionBackend
 
 
@@ -65,19 +68,34 @@ class MLAAttentionBackend:
         flat.index_copy_(0, slot_mapping, latent.to(cache.dtype))
 
     def forward(self, q_nope: torch.Tensor, q_pe: torch.Tensor, cache: torch.Tensor, meta: AttentionMetadata,
-                weights: MLAWeights, scale: float) -> torch.Tensor:
-        """q_nope [N, h, P], q_pe [N, h, R] -> [N, h, V]: decodes absorbed, prefill chunks up-projected."""
+                weights: MLAWeights, scale: float, selection: Optional[TopkSelection] = None) -> torch.Tensor:
+        """q_nope [N, h, P], q_pe [N, h, R] -> [N, h, V]: decodes absorbed, prefill chunks up-projected.
+        selection (DSA, attention/sparse): rows restricted to their kept positions; a step whose decodes are
+        all unrestricted (contexts within index_topk) takes the dense decode path, exactly dense MLA."""
         n, h = q_nope.shape[:2]
         out = torch.empty((n, h, weights.w_uv.shape[1]), dtype=q_nope.dtype, device=q_nope.device)
         nd = meta.num_decodes
         if nd > 0:
-            out[:nd] = self.decode(q_nope[:nd], q_pe[:nd], cache, meta, weights, scale)
+            if selection is not None and selection.any_sparse(0, nd):
+                out[:nd] = self.sparse_decode(q_nope[:nd], q_pe[:nd], cache, meta, weights, scale, selection)
+            else:
+                out[:nd] = self.decode(q_nope[:nd], q_pe[:nd], cache, meta, weights, scale)
         if meta.num_reqs > nd:
-            self.prefill(q_nope, q_pe, cache, meta, weights, scale, out)
+            self.prefill(q_nope, q_pe, cache, meta, weights, scale, out, selection)
         return out
 
+    def sparse_decode(self, q_nope, q_pe, cache, meta: AttentionMetadata, weights: MLAWeights, scale: float,
+                      selection: TopkSelection) -> torch.Tensor:
+        """Decodes over only their kept latent rows (every row of a context within index_topk)."""
+        nd = q_nope.shape[0]
+        q_abs = self.absorb_query(q_nope, q_pe, weights)
+        positions = dsa.decode_positions(selection, meta.seq_lens_cpu[:nd])
+        o = dsa.sparse_latent_attention(q_abs, cache, meta.block_tables, positions, scale, weights.w_uk.shape[2])
+        return self.absorb_output(o, weights)
+
     # ---- prefill: up-project the context, ordinary causal attention ----------------------------
-    def prefill(self, q_nope, q_pe, cache, meta: AttentionMetadata, weights: MLAWeights, scale: float, out) -> None:
+    def prefill(self, q_nope, q_pe, cache, meta: AttentionMetadata, weights: MLAWeights, scale: float, out,
+                selection: Optional[TopkSelection] = None) -> None:
         h, nope = weights.w_uk.shape[0], weights.w_uk.shape[1]
         lat = weights.w_uk.shape[2]
         w_kv = torch.cat((weights.w_uk, weights.w_uv), dim=1).reshape(-1, lat)  # kv_b_proj's weight
@@ -93,6 +111,8 @@ class MLAAttentionBackend:
             q, k, v = q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None]
             qpos = torch.arange(s - c, s, device=q.device)[:, None]
             mask = torch.arange(s, device=q.device)[None, :] <= qpos  # row i (position s-c+i) sees 0..s-c+i
+            if selection is not None:
+                mask = dsa.prefill_mask(selection, q0, q1, mask)  # restricted rows: their kept positions
             o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
             out[q0:q1] = o[0].transpose(0, 1).to(out.dtype)
 

@@ -19,6 +19,12 @@ Softmax scale: (P + R)^-0.5, times mscale(factor, mscale_all_dim)^2 under DeepSe
 cos/sin carry mscale(factor, mscale) / mscale(factor, mscale_all_dim) (rotary.py).
 Tensor parallelism: heads (q_b_proj / q_proj, kv_b_proj, o_proj) split; q_a / kv_a projections and the
 latent cache are replicated on every rank.
+DeepSeek-V3.2 (DeepseekV32ForCausalLM): V3 plus DeepSeek Sparse Attention in every layer -- a lightning
+indexer (DeepseekIndexer: wq_b on the query's low-rank q_resid, wk + LayerNorm k_norm on the layer input, rope
+on the first qk_rope_head_dim values in the half-split layout, weights_proj) whose keys get their own cache
+(kv_spec.indexer_spec, the same block ids as the latent) and whose top-`index_topk` positions per query token
+are the only ones MLA attends to (attention/sparse/dsa.py).  The indexer is replicated under tensor
+parallelism, like the latent.
 """
 
 from __future__ import annotations
@@ -33,6 +39,7 @@ from torch import nn
 from roofline.attention import kv_spec
 from roofline.attention.backend import AttentionBackend, AttentionMetadata
 from roofline.attention.mla import MLAWeights, get_mla_backend
+from roofline.attention.sparse import TopkSelection, select_topk, write_index_keys
 from roofline.distributed.parallel_state import get_pp_group, get_tp_size, tp_all_reduce
 from roofline.model_executor.layers.moe import FusedMoE
 from roofline.model_executor.layers.moe.router import routing_from_hf_config
@@ -69,6 +76,52 @@ def rope_on_pairs(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torc
     return torch.cat((x1 * c - x2 * s, x2 * c + x1 * s), dim=-1)
 
 
+def rope_halves(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """The half-split (rotate_half) rope on the first cos.shape[-1] values of x [..., D] (cos/sin broadcast to
+    [..., R]): the layout DSA's indexer uses, unlike MLA's interleaved pairs."""
+    r = cos.shape[-1]
+    rot, rest = x[..., :r], x[..., r:]
+    half = r // 2
+    rotated = torch.cat((-rot[..., half:], rot[..., :half]), dim=-1)
+    return torch.cat((rot * cos + rotated * sin, rest), dim=-1)
+
+
+class DeepseekIndexer(nn.Module):
+    """DSA's lightning indexer (HF's DeepseekV32Indexer), its parameters named as in the checkpoint
+    (self_attn.indexer.{wq_b, wk, k_norm, weights_proj})."""
+
+    def __init__(self, config):
+        super().__init__()
+        self.n_heads = int(config.index_n_heads)
+        self.head_dim = int(config.index_head_dim)
+        self.topk = int(config.index_topk)
+        self.rope = int(config.qk_rope_head_dim)
+        if self.head_dim < self.rope:
+            raise ValueError(f"index_head_dim ({self.head_dim}) must hold the qk_rope_head_dim ({self.rope}) "
+                             "roped values")
+        self.wq_b = ReplicatedLinear(config.q_lora_rank, self.n_heads * self.head_dim, bias=False)
+        self.wk = ReplicatedLinear(config.hidden_size, self.head_dim, bias=False)
+        self.k_norm = nn.LayerNorm(self.head_dim, eps=1e-6)
+        self.weights_proj = ReplicatedLinear(config.hidden_size, self.n_heads, bias=False)
+        self.weights_proj.dense_only = True  # read as a dense fp32 matrix (HF keeps it in fp32)
+        self.scale = self.head_dim ** -0.5
+
+    def kv_cache_spec(self) -> kv_spec.KVCacheSpec:
+        return kv_spec.indexer_spec(self.head_dim)
+
+    def forward(self, x: torch.Tensor, q_resid: torch.Tensor, cos_sin, cache: torch.Tensor,
+                meta: AttentionMetadata) -> TopkSelection:
+        """x [N, hidden] (the layer's normed input), q_resid [N, q_lora_rank] -> each row's kept positions;
+        the rows' index keys are written to `cache` first (a row scores itself)."""
+        n = x.shape[0]
+        cos, sin = cos_sin  # [N, 1, R]
+        q = rope_halves(self.wq_b(q_resid).view(n, self.n_heads, self.head_dim), cos, sin)
+        k = rope_halves(self.k_norm(self.wk(x)), cos[:, 0], sin[:, 0])
+        write_index_keys(k, cache, meta.slot_mapping)
+        w = F.linear(x.float(), self.weights_proj.weight.float()) * self.n_heads ** -0.5
+        return select_topk(q, w, cache, meta, self.topk, self.scale)
+
+
 class DeepseekMLA(nn.Module):
     def __init__(self, config, backend: AttentionBackend):
         super().__init__()
@@ -97,13 +150,25 @@ class DeepseekMLA(nn.Module):
         self.interleaved = bool(getattr(config, "rope_interleave", True))
         self.scale = mla_softmax_scale(config)
         self.backend = get_mla_backend(backend)
+        self.indexer = None
+        if getattr(config, "index_topk", None) is not None:  # DeepSeek-V3.2: sparse attention
+            if int(config.index_topk) <= 0:
+                raise ValueError(f"index_topk must be positive, got {config.index_topk}")
+            if not self.q_lora_rank:
+                raise ValueError("DeepSeek sparse attention needs q_lora_rank (its indexer reads the query's "
+                                 "low-rank q_resid)")
+            self.indexer = DeepseekIndexer(config)
 
-    def kv_cache_spec(self) -> kv_spec.KVCacheSpec:
-        return kv_spec.mla_spec(self.latent, self.rope)
+    def kv_cache_specs(self) -> list[kv_spec.KVCacheSpec]:
+        """The latent, and (V3.2) the indexer's keys: one cache tensor each, in this order."""
+        specs = [kv_spec.mla_spec(self.latent, self.rope)]
+        return specs + [self.indexer.kv_cache_spec()] if self.indexer is not None else specs
 
-    def forward(self, positions, x, cache: torch.Tensor, meta: AttentionMetadata, cos_sin) -> torch.Tensor:
+    def forward(self, positions, x, caches: list[torch.Tensor], meta: AttentionMetadata, cos_sin) -> torch.Tensor:
         n = x.shape[0]
-        q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x))) if self.q_lora_rank else self.q_proj(x)
+        cache = caches[0]
+        q_resid = self.q_a_layernorm(self.q_a_proj(x)) if self.q_lora_rank else None
+        q = self.q_b_proj(q_resid) if self.q_lora_rank else self.q_proj(x)
         q = q.view(n, self.num_heads, self.nope + self.rope)
         q_nope, q_pe = q[..., : self.nope], q[..., self.nope :]
         c, k_pe = self.kv_a_proj_with_mqa(x).split([self.latent, self.rope], dim=-1)
@@ -115,8 +180,9 @@ class DeepseekMLA(nn.Module):
         else:
             q_pe, k_pe = self.rotary(positions, q_pe.contiguous(), k_pe.contiguous(), cos_sin)
         self.backend.write_latent(torch.cat((c, k_pe[:, 0]), dim=-1), cache, meta.slot_mapping)
+        selection = self.indexer(x, q_resid, cos_sin, caches[1], meta) if self.indexer is not None else None
         weights = MLAWeights.from_kv_b(self.kv_b_proj.weight, self.num_heads, self.nope, self.v_dim)
-        o = self.backend.forward(q_nope, q_pe, cache, meta, weights, self.scale)
+        o = self.backend.forward(q_nope, q_pe, cache, meta, weights, self.scale, selection)
         return self.o_proj(o.reshape(n, self.num_heads * self.v_dim))
 
 
@@ -165,13 +231,14 @@ class DeepseekDecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
-    def forward(self, positions, x, residual, cache, meta, cos_sin):
+    def forward(self, positions, x, residual, caches, meta, cos_sin):
+        """caches: this layer's cache tensors (self_attn.kv_cache_specs(), in order)."""
         if residual is None:
             residual = x
             h = self.input_layernorm(x)
         else:
             h, residual = self.input_layernorm(x, residual)
-        h = self.self_attn(positions, h, cache, meta, cos_sin)
+        h = self.self_attn(positions, h, caches, meta, cos_sin)
         h, residual = self.post_attention_layernorm(h, residual)
         return self.mlp(h), residual
 
@@ -198,8 +265,11 @@ class DeepseekModel(nn.Module):
         x = self.embed_tokens(input_ids)
         residual = None
         cos_sin = self.layers[0].self_attn.rotary.cos_sin(positions, x.dtype) if self.layers else None
-        for layer, cache in zip(self.layers, kv_caches):
-            x, residual = layer(positions, x, residual, cache, meta, cos_sin)
+        at = 0
+        for layer in self.layers:  # each layer takes its caches (the latent, and V3.2's index keys)
+            count = len(layer.self_attn.kv_cache_specs())
+            x, residual = layer(positions, x, residual, kv_caches[at:at + count], meta, cos_sin)
+            at += count
         x, _ = self.norm(x, residual) if residual is not None else (self.norm(x), None)
         return x if output_rows is None else x[output_rows]
 
@@ -224,6 +294,10 @@ class DeepseekV2ForCausalLM(LlamaForCausalLM):
         self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size)
         if self.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
+
+    def kv_cache_specs(self) -> list[kv_spec.KVCacheSpec]:
+        """Every layer's caches in layer order (V3.2: the latent, then the index keys, per layer)."""
+        return [spec for layer in self.model.stage_layers for spec in layer.self_attn.kv_cache_specs()]
 
     def load_weights(self, weights):
         """HF names; per-expert tensors (mlp.experts.{e}.{gate,up,down}_proj.weight) go to FusedMoE's
@@ -273,3 +347,12 @@ def check_experts_loaded(model: nn.Module) -> None:
 
 class DeepseekV3ForCausalLM(DeepseekV2ForCausalLM):
     is_v3 = True
+
+
+class DeepseekV32ForCausalLM(DeepseekV3ForCausalLM):
+    """DeepSeek-V3.2: V3 with DeepSeek Sparse Attention (the indexer in every layer's DeepseekMLA)."""
+
+    def __init__(self, config, backend: AttentionBackend):
+        if getattr(config, "index_topk", None) is None:
+            raise ValueError("DeepseekV32ForCausalLM needs index_topk (and index_n_heads, index_head_dim) in its config")
+        super().__init__(config, backend)

@@ -65,7 +65,7 @@ class DeepseekMTP(DeepseekDecoderLayer):
 
     # ---- the proposer's view -----------------------------------------------------------------
     def kv_cache_specs(self) -> list[kv_spec.KVCacheSpec]:
-        return [self.self_attn.kv_cache_spec()]
+        return self.self_attn.kv_cache_specs()  # the latent (and a V3.2 checkpoint's index keys)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, previous_hidden: torch.Tensor,
                 kv_caches: list[torch.Tensor], meta: AttentionMetadata) -> torch.Tensor:
@@ -76,7 +76,7 @@ class DeepseekMTP(DeepseekDecoderLayer):
         emb = torch.where((positions == 0).unsqueeze(-1), torch.zeros_like(emb), emb)
         x = self.eh_proj(torch.cat((self.enorm(emb), self.hnorm(previous_hidden)), dim=-1))
         cos_sin = self.self_attn.rotary.cos_sin(positions, x.dtype)
-        y, residual = super().forward(positions, x, None, kv_caches[0], meta, cos_sin)
+        y, residual = super().forward(positions, x, None, kv_caches, meta, cos_sin)
         return y + residual
 
     def compute_logits(self, y: torch.Tensor) -> torch.Tensor:

@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
-from roofline.model_executor.models.deepseek import DeepseekV2ForCausalLM, DeepseekV3ForCausalLM
+from roofline.model_executor.models.deepseek import (
+    DeepseekV2ForCausalLM,
+    DeepseekV3ForCausalLM,
+    DeepseekV32ForCausalLM,
+)
 from roofline.model_executor.models.llama import (
     LlamaForCausalLM,
     MistralForCausalLM,
@@ -15,6 +19,7 @@ from roofline.model_executor.models.qwen_moe import Qwen2MoeForCausalLM, Qwen3Mo
 MODEL_REGISTRY = {
     "DeepseekV2ForCausalLM": DeepseekV2ForCausalLM,
     "DeepseekV3ForCausalLM": DeepseekV3ForCausalLM,
+    "DeepseekV32ForCausalLM": DeepseekV32ForCausalLM,
     "LlamaForCausalLM": LlamaForCausalLM,
     "MistralForCausalLM": MistralForCausalLM,
     "Qwen2ForCausalLM": Qwen2ForCausalLM,

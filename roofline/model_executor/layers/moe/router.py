@@ -108,8 +108,8 @@ def routing_from_hf_config(hf_config) -> RoutingConfig:
     scale = float(getattr(hf_config, "routed_scaling_factor", None) or 1.0)
     if model_type == "mixtral":
         cfg = RoutingConfig(top_k=top_k, renormalize=True)
-    elif model_type in ("deepseek_v2", "deepseek_v3"):
-        v3 = model_type == "deepseek_v3"
+    elif model_type in ("deepseek_v2", "deepseek_v3", "deepseek_v32"):
+        v3 = model_type != "deepseek_v2"
         method = getattr(hf_config, "topk_method", None) or ("noaux_tc" if v3 else "greedy")
         scoring = getattr(hf_config, "scoring_func", None) or ("sigmoid" if v3 else "softmax")
         if scoring not in SCORINGS:

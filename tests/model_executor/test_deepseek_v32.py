@@ -1,0 +1,223 @@
+"""DeepSeek-V3.2 (DeepSeek Sparse Attention) against HF transformers' DeepseekV32ForCausalLM on tiny random
+checkpoints written by `save_pretrained`: index_topk 8 with prompts of 36-59 tokens, so most query tokens
+attend to 8 positions chosen by the lightning indexer.  Greedy tokens identical in fp32 on the CPU under the
+default engine (prefix hits), a 16-token budget (chunked prefill: the indexer reads earlier chunks' keys from
+its cache), a pool small enough to preempt (recompute and swap), tensor parallelism 2 and expert parallelism
+2, and with V3.2's MTP layer proposing; every block back in the pool.  Also: the sparse latent attention
+equals dense attention restricted to the kept positions, a sequence within index_topk equals dense MLA, the
+indexer's keys have their own cache spec, and a bad index_topk fails naming the field."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import torch
+
+from roofline import LLM, SamplingParams
+from roofline.attention import kv_spec
+from roofline.attention.sparse import dsa
+from tests.engine.test_feature_invariance import shared_prefix_prompts
+from tests.model_executor.test_deepseek import TINY_DS, VARIANTS
+from tests.reference.hf_models import hf_greedy
+
+V32 = dict(q_lora_rank=24, n_group=4, topk_group=2, routed_scaling_factor=2.5, norm_topk_prob=True,
+           index_n_heads=16, index_head_dim=32, index_topk=8)
+GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+
+
+def v32_config(**overrides):
+    from transformers import DeepseekV32Config
+
+    return DeepseekV32Config(**dict(TINY_DS, **dict(V32, **overrides)))
+
+
+def build_v32(path: str, seed: int = 2, **overrides):
+    """A random HF DeepSeek-V3.2 saved to `path`; norms (the indexer's LayerNorm too) and the correction bias
+    perturbed so they matter."""
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(v32_config(**overrides), dtype=torch.float32).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.add_(torch.randn_like(p) * 0.1)
+        for name, b in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                b.copy_(torch.randn_like(b) * 0.1)
+    os.makedirs(path, exist_ok=True)
+    model.save_pretrained(path, safe_serialization=True)
+    return model
+
+
+@pytest.fixture(scope="module")
+def v32(tmp_path_factory):
+    """(checkpoint, prompts sharing a prefix, HF greedy outputs)."""
+    path = str(tmp_path_factory.mktemp("tiny-v32"))
+    hf = build_v32(path)
+    prompts = shared_prefix_prompts(hf.config.vocab_size, n=4, seed=4)
+    assert min(len(p) for p in prompts) > 4 * V32["index_topk"]
+    return path, prompts, [hf_greedy(hf, p, GREEDY.max_tokens) for p in prompts], hf
+
+
+def generate(path, prompts, sampling=GREEDY, **engine_args):
+    llm = LLM(path, dtype="float32", device="cpu", show_progress=False, **engine_args)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], sampling, use_tqdm=False)
+    stats = llm.llm_engine.get_stats()
+    assert stats.num_free_blocks == stats.num_total_blocks  # every block back in the pool
+    return [o.outputs[0].token_ids for o in outs], stats, llm
+
+
+def test_the_sparsity_decides_the_tokens(v32):
+    """The reference depends on the indexer's choice: HF with every position kept answers differently."""
+    from transformers import AutoModelForCausalLM
+
+    path, prompts, reference, hf = v32
+    dense = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, index_topk=4096).eval()
+    assert [hf_greedy(dense, p, GREEDY.max_tokens) for p in prompts] != reference
+
+
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_greedy_matches_hf(v32, variant):
+    path, prompts, reference, _ = v32
+    tokens, stats, llm = generate(path, prompts, **VARIANTS[variant])
+    assert tokens == reference
+    if variant == "default":
+        assert stats.prefix_cache_hits > 0
+        specs = llm.llm_engine.executor.worker.model.kv_cache_specs()
+        assert [s.kind for s in specs[:2]] == ["mla", "indexer"] and len(specs) == 2 * TINY_DS["num_hidden_layers"]
+        assert specs[1] == kv_spec.indexer_spec(V32["index_head_dim"])
+    if variant.startswith("preempt"):
+        assert stats.num_preemptions > 0
+
+
+def test_tensor_parallel_2_matches_hf(v32):
+    """MLA heads split over two ranks; the indexer and both caches replicated."""
+    path, prompts, reference, _ = v32
+    tokens, _, _ = generate(path, prompts, num_kv_blocks=64, tensor_parallel_size=2)
+    assert tokens == reference
+
+
+def test_expert_parallel_2_matches_hf(v32):
+    path, prompts, reference, _ = v32
+    tokens, _, _ = generate(path, prompts, num_kv_blocks=64, data_parallel_size=2, enable_expert_parallel=True)
+    assert tokens == reference
+
+
+def test_mtp_proposals_with_sparse_attention(v32, tmp_path):
+    """V3.2's MTP layer (its attention has an indexer too) proposes through the `mtp` method; greedy tokens
+    stay HF's."""
+    from safetensors.torch import save_file
+    from transformers import AutoModelForCausalLM
+
+    from tests.spec_decode.test_mtp import ReferenceMTP, mtp_spec
+
+    path, prompts, reference, hf = v32
+    for f in os.listdir(path):
+        (tmp_path / f).write_bytes(open(os.path.join(path, f), "rb").read())
+    cfg = json.loads((tmp_path / "config.json").read_text())
+    cfg["num_nextn_predict_layers"] = 1
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    ref = ReferenceMTP(hf, seed=7)
+    torch.manual_seed(7)
+    ref.block = AutoModelForCausalLM.from_config(v32_config(num_hidden_layers=1, first_k_dense_replace=0),
+                                                 dtype=torch.float32).eval()
+    save_file(ref.tensors(hf.config.num_hidden_layers), str(tmp_path / "mtp.safetensors"))
+    tokens, stats, llm = generate(str(tmp_path), prompts, num_kv_blocks=64, speculative_config=mtp_spec(2))
+    assert tokens == reference
+    assert stats.spec_decode.num_draft_tokens > 0
+    mtp = llm.llm_engine.executor.worker.draft_model
+    assert mtp.self_attn.indexer is not None and [s.kind for s in mtp.kv_cache_specs()] == ["mla", "indexer"]
+
+
+def test_a_sequence_within_index_topk_is_dense_mla(v32, tmp_path):
+    """index_topk above every context: the indexer keeps everything and V3.2 is V3 on the same weights --
+    the same tokens and the same logprobs, bit for bit (the dense paths run)."""
+    path, prompts, _, _ = v32
+    for f in os.listdir(path):
+        (tmp_path / f).write_bytes(open(os.path.join(path, f), "rb").read())
+    cfg = json.loads((tmp_path / "config.json").read_text())
+    cfg["index_topk"] = 4096
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    v3 = tmp_path / "v3"
+    v3.mkdir()
+    from safetensors.torch import load_file, save_file
+
+    tensors = {k: v for k, v in load_file(os.path.join(path, "model.safetensors")).items() if ".indexer." not in k}
+    save_file(tensors, str(v3 / "model.safetensors"))
+    for key in ("index_topk", "index_n_heads", "index_head_dim"):
+        cfg.pop(key)
+    cfg.update(architectures=["DeepseekV3ForCausalLM"], model_type="deepseek_v3")
+    (v3 / "config.json").write_text(json.dumps(cfg))
+    sampling = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=2)
+    outs = {}
+    for name, where in (("v32", str(tmp_path)), ("v3", str(v3))):
+        llm = LLM(where, dtype="float32", device="cpu", show_progress=False, num_kv_blocks=64)
+        outs[name] = llm.generate([{"prompt_token_ids": p} for p in prompts], sampling, use_tqdm=False)
+    for a, b in zip(outs["v32"], outs["v3"]):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+        assert [{t: lp.logprob for t, lp in d.items()} for d in a.outputs[0].logprobs] == \
+               [{t: lp.logprob for t, lp in d.items()} for d in b.outputs[0].logprobs]
+
+
+def test_sparse_latent_attention_is_dense_attention_over_the_kept_rows():
+    g = torch.Generator().manual_seed(0)
+    n, h, lat, rope, bs, blocks = 3, 4, 32, 8, 4, 12
+    cache = torch.randn(1, blocks, bs, 1, lat + rope, generator=g)
+    tables = torch.stack([torch.randperm(blocks, generator=g)[:8] for _ in range(n)]).int()
+    lens = [30, 17, 9]
+    positions = torch.full((n, 6), -1, dtype=torch.int64)
+    for i, s in enumerate(lens):
+        k = min(6, s) - (i == 1)  # a row with fewer kept positions than K
+        positions[i, :k] = torch.randperm(s, generator=g)[:k]
+    q = torch.randn(n, h, lat + rope, generator=g)
+    got = dsa.sparse_latent_attention(q, cache, tables, positions, 0.3, lat)
+    for i, s in enumerate(lens):
+        rows = dsa.gather_rows(cache, tables[i], s)  # the whole context ...
+        keep = torch.zeros(s, dtype=torch.bool)
+        keep[positions[i][positions[i] >= 0]] = True
+        scores = (q[i] @ rows.T) * 0.3
+        scores[:, ~keep] = float("-inf")  # ... restricted to the kept positions
+        want = torch.softmax(scores, -1) @ rows[:, :lat]
+        torch.testing.assert_close(got[i], want, atol=1e-6, rtol=1e-5)
+
+
+def test_indexer_keeps_the_top_scores_of_the_causal_context():
+    """select_topk against a direct computation: rows within topk are unrestricted, the others keep exactly
+    the top index_topk positions t <= p of sum_h w_h relu(q_h . k_t * scale)."""
+    from roofline.attention.backend import AttentionMetadata
+
+    g = torch.Generator().manual_seed(1)
+    heads, d, bs, topk = 4, 8, 4, 5
+    s, c = 11, 7  # one prefill chunk: positions 4..10
+    cache = torch.zeros(1, 4, bs, 1, d)
+    table = torch.tensor([[2, 0, 3, 1]], dtype=torch.int32)
+    keys = torch.randn(s, d, generator=g)
+    slots = torch.tensor([int(table[0, t // bs]) * bs + t % bs for t in range(s)])
+    dsa.write_index_keys(keys, cache, slots)
+    q = torch.randn(c, heads, d, generator=g)
+    w = torch.randn(c, heads, generator=g)
+    meta = AttentionMetadata(num_tokens=c, num_reqs=1, num_decodes=0, query_start_loc=torch.tensor([0, c]),
+                             seq_lens=torch.tensor([s]), block_tables=table, slot_mapping=slots[s - c:],
+                             max_query_len=c, max_seq_len=s, query_start_loc_cpu=[0, c], seq_lens_cpu=[s])
+    sel = dsa.select_topk(q, w, cache, meta, topk, 0.5)
+    for i in range(c):
+        p = s - c + i
+        if p + 1 <= topk:
+            assert not sel.sparse[i]
+            continue
+        score = (w[i][:, None] * torch.relu(q[i] @ keys[:p + 1].T * 0.5)).sum(0)
+        assert sel.sparse[i] and set(sel.positions[i].tolist()) == set(score.topk(topk).indices.tolist())
+
+
+@pytest.mark.parametrize("value", [0, -3])
+def test_bad_index_topk_fails_naming_the_field(tmp_path, value):
+    v32_config().save_pretrained(tmp_path)
+    cfg = json.loads((tmp_path / "config.json").read_text())
+    cfg["index_topk"] = value
+    cfg["architectures"] = ["DeepseekV32ForCausalLM"]
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(Exception, match="index_topk"):
+        LLM(str(tmp_path), load_format="dummy", device="cpu", num_kv_blocks=8, show_progress=False)
