@@ -39,9 +39,9 @@ GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
 
 
 def ds_config(model_type: str, **overrides):
-    from transformers import DeepseekV2Config, DeepseekV3Config
+    from transformers import DeepseekV2Config, DeepseekV3Config, DeepseekV32Config
 
-    cls = DeepseekV2Config if model_type == "deepseek_v2" else DeepseekV3Config
+    cls = {"deepseek_v2": DeepseekV2Config, "deepseek_v3": DeepseekV3Config, "deepseek_v32": DeepseekV32Config}[model_type]
     return cls(**dict(TINY_DS, **overrides))
 
 

@@ -19,7 +19,7 @@ from roofline import LLM, SamplingParams
 from roofline.attention import kv_spec
 from roofline.attention.sparse import dsa
 from tests.engine.test_feature_invariance import shared_prefix_prompts
-from tests.model_executor.test_deepseek import TINY_DS, VARIANTS
+from tests.model_executor.test_deepseek import TINY_DS, VARIANTS, build_deepseek, ds_config
 from tests.reference.hf_models import hf_greedy
 
 V32 = dict(q_lora_rank=24, n_group=4, topk_group=2, routed_scaling_factor=2.5, norm_topk_prob=True,
@@ -28,28 +28,12 @@ GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
 
 
 def v32_config(**overrides):
-    from transformers import DeepseekV32Config
-
-    return DeepseekV32Config(**dict(TINY_DS, **dict(V32, **overrides)))
+    return ds_config("deepseek_v32", **dict(V32, **overrides))
 
 
 def build_v32(path: str, seed: int = 2, **overrides):
-    """A random HF DeepSeek-V3.2 saved to `path`; norms (the indexer's LayerNorm too) and the correction bias
-    perturbed so they matter."""
-    from transformers import AutoModelForCausalLM
-
-    torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(v32_config(**overrides), dtype=torch.float32).eval()
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "norm" in name:
-                p.add_(torch.randn_like(p) * 0.1)
-        for name, b in model.named_buffers():
-            if name.endswith("e_score_correction_bias"):
-                b.copy_(torch.randn_like(b) * 0.1)
-    os.makedirs(path, exist_ok=True)
-    model.save_pretrained(path, safe_serialization=True)
-    return model
+    """A random HF DeepSeek-V3.2 saved to `path` (norms, the indexer's LayerNorm too, perturbed)."""
+    return build_deepseek("deepseek_v32", path, seed=seed, **dict(V32, **overrides))
 
 
 @pytest.fixture(scope="module")
