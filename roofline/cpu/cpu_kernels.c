@@ -1710,11 +1710,14 @@ void llama_stack_f32(const float *x, float *out, int64_t N, const int64_t *layer
  * Every head of a work item reads a latent row once (scores for all of its heads, then the weighted
  * sums), so the cache is streamed once per item.  Items are (sequence, group of heads): whole
  * sequences when there are enough of them for the threads, else each sequence's heads are split. */
-static void mla_item(const float *q, float *out, const float *cache, const int32_t *bt, int64_t S, int64_t nh,
-                     int64_t L, int64_t W, int64_t bs, float scale, float *scores, float *acc, float *mx) {
+/* pos (DSA's sparse decode): the S positions to attend to (the first S of the row's kept positions), or 0 for
+ * positions 0 .. S-1 */
+static void mla_item(const float *q, float *out, const float *cache, const int32_t *bt, const int64_t *pos, int64_t S,
+                     int64_t nh, int64_t L, int64_t W, int64_t bs, float scale, float *scores, float *acc, float *mx) {
     for (int64_t g = 0; g < nh; g++) mx[g] = -INFINITY;
     for (int64_t t = 0; t < S; t++) {  /* pass 1: scores, all heads per row */
-        const float *row = cache + ((int64_t)bt[t / bs] * bs + t % bs) * W;
+        const int64_t pt = pos ? pos[t] : t;
+        const float *row = cache + ((int64_t)bt[pt / bs] * bs + pt % bs) * W;
         for (int64_t g = 0; g < nh; g++) {
             const float *qg = q + g * W;
             float d = 0.f;
@@ -1736,7 +1739,8 @@ static void mla_item(const float *q, float *out, const float *cache, const int32
         mx[g] = sum;
     }
     for (int64_t t = 0; t < S; t++) {  /* pass 3: weighted latent rows, all heads per row */
-        const float *row = cache + ((int64_t)bt[t / bs] * bs + t % bs) * W;
+        const int64_t pt = pos ? pos[t] : t;
+        const float *row = cache + ((int64_t)bt[pt / bs] * bs + pt % bs) * W;
         for (int64_t g = 0; g < nh; g++) {
             const float p = scores[g * S + t];
             float *a = acc + g * L;
@@ -1750,9 +1754,32 @@ static void mla_item(const float *q, float *out, const float *cache, const int32
     }
 }
 
+static void mla_decode(const float *q, float *out, const float *cache, const int32_t *block_tables, int64_t bt_stride,
+                       const int32_t *seq_lens, const int64_t *positions, int64_t pos_stride, int64_t num_seqs,
+                       int64_t num_heads, int64_t latent_rank, int64_t width, int64_t block_size, float scale,
+                       int nthreads);
+
 void mla_decode_f32(const float *q, float *out, const float *cache, const int32_t *block_tables, int64_t bt_stride,
                     const int32_t *seq_lens, int64_t num_seqs, int64_t num_heads, int64_t latent_rank, int64_t width,
                     int64_t block_size, float scale, int nthreads) {
+    mla_decode(q, out, cache, block_tables, bt_stride, seq_lens, 0, 0, num_seqs, num_heads, latent_rank, width,
+               block_size, scale, nthreads);
+}
+
+/* DSA's sparse decode: sequence s attends to its counts[s] kept positions positions[s * pos_stride ..] only (the
+ * latent rows of the other positions are never read) */
+void mla_sparse_decode_f32(const float *q, float *out, const float *cache, const int32_t *block_tables,
+                           int64_t bt_stride, const int32_t *counts, const int64_t *positions, int64_t pos_stride,
+                           int64_t num_seqs, int64_t num_heads, int64_t latent_rank, int64_t width, int64_t block_size,
+                           float scale, int nthreads) {
+    mla_decode(q, out, cache, block_tables, bt_stride, counts, positions, pos_stride, num_seqs, num_heads, latent_rank,
+               width, block_size, scale, nthreads);
+}
+
+static void mla_decode(const float *q, float *out, const float *cache, const int32_t *block_tables, int64_t bt_stride,
+                       const int32_t *seq_lens, const int64_t *positions, int64_t pos_stride, int64_t num_seqs,
+                       int64_t num_heads, int64_t latent_rank, int64_t width, int64_t block_size, float scale,
+                       int nthreads) {
     int64_t groups = 1;
     if (num_seqs < nthreads) {
         groups = (nthreads + num_seqs - 1) / num_seqs;
@@ -1778,7 +1805,8 @@ void mla_decode_f32(const float *q, float *out, const float *cache, const int32_
                 scores = (float *)kernel_scratch((size_t)cap * sizeof(float));
             }
             mla_item(q + (s * num_heads + h0) * width, out + (s * num_heads + h0) * latent_rank, cache,
-                     block_tables + s * bt_stride, S, nh, latent_rank, width, block_size, scale, scores, acc, mx);
+                     block_tables + s * bt_stride, positions ? positions + s * pos_stride : 0, S, nh, latent_rank,
+                     width, block_size, scale, scores, acc, mx);
         }
         free(scores);
         free(acc);

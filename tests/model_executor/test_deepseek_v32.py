@@ -5,7 +5,8 @@ default engine (prefix hits), a 16-token budget (chunked prefill: the indexer re
 its cache), a pool small enough to preempt (recompute and swap), tensor parallelism 2 and expert parallelism
 2, and with V3.2's MTP layer proposing; every block back in the pool.  Also: the sparse latent attention
 equals dense attention restricted to the kept positions, a sequence within index_topk equals dense MLA, the
-indexer's keys have their own cache spec, and a bad index_topk fails naming the field."""
+indexer's keys have their own cache spec, and a bad index_topk fails naming the field.  The kernels' own
+tests are tests/attention/test_dsa.py."""
 
 from __future__ import annotations
 
@@ -17,7 +18,6 @@ import torch
 
 from roofline import LLM, SamplingParams
 from roofline.attention import kv_spec
-from roofline.attention.sparse import dsa
 from tests.engine.test_feature_invariance import shared_prefix_prompts
 from tests.model_executor.test_deepseek import TINY_DS, VARIANTS, build_deepseek, ds_config
 from tests.reference.hf_models import hf_greedy
@@ -144,56 +144,6 @@ def test_a_sequence_within_index_topk_is_dense_mla(v32, tmp_path):
         assert a.outputs[0].token_ids == b.outputs[0].token_ids
         assert [{t: lp.logprob for t, lp in d.items()} for d in a.outputs[0].logprobs] == \
                [{t: lp.logprob for t, lp in d.items()} for d in b.outputs[0].logprobs]
-
-
-def test_sparse_latent_attention_is_dense_attention_over_the_kept_rows():
-    g = torch.Generator().manual_seed(0)
-    n, h, lat, rope, bs, blocks = 3, 4, 32, 8, 4, 12
-    cache = torch.randn(1, blocks, bs, 1, lat + rope, generator=g)
-    tables = torch.stack([torch.randperm(blocks, generator=g)[:8] for _ in range(n)]).int()
-    lens = [30, 17, 9]
-    positions = torch.full((n, 6), -1, dtype=torch.int64)
-    for i, s in enumerate(lens):
-        k = min(6, s) - (i == 1)  # a row with fewer kept positions than K
-        positions[i, :k] = torch.randperm(s, generator=g)[:k]
-    q = torch.randn(n, h, lat + rope, generator=g)
-    got = dsa.sparse_latent_attention(q, cache, tables, positions, 0.3, lat)
-    for i, s in enumerate(lens):
-        rows = dsa.gather_rows(cache, tables[i], s)  # the whole context ...
-        keep = torch.zeros(s, dtype=torch.bool)
-        keep[positions[i][positions[i] >= 0]] = True
-        scores = (q[i] @ rows.T) * 0.3
-        scores[:, ~keep] = float("-inf")  # ... restricted to the kept positions
-        want = torch.softmax(scores, -1) @ rows[:, :lat]
-        torch.testing.assert_close(got[i], want, atol=1e-6, rtol=1e-5)
-
-
-def test_indexer_keeps_the_top_scores_of_the_causal_context():
-    """select_topk against a direct computation: rows within topk are unrestricted, the others keep exactly
-    the top index_topk positions t <= p of sum_h w_h relu(q_h . k_t * scale)."""
-    from roofline.attention.backend import AttentionMetadata
-
-    g = torch.Generator().manual_seed(1)
-    heads, d, bs, topk = 4, 8, 4, 5
-    s, c = 11, 7  # one prefill chunk: positions 4..10
-    cache = torch.zeros(1, 4, bs, 1, d)
-    table = torch.tensor([[2, 0, 3, 1]], dtype=torch.int32)
-    keys = torch.randn(s, d, generator=g)
-    slots = torch.tensor([int(table[0, t // bs]) * bs + t % bs for t in range(s)])
-    dsa.write_index_keys(keys, cache, slots)
-    q = torch.randn(c, heads, d, generator=g)
-    w = torch.randn(c, heads, generator=g)
-    meta = AttentionMetadata(num_tokens=c, num_reqs=1, num_decodes=0, query_start_loc=torch.tensor([0, c]),
-                             seq_lens=torch.tensor([s]), block_tables=table, slot_mapping=slots[s - c:],
-                             max_query_len=c, max_seq_len=s, query_start_loc_cpu=[0, c], seq_lens_cpu=[s])
-    sel = dsa.select_topk(q, w, cache, meta, topk, 0.5)
-    for i in range(c):
-        p = s - c + i
-        if p + 1 <= topk:
-            assert not sel.sparse[i]
-            continue
-        score = (w[i][:, None] * torch.relu(q[i] @ keys[:p + 1].T * 0.5)).sum(0)
-        assert sel.sparse[i] and set(sel.positions[i].tolist()) == set(score.topk(topk).indices.tolist())
 
 
 @pytest.mark.parametrize("value", [0, -3])

@@ -34,6 +34,7 @@ import torch.nn.functional as F
 from roofline.attention.backend import AttentionMetadata
 from roofline.attention.sparse import dsa
 from roofline.attention.sparse.dsa import TopkSelection
+from roofline.cpu import dsa as cpu_dsa
 from roofline.attention.torch_backend import TorchAttentionBackend
 
 
@@ -161,6 +162,17 @@ class CpuMLAAttentionBackend(MLAAttentionBackend):
             return super().latent_attention(q_abs, cache, meta, scale, latent_rank)
         nd = q_abs.shape[0]
         return cpu_ops.mla_decode(q_abs, cache, meta.block_tables[:nd], meta.seq_lens[:nd], latent_rank, scale)
+
+
+    def sparse_decode(self, q_nope, q_pe, cache, meta, weights, scale, selection):
+        """DSA's decodes in the native latent kernel over only their kept rows (cpu_dsa.sparse_mla_decode)."""
+        q_abs = self.absorb_query(q_nope, q_pe, weights)
+        if not (cpu_dsa.takes(q_abs, cache) and cache.is_contiguous()):
+            return super().sparse_decode(q_nope, q_pe, cache, meta, weights, scale, selection)
+        nd = q_nope.shape[0]
+        positions = dsa.decode_positions(selection, meta.seq_lens_cpu[:nd])
+        o = cpu_dsa.sparse_mla_decode(q_abs, cache, meta.block_tables, positions, scale, weights.w_uk.shape[2])
+        return self.absorb_output(o, weights)
 
 
 class TritonMLAAttentionBackend(MLAAttentionBackend):

@@ -13,7 +13,10 @@ the kept positions: prefill chunks through a mask (mla/backend.py), decodes by g
 latent rows (`sparse_latent_attention`).
 
 `select_topk` returns a TopkSelection for the step's flat rows: each row's kept positions ([N, K] int64, -1
-past the end) and whether the row is restricted at all.
+past the end) and whether the row is restricted at all.  On fp32 CPU tensors the scores and the top-k run in
+the native kernels (roofline/cpu/dsa.py: the keys read through the block table, never gathered), and the CPU
+MLA backend's sparse decode in cpu_kernels.c's latent kernel over the kept rows only; the torch code here is
+the reference they are tested against (and what other devices run).
 """
 
 from __future__ import annotations
@@ -21,6 +24,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+
+from roofline.cpu import dsa as cpu_dsa
 
 SCORE_ELEMENTS = 1 << 24  # rows x heads x context scored at once (bounds the temporary: 64 MB of fp32)
 
@@ -66,6 +71,7 @@ def select_topk(q: torch.Tensor, w: torch.Tensor, cache: torch.Tensor, meta, top
     """q [N, H, D] index queries, w [N, H] head weights of the step's rows; cache the layer's index keys (this
     step's already written) -> each row's top-`topk` positions of its causal context."""
     n = q.shape[0]
+    native = cpu_dsa.takes(q, cache) and cache.is_contiguous()
     qsl, lens = meta.query_start_loc_cpu, meta.seq_lens_cpu
     longest = max(lens[: meta.num_reqs]) if meta.num_reqs else 0
     positions = torch.full((n, max(min(topk, longest), 1)), -1, dtype=torch.int64, device=q.device)
@@ -76,11 +82,15 @@ def select_topk(q: torch.Tensor, w: torch.Tensor, cache: torch.Tensor, meta, top
             continue  # every row's context fits: dense
         first = s - (q1 - q0)
         lo = max(q0, q0 + topk - first)  # the first row whose context (position + 1) exceeds topk
-        keys = gather_rows(cache, meta.block_tables[r], s)
-        scores = index_scores(q[lo:q1], w[lo:q1], keys, scale)  # [rows, s]
-        pos = torch.arange(first + lo - q0, s, device=q.device)
-        scores.masked_fill_(torch.arange(s, device=q.device)[None, :] > pos[:, None], float("-inf"))
-        positions[lo:q1] = scores.topk(topk, dim=-1).indices
+        if native:  # the native kernels read the keys through the block table; same scores, same top-k set
+            scores = cpu_dsa.index_scores(q[lo:q1], w[lo:q1], cache, meta.block_tables[r], first + lo - q0, s, scale)
+            positions[lo:q1] = cpu_dsa.topk_positions(scores, topk)
+        else:
+            keys = gather_rows(cache, meta.block_tables[r], s)
+            scores = index_scores(q[lo:q1], w[lo:q1], keys, scale)  # [rows, s]
+            pos = torch.arange(first + lo - q0, s, device=q.device)
+            scores.masked_fill_(torch.arange(s, device=q.device)[None, :] > pos[:, None], float("-inf"))
+            positions[lo:q1] = scores.topk(topk, dim=-1).indices
         sparse[lo:q1] = True
     return TopkSelection(positions, sparse, topk)
 
