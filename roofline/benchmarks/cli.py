@@ -1,9 +1,10 @@
 """`roofline bench`: throughput (offline workloads), serve (online, against a running server), w8 (PD
-interference), eplb (expert parallelism under a skewed router) and fp8 (FP8 block weights on the CPU)."""
+interference), eplb (expert parallelism under a skewed router), fp8 (FP8 block weights on the CPU) and dsa
+(DeepSeek sparse attention against dense MLA)."""
 
 from __future__ import annotations
 
-from roofline.benchmarks import eplb_skew, fp8_weights, pd_interference, serve, throughput
+from roofline.benchmarks import eplb_skew, fp8_weights, pd_interference, serve, sparse_attention, throughput
 
 
 def register(subparsers) -> None:
@@ -14,3 +15,4 @@ def register(subparsers) -> None:
     pd_interference.register(sub)
     eplb_skew.register(sub)
     fp8_weights.register(sub)
+    sparse_attention.register(sub)

@@ -6,7 +6,8 @@
  *                         index keys of its context, read from the paged cache through its block table:
  *                           out[r, t] = sum_h w[r, h] * relu(scale * q[r, h] . k_t)   for t <= first + r
  *                                       -inf                                         past the row's position
- *                         Threads split the context; each key row is read once for every query row and head.
+ *                         Threads split the context in tiles of 16 keys, transposed once into L1 and scored
+ *                         four heads at a time (4 x 16 sums in registers) for every query row.
  *   dsa_topk_f32          the positions of the k largest scores of each row (any order; among equal scores at
  *                         the boundary, an unspecified one), by quickselect over (score, position) pairs.
  */
@@ -18,29 +19,89 @@
 
 void *kernel_scratch(size_t bytes);  /* quant_kernels.c */
 
+#if defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+#endif
+
+#define KEY_TILE 16  /* keys scored together: their transposed rows [dim x 16] stay in L1 */
+#define HEAD_TILE 4  /* heads per pass over them: 4 x 16 running sums in registers */
+
+/* sums[h][j] = q_h . k_j for HEAD_TILE heads (from q, rows `dim` apart) and the tile's 16 keys kt [dim x 16] */
+static inline void tile_dots(const float *q, int64_t dim, const float *kt, float sums[HEAD_TILE][KEY_TILE]) {
+#if defined(__AVX512F__)
+    __m512 acc[HEAD_TILE];
+    for (int h = 0; h < HEAD_TILE; h++) acc[h] = _mm512_setzero_ps();
+    for (int64_t i = 0; i < dim; i++) {
+        const __m512 k = _mm512_loadu_ps(kt + i * KEY_TILE);
+        for (int h = 0; h < HEAD_TILE; h++) acc[h] = _mm512_fmadd_ps(_mm512_set1_ps(q[h * dim + i]), k, acc[h]);
+    }
+    for (int h = 0; h < HEAD_TILE; h++) _mm512_storeu_ps(sums[h], acc[h]);
+#elif defined(__AVX2__) && defined(__FMA__)
+    __m256 lo[HEAD_TILE], hi[HEAD_TILE];
+    for (int h = 0; h < HEAD_TILE; h++) lo[h] = hi[h] = _mm256_setzero_ps();
+    for (int64_t i = 0; i < dim; i++) {
+        const __m256 k0 = _mm256_loadu_ps(kt + i * KEY_TILE), k1 = _mm256_loadu_ps(kt + i * KEY_TILE + 8);
+        for (int h = 0; h < HEAD_TILE; h++) {
+            const __m256 qv = _mm256_set1_ps(q[h * dim + i]);
+            lo[h] = _mm256_fmadd_ps(qv, k0, lo[h]);
+            hi[h] = _mm256_fmadd_ps(qv, k1, hi[h]);
+        }
+    }
+    for (int h = 0; h < HEAD_TILE; h++) {
+        _mm256_storeu_ps(sums[h], lo[h]);
+        _mm256_storeu_ps(sums[h] + 8, hi[h]);
+    }
+#else
+    for (int h = 0; h < HEAD_TILE; h++)
+        for (int j = 0; j < KEY_TILE; j++) sums[h][j] = 0.f;
+    for (int64_t i = 0; i < dim; i++)
+        for (int h = 0; h < HEAD_TILE; h++)
+            for (int j = 0; j < KEY_TILE; j++) sums[h][j] = fmaf(q[h * dim + i], kt[i * KEY_TILE + j], sums[h][j]);
+#endif
+}
+
 void dsa_index_scores_f32(const float *q, const float *w, int64_t rows, int64_t heads, int64_t dim,
                           const float *cache, const int32_t *block_table, int64_t block_size, int64_t first, int64_t S,
                           float scale, float *out, int nthreads) {
-#pragma omp parallel for num_threads(nthreads) schedule(static) if (S * rows * heads > 32768)
-    for (int64_t t = 0; t < S; t++) {
-        const float *k = cache + ((int64_t)block_table[t / block_size] * block_size + t % block_size) * dim;
-        for (int64_t r = 0; r < rows; r++) {
-            if (t > first + r) {
-                out[r * S + t] = -INFINITY;
-                continue;
+    const int64_t tiles = (S + KEY_TILE - 1) / KEY_TILE;
+#pragma omp parallel num_threads(nthreads) if (S * rows * heads > 32768)
+    {
+        float *kt = (float *)kernel_scratch((size_t)(dim * KEY_TILE) * sizeof(float));
+        float *qpad = (float *)kernel_scratch((size_t)(HEAD_TILE * dim) * sizeof(float));
+#pragma omp for schedule(static)
+        for (int64_t tile = 0; tile < tiles; tile++) {
+            const int64_t t0 = tile * KEY_TILE, nt = S - t0 < KEY_TILE ? S - t0 : KEY_TILE;
+            for (int64_t j = 0; j < KEY_TILE; j++) {  /* the tile's keys, transposed (zeros past the context) */
+                const int64_t t = t0 + j;
+                const float *k = j < nt ? cache + ((int64_t)block_table[t / block_size] * block_size + t % block_size) * dim : 0;
+                for (int64_t i = 0; i < dim; i++) kt[i * KEY_TILE + j] = k ? k[i] : 0.f;
             }
-            const float *qr = q + r * heads * dim;
-            float total = 0.f;
-            for (int64_t h = 0; h < heads; h++) {
-                const float *qh = qr + h * dim;
-                float d = 0.f;
-#pragma omp simd reduction(+ : d)
-                for (int64_t i = 0; i < dim; i++) d += qh[i] * k[i];
-                d *= scale;
-                if (d > 0.f) total += w[r * heads + h] * d;
+            for (int64_t r = 0; r < rows; r++) {
+                float total[KEY_TILE] = {0};
+                const float *qr = q + r * heads * dim;
+                for (int64_t h0 = 0; h0 < heads; h0 += HEAD_TILE) {
+                    const int64_t nh = heads - h0 < HEAD_TILE ? heads - h0 : HEAD_TILE;
+                    const float *qh = qr + h0 * dim;
+                    if (nh < HEAD_TILE) {  /* a last partial group of heads: padded with zero queries */
+                        memset(qpad, 0, (size_t)(HEAD_TILE * dim) * sizeof(float));
+                        memcpy(qpad, qh, (size_t)(nh * dim) * sizeof(float));
+                        qh = qpad;
+                    }
+                    float sums[HEAD_TILE][KEY_TILE];
+                    tile_dots(qh, dim, kt, sums);
+                    for (int64_t h = 0; h < nh; h++) {
+                        const float wh = w[r * heads + h0 + h];
+                        for (int j = 0; j < KEY_TILE; j++) {
+                            const float d = sums[h][j] * scale;
+                            if (d > 0.f) total[j] += wh * d;
+                        }
+                    }
+                }
+                for (int64_t j = 0; j < nt; j++) out[r * S + t0 + j] = t0 + j > first + r ? -INFINITY : total[j];
             }
-            out[r * S + t] = total;
         }
+        free(kt);
+        free(qpad);
     }
 }
 

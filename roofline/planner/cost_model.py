@@ -302,7 +302,9 @@ def decode_at(p: PlanInputs, batch: float, context: Optional[float] = None) -> D
     """Decode-step figures for `batch` sequences at average context `context` (default avg_context)."""
     s = p.avg_context if context is None else context
     flops = decode_flops(p, batch, s)
-    out = decode_step_time(decode_weight_bytes_read(p, batch), kv_bytes_per_token(p), batch, s,
+    # cache bytes a token reads, per position of its context (DSA reads fewer than it holds)
+    read_per_position = p.model.kv_bytes_read_per_token(s, p.kv_bytes, p.tp) / s if s else kv_bytes_per_token(p)
+    out = decode_step_time(decode_weight_bytes_read(p, batch), read_per_position, batch, s,
                            p.hardware.hbm_bandwidth, flops, p.peak_flops, p.step_overhead_s)
     out["flops"] = flops
     out["intensity"] = intensity(flops, out["bytes_read"])

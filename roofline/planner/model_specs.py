@@ -56,6 +56,10 @@ class ModelSpec:
     qk_nope_head_dim: int = 0
     qk_rope_head_dim: int = 0
     v_head_dim: int = 0
+    # DeepSeek Sparse Attention (V3.2): index_topk > 0 switches it on
+    index_topk: int = 0
+    index_n_heads: int = 0
+    index_head_dim: int = 0
     # Mixture of experts; num_experts > 0 switches it on
     num_experts: int = 0
     num_experts_per_tok: int = 0
@@ -70,6 +74,10 @@ class ModelSpec:
     @property
     def is_mla(self) -> bool:
         return self.kv_lora_rank > 0
+
+    @property
+    def is_dsa(self) -> bool:
+        return self.is_mla and self.index_topk > 0
 
     @property
     def is_moe(self) -> bool:
@@ -91,7 +99,11 @@ class ModelSpec:
             kv_a = h * (self.kv_lora_rank + self.qk_rope_head_dim) + self.kv_lora_rank  # + latent norm
             kv_b = self.kv_lora_rank * self.num_heads * (self.qk_nope_head_dim + self.v_head_dim)
             o = self.num_heads * self.v_head_dim * h
-            return q + kv_a + kv_b + o
+            indexer = 0
+            if self.is_dsa:  # wq_b, wk (+ LayerNorm), weights_proj
+                indexer = (self.q_lora_rank * self.index_n_heads * self.index_head_dim
+                           + h * self.index_head_dim + 2 * self.index_head_dim + h * self.index_n_heads)
+            return q + kv_a + kv_b + o + indexer
         q_out = self.num_heads * self.head_dim
         kv_out = self.num_kv_heads * self.head_dim
         n = h * q_out + 2 * h * kv_out + q_out * h
@@ -157,9 +169,26 @@ class ModelSpec:
 
     # ---- KV cache --------------------------------------------------------------------------
     def kv_values_per_token_per_layer(self, tp: int = 1) -> int:
-        if self.is_mla:
-            return self.kv_lora_rank + self.qk_rope_head_dim  # replicated on every TP rank
+        if self.is_mla:  # replicated on every TP rank (DSA: and the indexer's key)
+            return self.kv_lora_rank + self.qk_rope_head_dim + (self.index_head_dim if self.is_dsa else 0)
         return 2 * math.ceil(self.num_kv_heads / tp) * self.head_dim
+
+    def attended_positions(self, context: float) -> float:
+        """Positions one query token attends to: its context, or DSA's index_topk of it."""
+        return min(context, self.index_topk) if self.is_dsa else context
+
+    def indexed(self, context: float) -> bool:
+        """Whether DSA's indexer scores this context (longer than index_topk; a shorter one is dense)."""
+        return self.is_dsa and context > self.index_topk
+
+    def kv_bytes_read_per_token(self, context: float, kv_dtype_bytes: float, tp: int = 1) -> float:
+        """Cache bytes one decode token reads over all layers at this context: every position's K/V or latent;
+        under DSA every position's index key and only the kept positions' latent rows."""
+        if not self.is_dsa:
+            return context * self.kv_bytes_per_token(kv_dtype_bytes, tp)
+        latent = self.kv_lora_rank + self.qk_rope_head_dim
+        keys = context * self.index_head_dim if self.indexed(context) else 0.0
+        return self.num_layers * (keys + self.attended_positions(context) * latent) * kv_dtype_bytes
 
     def kv_bytes_per_token(self, kv_dtype_bytes: float, tp: int = 1) -> float:
         """KV-cache bytes one token occupies on one GPU, summed over all layers."""
@@ -174,9 +203,15 @@ class ModelSpec:
         return self.head_dim, self.head_dim
 
     def attention_flops_per_token(self, context: float, phase: str = "decode") -> float:
-        """Score + weighted-sum FLOPs for one query token attending to `context` positions, all layers."""
+        """Score + weighted-sum FLOPs for one query token attending to `context` positions, all layers.  DSA:
+        the indexer's scores over the whole context (index_n_heads x index_head_dim a position) and attention
+        over index_topk positions in decodes (prefill chunks run dense attention under a mask: all of them)."""
         d_qk, d_v = self.attention_dims(phase)
-        return 2.0 * context * self.num_heads * (d_qk + d_v) * self.num_layers
+        attended = self.attended_positions(context) if phase == "decode" else context
+        flops = 2.0 * attended * self.num_heads * (d_qk + d_v)
+        if self.indexed(context):
+            flops += 2.0 * context * self.index_n_heads * self.index_head_dim
+        return flops * self.num_layers
 
     def summary(self) -> Dict[str, Any]:
         d = {
@@ -193,6 +228,9 @@ class ModelSpec:
         if self.is_mla:
             d["kv_lora_rank"] = self.kv_lora_rank
             d["qk_rope_head_dim"] = self.qk_rope_head_dim
+        if self.is_dsa:
+            d["sparse_attention"] = (f"DSA: top {self.index_topk} positions, indexer {self.index_n_heads} x "
+                                     f"{self.index_head_dim}")
         if self.is_moe:
             d["experts"] = f"{self.num_experts_per_tok}/{self.num_experts}"
         return d
@@ -225,6 +263,9 @@ class ModelSpec:
             )
             head_dim = mla["qk_nope_head_dim"] + mla["qk_rope_head_dim"]
             kv_heads = heads
+            if get("index_topk"):
+                mla.update(index_topk=int(get("index_topk")), index_n_heads=int(get("index_n_heads") or 64),
+                           index_head_dim=int(get("index_head_dim") or 128))
 
         n_experts = int(get("n_routed_experts") or get("num_experts") or get("num_local_experts") or 0)
         moe = {}
@@ -345,6 +386,15 @@ MODEL_PRESETS: Dict[str, Dict[str, Any]] = {
         num_hidden_layers=61, num_attention_heads=128, num_key_value_heads=128, n_shared_experts=1,
         n_routed_experts=256, num_experts_per_tok=8, first_k_dense_replace=3, moe_layer_freq=1,
         q_lora_rank=1536, kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128,
+        vocab_size=129280, tie_word_embeddings=False, torch_dtype="bfloat16",
+        quantization_config={"quant_method": "fp8", "weight_block_size": [128, 128]},
+    ),
+    "deepseek-v3.2": dict(
+        model_type="deepseek_v32", hidden_size=7168, intermediate_size=18432, moe_intermediate_size=2048,
+        num_hidden_layers=61, num_attention_heads=128, num_key_value_heads=128, n_shared_experts=1,
+        n_routed_experts=256, num_experts_per_tok=8, first_k_dense_replace=3, moe_layer_freq=1,
+        q_lora_rank=1536, kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128,
+        index_topk=2048, index_n_heads=64, index_head_dim=128,
         vocab_size=129280, tie_word_embeddings=False, torch_dtype="bfloat16",
         quantization_config={"quant_method": "fp8", "weight_block_size": [128, 128]},
     ),

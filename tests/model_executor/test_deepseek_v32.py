@@ -155,3 +155,24 @@ def test_bad_index_topk_fails_naming_the_field(tmp_path, value):
     (tmp_path / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(Exception, match="index_topk"):
         LLM(str(tmp_path), load_format="dummy", device="cpu", num_kv_blocks=8, show_progress=False)
+
+
+def test_kv_bytes_per_token_hold_the_index_keys_and_the_planner_agrees(v32):
+    """(kv_lora_rank + qk_rope_head_dim + index_head_dim) x 4 bytes x layers; the pool's capacity is the
+    planner's; the planner's decode reads every index key and only index_topk latent rows."""
+    from roofline.planner.model_specs import ModelSpec
+    from tests.attention.test_kv_spec import planned_tokens
+
+    path, _, _, hf = v32
+    cfg = hf.config
+    per_token = (cfg.kv_lora_rank + cfg.qk_rope_head_dim + cfg.index_head_dim) * 4 * cfg.num_hidden_layers
+    budget, bs = 2 * 2**20 + 777, 16
+    llm = LLM(path, dtype="float32", device="cpu", kv_cache_memory=budget, block_size=bs, show_progress=False)
+    assert llm.llm_engine.executor.block_bytes() == per_token * bs
+    tokens = llm.llm_engine.get_stats().num_total_blocks * bs
+    assert tokens == planned_tokens(json.loads(open(os.path.join(path, "config.json")).read()), budget, bs)
+    spec = ModelSpec.from_hf_config(json.loads(open(os.path.join(path, "config.json")).read()))
+    latent = cfg.kv_lora_rank + cfg.qk_rope_head_dim
+    layers = cfg.num_hidden_layers
+    assert spec.kv_bytes_read_per_token(6, 4) == 6 * latent * 4 * layers  # within index_topk: dense
+    assert spec.kv_bytes_read_per_token(100, 4) == (100 * cfg.index_head_dim + cfg.index_topk * latent) * 4 * layers

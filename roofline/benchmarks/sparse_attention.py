@@ -1,0 +1,136 @@
+"""`roofline bench dsa`: DeepSeek Sparse Attention against dense MLA, one decoding stream (issue 35's benchmark).
+
+A DeepSeek-V3.2-shaped attention layer (`--hidden`, `--heads` MLA heads of 128 + 64 / 128, latent 512 + 64,
+the indexer's 64 heads x 128, `--index-topk`; random weights) decodes one token at each `--contexts` length
+over a paged cache filled with random latents and index keys (no prefill needed to reach 32k positions on a
+CPU).  The same layer runs with its indexer (DSA: scores over the context, top-k, attention over the kept
+rows) and without it (dense MLA over every row), on the engine's backend for the device (the CPU's native
+kernels here).  Attention per token = the layer's time at that context minus its time at a 16-token context
+(the projections), times `--layers`.  The planner's prediction for the same shapes (ModelSpec's DSA cost on
+the measured CPU: max(cache bytes / bandwidth, attention FLOPs / matmul FLOP/s)) is printed beside it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from types import SimpleNamespace
+
+
+def _config(args, dense: bool) -> SimpleNamespace:
+    cfg = SimpleNamespace(hidden_size=args.hidden, num_attention_heads=args.heads, qk_nope_head_dim=128,
+                          qk_rope_head_dim=64, v_head_dim=128, kv_lora_rank=512, q_lora_rank=args.q_lora_rank,
+                          max_position_embeddings=max(args.contexts) + 64, rope_theta=10000.0, attention_bias=False,
+                          rope_interleave=True, num_hidden_layers=args.layers)
+    if not dense:
+        cfg.index_topk, cfg.index_n_heads, cfg.index_head_dim = args.index_topk, 64, 128
+    return cfg
+
+
+def _hf_dict(cfg: SimpleNamespace) -> dict:
+    d = dict(vars(cfg), model_type="deepseek_v32", vocab_size=32000, intermediate_size=4 * cfg.hidden_size,
+             num_key_value_heads=cfg.num_attention_heads)
+    return d
+
+
+def _layer(cfg):
+    import torch
+
+    from roofline.attention.selector import get_attention_backend
+    from roofline.model_executor.layers import cpu_prepare
+    from roofline.model_executor.loader.weights import init_dummy_weights
+    from roofline.model_executor.models.deepseek import DeepseekMLA
+
+    attn = DeepseekMLA(cfg, get_attention_backend("auto", "cpu"))
+    init_dummy_weights(attn, seed=0)
+    attn.eval()
+    cpu_prepare.prepare_model(attn)
+    return attn
+
+
+def time_decode(attn, context: int, block_size: int, repeats: int) -> float:
+    """Median seconds of one decode token at position `context` over random caches."""
+    import torch
+
+    from roofline.attention.backend import AttentionMetadata
+
+    g = torch.Generator().manual_seed(context)
+    nblocks = -(-(context + 1) // block_size)
+    caches = [torch.randn((1, nblocks, block_size, 1, spec.head_size), generator=g) * 0.1
+              for spec in attn.kv_cache_specs()]
+    meta = AttentionMetadata(num_tokens=1, num_reqs=1, num_decodes=1, query_start_loc=torch.tensor([0, 1]),
+                             seq_lens=torch.tensor([context + 1]),
+                             block_tables=torch.arange(nblocks, dtype=torch.int32)[None],
+                             slot_mapping=torch.tensor([context]), max_query_len=1, max_seq_len=context + 1,
+                             query_start_loc_cpu=[0, 1], seq_lens_cpu=[context + 1])
+    x = torch.randn(1, attn.q_a_proj.weight.shape[1], generator=g)
+    positions = torch.tensor([context])
+    cos_sin = attn.rotary.cos_sin(positions, x.dtype)
+    times = []
+    with torch.inference_mode():
+        attn(positions, x, caches, meta, cos_sin)
+        for _ in range(repeats):
+            t = time.perf_counter()
+            attn(positions, x, caches, meta, cos_sin)
+            times.append(time.perf_counter() - t)
+    return statistics.median(times)
+
+
+def predicted_attention_s(cfg, context: int, hardware) -> float:
+    """The planner's attention time per token (all layers) at this context: its DSA-aware cache bytes and
+    FLOPs on the measured CPU."""
+    from roofline.planner.model_specs import ModelSpec
+
+    spec = ModelSpec.from_hf_config(_hf_dict(cfg))
+    nbytes = spec.kv_bytes_read_per_token(context, 4)
+    flops = spec.attention_flops_per_token(context, "decode")
+    return max(nbytes / hardware.hbm_bandwidth, flops / hardware.flops_for("fp32"))
+
+
+def run(args) -> int:
+    from roofline.planner.probes import measure_cpu_hardware
+
+    hardware = measure_cpu_hardware()
+    rows = []
+    layers = {}
+    for dense in (False, True):
+        layers[dense] = _layer(_config(args, dense))
+    base = {dense: time_decode(layers[dense], 16, args.block_size, args.repeats) for dense in (False, True)}
+    for context in args.contexts:
+        row = {"context": context}
+        for dense, name in ((False, "dsa"), (True, "dense")):
+            t = time_decode(layers[dense], context, args.block_size, args.repeats)
+            row[f"{name}_layer_ms"] = t * 1e3
+            row[f"{name}_attention_ms_per_token"] = max(t - base[dense], 0.0) * 1e3 * args.layers
+            row[f"{name}_predicted_ms_per_token"] = predicted_attention_s(_config(args, dense), context,
+                                                                          hardware) * 1e3 * args.layers
+        row["speedup"] = row["dense_attention_ms_per_token"] / max(row["dsa_attention_ms_per_token"], 1e-9)
+        rows.append(row)
+    print(f"DeepSeek-V3.2-shaped attention: hidden {args.hidden}, {args.heads} MLA heads, latent 512 + 64, "
+          f"indexer 64 x 128, index_topk {args.index_topk}, {args.layers} layers; one decoding stream")
+    print(f"measured CPU: {hardware.hbm_bandwidth / 1e9:.1f} GB/s, {hardware.flops_for('fp32') / 1e9:.1f} GFLOP/s fp32")
+    print(f"{'context':>8} | {'dense ms/tok':>12} {'planner':>8} | {'DSA ms/tok':>10} {'planner':>8} | {'speedup':>7}")
+    for r in rows:
+        print(f"{r['context']:>8} | {r['dense_attention_ms_per_token']:12.1f} {r['dense_predicted_ms_per_token']:8.1f} | "
+              f"{r['dsa_attention_ms_per_token']:10.1f} {r['dsa_predicted_ms_per_token']:8.1f} | {r['speedup']:7.2f}")
+    if args.json:
+        print(json.dumps({"rows": rows, "bandwidth": hardware.hbm_bandwidth,
+                          "fp32_flops": hardware.flops_for("fp32")}))
+    return 0
+
+
+def register(sub) -> None:
+    p = sub.add_parser("dsa", help="DeepSeek sparse attention against dense MLA: one stream's attention per token",
+                       formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--contexts", type=int, nargs="+", default=[4096, 16384, 32768])
+    p.add_argument("--hidden", type=int, default=1024)
+    p.add_argument("--heads", type=int, default=64)
+    p.add_argument("--q-lora-rank", type=int, default=512)
+    p.add_argument("--index-topk", type=int, default=2048)
+    p.add_argument("--layers", type=int, default=8)
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--repeats", type=int, default=7)
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=run)
