@@ -6,8 +6,9 @@ over a paged cache filled with random latents and index keys (no prefill needed 
 CPU).  The same layer runs with its indexer (DSA: scores over the context, top-k, attention over the kept
 rows) and without it (dense MLA over every row), on the engine's backend for the device (the CPU's native
 kernels here).  Attention per token = the layer's time at that context minus its time at a 16-token context
-(the projections), times `--layers`.  The planner's prediction for the same shapes (ModelSpec's DSA cost on
-the measured CPU: max(cache bytes / bandwidth, attention FLOPs / matmul FLOP/s)) is printed beside it.
+(the projections), times `--layers`.  The planner's prediction for the same shapes (cost_model.attention_time: ModelSpec's
+DSA-aware cache bytes and FLOPs against the measured copy bandwidth and the native attention kernel's measured
+FLOP/s, probes.measure_attention_flops) is printed beside it.
 """
 
 from __future__ import annotations
@@ -78,21 +79,20 @@ def time_decode(attn, context: int, block_size: int, repeats: int) -> float:
     return statistics.median(times)
 
 
-def predicted_attention_s(cfg, context: int, hardware) -> float:
-    """The planner's attention time per token (all layers) at this context: its DSA-aware cache bytes and
-    FLOPs on the measured CPU."""
+def predicted_attention_s(cfg, context: int, bandwidth: float, attention_flops: float, indexer_flops: float) -> float:
+    """The planner's attention time per token (all layers) at this context (cost_model.attention_time: its
+    DSA-aware cache bytes and FLOPs at the measured bandwidth and attention rate)."""
+    from roofline.planner.cost_model import attention_time
     from roofline.planner.model_specs import ModelSpec
 
-    spec = ModelSpec.from_hf_config(_hf_dict(cfg))
-    nbytes = spec.kv_bytes_read_per_token(context, 4)
-    flops = spec.attention_flops_per_token(context, "decode")
-    return max(nbytes / hardware.hbm_bandwidth, flops / hardware.flops_for("fp32"))
+    return attention_time(ModelSpec.from_hf_config(_hf_dict(cfg)), context, 4, bandwidth, attention_flops,
+                          indexer_flops)
 
 
 def run(args) -> int:
-    from roofline.planner.probes import measure_cpu_hardware
+    from roofline.planner.probes import measure_attention_flops, measure_bandwidth, measure_indexer_flops
 
-    hardware = measure_cpu_hardware()
+    bandwidth, attention_flops, indexer_flops = measure_bandwidth("cpu"), measure_attention_flops(), measure_indexer_flops()
     rows = []
     layers = {}
     for dense in (False, True):
@@ -104,20 +104,21 @@ def run(args) -> int:
             t = time_decode(layers[dense], context, args.block_size, args.repeats)
             row[f"{name}_layer_ms"] = t * 1e3
             row[f"{name}_attention_ms_per_token"] = max(t - base[dense], 0.0) * 1e3 * args.layers
-            row[f"{name}_predicted_ms_per_token"] = predicted_attention_s(_config(args, dense), context,
-                                                                          hardware) * 1e3 * args.layers
+            row[f"{name}_predicted_ms_per_token"] = predicted_attention_s(_config(args, dense), context, bandwidth,
+                                                                          attention_flops, indexer_flops) * 1e3
         row["speedup"] = row["dense_attention_ms_per_token"] / max(row["dsa_attention_ms_per_token"], 1e-9)
         rows.append(row)
     print(f"DeepSeek-V3.2-shaped attention: hidden {args.hidden}, {args.heads} MLA heads, latent 512 + 64, "
           f"indexer 64 x 128, index_topk {args.index_topk}, {args.layers} layers; one decoding stream")
-    print(f"measured CPU: {hardware.hbm_bandwidth / 1e9:.1f} GB/s, {hardware.flops_for('fp32') / 1e9:.1f} GFLOP/s fp32")
+    print(f"measured CPU: copy {bandwidth / 1e9:.1f} GB/s, MLA decode kernel {attention_flops / 1e9:.1f} GFLOP/s, "
+          f"indexer kernel {indexer_flops / 1e9:.1f} GFLOP/s")
     print(f"{'context':>8} | {'dense ms/tok':>12} {'planner':>8} | {'DSA ms/tok':>10} {'planner':>8} | {'speedup':>7}")
     for r in rows:
         print(f"{r['context']:>8} | {r['dense_attention_ms_per_token']:12.1f} {r['dense_predicted_ms_per_token']:8.1f} | "
               f"{r['dsa_attention_ms_per_token']:10.1f} {r['dsa_predicted_ms_per_token']:8.1f} | {r['speedup']:7.2f}")
     if args.json:
-        print(json.dumps({"rows": rows, "bandwidth": hardware.hbm_bandwidth,
-                          "fp32_flops": hardware.flops_for("fp32")}))
+        print(json.dumps({"rows": rows, "bandwidth": bandwidth, "attention_flops": attention_flops,
+                          "indexer_flops": indexer_flops}))
     return 0
 
 

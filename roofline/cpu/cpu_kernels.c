@@ -1710,25 +1710,44 @@ void llama_stack_f32(const float *x, float *out, int64_t N, const int64_t *layer
  * Every head of a work item reads a latent row once (scores for all of its heads, then the weighted
  * sums), so the cache is streamed once per item.  Items are (sequence, group of heads): whole
  * sequences when there are enough of them for the threads, else each sequence's heads are split. */
+#define MLA_TILE 16  /* latent rows per tile: scored and summed together (dsa_kernels.c's KEY_TILE) */
+#define MLA_HEADS 4  /* heads per pass over a tile (HEAD_TILE) */
+void score_tile_f32(const float *q, int64_t dim, const float *kt, float sums[MLA_HEADS][MLA_TILE]);
+
 /* pos (DSA's sparse decode): the S positions to attend to (the first S of the row's kept positions), or 0 for
- * positions 0 .. S-1 */
+ * positions 0 .. S-1.  Rows are taken MLA_TILE at a time: pass 1 transposes a tile into kt [W x 16] (in L1/L2)
+ * and scores it four heads at a time in registers (score_tile_f32); pass 3 adds each head's weighted rows of a
+ * tile into its sums, eight (sixteen) values of L at a time kept in registers across the tile's rows. */
 static void mla_item(const float *q, float *out, const float *cache, const int32_t *bt, const int64_t *pos, int64_t S,
-                     int64_t nh, int64_t L, int64_t W, int64_t bs, float scale, float *scores, float *acc, float *mx) {
+                     int64_t nh, int64_t L, int64_t W, int64_t bs, float scale, float *scores, float *acc, float *mx,
+                     float *kt, float *qpad) {
+    const float *rows[MLA_TILE];
     for (int64_t g = 0; g < nh; g++) mx[g] = -INFINITY;
-    for (int64_t t = 0; t < S; t++) {  /* pass 1: scores, all heads per row */
-        const int64_t pt = pos ? pos[t] : t;
-        const float *row = cache + ((int64_t)bt[pt / bs] * bs + pt % bs) * W;
-        for (int64_t g = 0; g < nh; g++) {
-            const float *qg = q + g * W;
-            float d = 0.f;
-#pragma omp simd reduction(+ : d)
-            for (int64_t i = 0; i < W; i++) d += qg[i] * row[i];
-            d *= scale;
-            scores[g * S + t] = d;
-            if (d > mx[g]) mx[g] = d;
+    for (int64_t t0 = 0; t0 < S; t0 += MLA_TILE) {  /* pass 1: scores, a tile of rows for all heads */
+        const int64_t nt = S - t0 < MLA_TILE ? S - t0 : MLA_TILE;
+        for (int64_t j = 0; j < MLA_TILE; j++) {
+            const int64_t pt = pos ? pos[t0 + (j < nt ? j : 0)] : t0 + (j < nt ? j : 0);
+            const float *row = cache + ((int64_t)bt[pt / bs] * bs + pt % bs) * W;
+            for (int64_t i = 0; i < W; i++) kt[i * MLA_TILE + j] = j < nt ? row[i] : 0.f;
+        }
+        for (int64_t g0 = 0; g0 < nh; g0 += MLA_HEADS) {
+            const int64_t ng = nh - g0 < MLA_HEADS ? nh - g0 : MLA_HEADS;
+            const float *qg = q + g0 * W;
+            if (ng < MLA_HEADS) {
+                memset(qpad, 0, (size_t)(MLA_HEADS * W) * sizeof(float));
+                memcpy(qpad, qg, (size_t)(ng * W) * sizeof(float));
+                qg = qpad;
+            }
+            float sums[MLA_HEADS][MLA_TILE];
+            score_tile_f32(qg, W, kt, sums);
+            for (int64_t g = 0; g < ng; g++)
+                for (int64_t j = 0; j < nt; j++) {
+                    const float d = sums[g][j] * scale;
+                    scores[(g0 + g) * S + t0 + j] = d;
+                    if (d > mx[g0 + g]) mx[g0 + g] = d;
+                }
         }
     }
-    memset(acc, 0, (size_t)(nh * L) * sizeof(float));
     for (int64_t g = 0; g < nh; g++) {  /* pass 2: softmax numerators, their sum in mx[g]'s place below */
         float sum = 0.f;
         float *sg = scores + g * S;
@@ -1738,14 +1757,29 @@ static void mla_item(const float *q, float *out, const float *cache, const int32
         }
         mx[g] = sum;
     }
-    for (int64_t t = 0; t < S; t++) {  /* pass 3: weighted latent rows, all heads per row */
-        const int64_t pt = pos ? pos[t] : t;
-        const float *row = cache + ((int64_t)bt[pt / bs] * bs + pt % bs) * W;
+    memset(acc, 0, (size_t)(nh * L) * sizeof(float));
+    for (int64_t t0 = 0; t0 < S; t0 += MLA_TILE) {  /* pass 3: weighted latent rows, a tile at a time */
+        const int64_t nt = S - t0 < MLA_TILE ? S - t0 : MLA_TILE;
+        for (int64_t j = 0; j < nt; j++) {
+            const int64_t pt = pos ? pos[t0 + j] : t0 + j;
+            rows[j] = cache + ((int64_t)bt[pt / bs] * bs + pt % bs) * W;
+        }
         for (int64_t g = 0; g < nh; g++) {
-            const float p = scores[g * S + t];
+            const float *p = scores + g * S + t0;
             float *a = acc + g * L;
-#pragma omp simd
-            for (int64_t i = 0; i < L; i++) a[i] += p * row[i];
+            int64_t i = 0;
+#if defined(__AVX2__) && defined(__FMA__)
+            for (; i + 8 <= L; i += 8) {
+                __m256 v = _mm256_loadu_ps(a + i);
+                for (int64_t j = 0; j < nt; j++) v = _mm256_fmadd_ps(_mm256_set1_ps(p[j]), _mm256_loadu_ps(rows[j] + i), v);
+                _mm256_storeu_ps(a + i, v);
+            }
+#endif
+            for (; i < L; i++) {
+                float v = a[i];
+                for (int64_t j = 0; j < nt; j++) v = fmaf(p[j], rows[j][i], v);
+                a[i] = v;
+            }
         }
     }
     for (int64_t g = 0; g < nh; g++) {
@@ -1793,6 +1827,8 @@ static void mla_decode(const float *q, float *out, const float *cache, const int
         float *scores = NULL;
         float *acc = (float *)kernel_scratch((size_t)(per * latent_rank) * sizeof(float));
         float *mx = (float *)kernel_scratch((size_t)per * sizeof(float));
+        float *kt = (float *)kernel_scratch((size_t)(width * MLA_TILE) * sizeof(float));
+        float *qpad = (float *)kernel_scratch((size_t)(MLA_HEADS * width) * sizeof(float));
 #pragma omp for schedule(dynamic, 1)
         for (int64_t it = 0; it < items; it++) {
             const int64_t s = it / groups, h0 = (it % groups) * per;
@@ -1806,11 +1842,13 @@ static void mla_decode(const float *q, float *out, const float *cache, const int
             }
             mla_item(q + (s * num_heads + h0) * width, out + (s * num_heads + h0) * latent_rank, cache,
                      block_tables + s * bt_stride, positions ? positions + s * pos_stride : 0, S, nh, latent_rank,
-                     width, block_size, scale, scores, acc, mx);
+                     width, block_size, scale, scores, acc, mx, kt, qpad);
         }
         free(scores);
         free(acc);
         free(mx);
+        free(kt);
+        free(qpad);
     }
 }
 /* ==== end of MLA latent decode ================================================================ */

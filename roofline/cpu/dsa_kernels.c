@@ -26,8 +26,10 @@ void *kernel_scratch(size_t bytes);  /* quant_kernels.c */
 #define KEY_TILE 16  /* keys scored together: their transposed rows [dim x 16] stay in L1 */
 #define HEAD_TILE 4  /* heads per pass over them: 4 x 16 running sums in registers */
 
-/* sums[h][j] = q_h . k_j for HEAD_TILE heads (from q, rows `dim` apart) and the tile's 16 keys kt [dim x 16] */
-static inline void tile_dots(const float *q, int64_t dim, const float *kt, float sums[HEAD_TILE][KEY_TILE]) {
+/* sums[h][j] = q_h . k_j for HEAD_TILE heads (from q, rows `dim` apart) and the tile's 16 keys kt [dim x 16];
+ * cpu_kernels.c's MLA latent decode scores its latent rows with it too */
+void score_tile_f32(const float *q, int64_t dim, const float *kt, float sums[HEAD_TILE][KEY_TILE]);
+void score_tile_f32(const float *q, int64_t dim, const float *kt, float sums[HEAD_TILE][KEY_TILE]) {
 #if defined(__AVX512F__)
     __m512 acc[HEAD_TILE];
     for (int h = 0; h < HEAD_TILE; h++) acc[h] = _mm512_setzero_ps();
@@ -88,7 +90,7 @@ void dsa_index_scores_f32(const float *q, const float *w, int64_t rows, int64_t 
                         qh = qpad;
                     }
                     float sums[HEAD_TILE][KEY_TILE];
-                    tile_dots(qh, dim, kt, sums);
+                    score_tile_f32(qh, dim, kt, sums);
                     for (int64_t h = 0; h < nh; h++) {
                         const float wh = w[r * heads + h0 + h];
                         for (int j = 0; j < KEY_TILE; j++) {

@@ -289,6 +289,18 @@ def kv_budget(p: PlanInputs) -> Dict[str, float]:
             "kv_budget_source": f"{p.gpu_memory_utilization:g} x memory - weights - activations"}
 
 
+def attention_time(model, context: float, kv_dtype_bytes: float, bandwidth: float, attention_flops: float,
+                   indexer_flops: Optional[float] = None, tp: int = 1) -> float:
+    """Seconds of one decode token's attention over all layers at this context: its cache reads at the copy
+    bandwidth, or its FLOPs at the kernels' measured rates (probes.measure_attention_flops: MLA's over its
+    attended rows, and DSA's indexer over the whole context at its own rate), whichever is longer."""
+    nbytes = model.kv_bytes_read_per_token(context, kv_dtype_bytes, tp)
+    indexer = model.indexer_flops_per_token(context)
+    attention = model.attention_flops_per_token(context, "decode") - indexer
+    compute = attention / attention_flops + indexer / (indexer_flops or attention_flops)
+    return max(nbytes / bandwidth, compute)
+
+
 def decode_flops(p: PlanInputs, batch: float, context: float) -> float:
     m = p.model
     return batch * (2.0 * m.active_params() + m.attention_flops_per_token(context, "decode")) / p.tp

@@ -208,10 +208,15 @@ class ModelSpec:
         over index_topk positions in decodes (prefill chunks run dense attention under a mask: all of them)."""
         d_qk, d_v = self.attention_dims(phase)
         attended = self.attended_positions(context) if phase == "decode" else context
-        flops = 2.0 * attended * self.num_heads * (d_qk + d_v)
-        if self.indexed(context):
-            flops += 2.0 * context * self.index_n_heads * self.index_head_dim
-        return flops * self.num_layers
+        flops = 2.0 * attended * self.num_heads * (d_qk + d_v) * self.num_layers
+        return flops + self.indexer_flops_per_token(context)
+
+    def indexer_flops_per_token(self, context: float) -> float:
+        """DSA's indexer: one query token's scores over its context (index_n_heads x index_head_dim a position),
+        all layers; 0 within index_topk (nothing is scored) or without DSA."""
+        if not self.indexed(context):
+            return 0.0
+        return 2.0 * context * self.index_n_heads * self.index_head_dim * self.num_layers
 
     def summary(self) -> Dict[str, Any]:
         d = {

@@ -79,6 +79,42 @@ def measure_matmul_flops(device: str = "cpu", dtype: str = "float32", n: Optiona
     return 2.0 * n ** 3 / _median_time(lambda: a @ b, device, repeats)
 
 
+def measure_attention_flops(positions: int = 4096, heads: int = 64, repeats: int = 5) -> float:
+    """FLOP/s of the CPU's native latent-attention decode (cpu_ops.mla_decode: DeepSeek's 512 + 64 latent, one
+    query over `positions` rows): the rate attention FLOPs run at, which dot-product kernels reach well below
+    a large matmul's.  The planner's attention_time uses it beside the copy bandwidth."""
+    import torch
+
+    from roofline.cpu import ops as cpu_ops
+
+    if not cpu_ops.available():
+        raise RuntimeError("native CPU kernels unavailable: no attention rate to measure")
+    bs, width, latent = 16, 576, 512
+    nblocks = positions // bs
+    cache = torch.randn(1, nblocks, bs, 1, width) * 0.1
+    q = torch.randn(1, heads, width)
+    tables = torch.arange(nblocks, dtype=torch.int32)[None]
+    lens = torch.tensor([positions])
+    t = _median_time(lambda: cpu_ops.mla_decode(q, cache, tables, lens, latent, 0.1), "cpu", repeats)
+    return 2.0 * positions * heads * (width + latent) / t
+
+
+def measure_indexer_flops(positions: int = 16384, heads: int = 64, dim: int = 128, repeats: int = 5) -> float:
+    """FLOP/s of DSA's native indexer scores (cpu_dsa.index_scores: one query token, heads x dim, over
+    `positions` paged keys)."""
+    import torch
+
+    from roofline.cpu import dsa as cpu_dsa
+
+    bs = 16
+    nblocks = positions // bs
+    cache = torch.randn(1, nblocks, bs, 1, dim)
+    q, w = torch.randn(1, heads, dim), torch.randn(1, heads)
+    table = torch.arange(nblocks, dtype=torch.int32)
+    t = _median_time(lambda: cpu_dsa.index_scores(q, w, cache, table, positions - 1, positions, 0.1), "cpu", repeats)
+    return 2.0 * positions * heads * dim / t
+
+
 def measure_hardware(device: str = "cpu", dtype: str = "float32", name: Optional[str] = None) -> HardwareSpec:
     """A HardwareSpec for the running device with measured bandwidth and FLOP/s for `dtype`."""
     import torch
