@@ -111,6 +111,9 @@ class ParallelConfig:
     all2all_backend: str = "all_to_all"  # expert-parallel dispatch/combine: see ALL2ALL_BACKENDS
     enable_eplb: bool = False
     eplb: EPLBConfig = field(default_factory=EPLBConfig)
+    enable_dbo: bool = False  # dual-batch overlap of the expert exchanges (moe/expert_parallel.py)
+    dbo_decode_token_threshold: int = 32  # DBO for steps of decodes alone with at least this many tokens
+    dbo_prefill_token_threshold: int = 512  # DBO for steps holding a prefill with at least this many tokens
     nnodes: int = 1
     node_rank: int = 0
     master_addr: str = "127.0.0.1"
@@ -277,6 +280,9 @@ class EngineArgs:
     all2all_backend: str = "all_to_all"
     enable_eplb: bool = False
     eplb_config: Optional[str] = None
+    enable_dbo: bool = False
+    dbo_decode_token_threshold: int = 32
+    dbo_prefill_token_threshold: int = 512
     nnodes: int = 1
     node_rank: int = 0
     master_addr: str = "127.0.0.1"
@@ -335,6 +341,14 @@ class EngineArgs:
             errors.append(f"all2all_backend must be one of {', '.join(ALL2ALL_BACKENDS)}, got {self.all2all_backend!r}")
         if self.enable_eplb and not self.enable_expert_parallel:
             errors.append("enable_eplb needs enable_expert_parallel")
+        if self.enable_dbo and not self.enable_expert_parallel:
+            errors.append("enable_dbo needs enable_expert_parallel (it overlaps the expert-parallel exchanges)")
+        if self.enable_dbo and self.all2all_backend != "all_to_all":
+            errors.append(f"enable_dbo needs all2all_backend 'all_to_all' (its dispatch and combine are what "
+                          f"overlap), got {self.all2all_backend!r}")
+        for name in ("dbo_decode_token_threshold", "dbo_prefill_token_threshold"):
+            if getattr(self, name) < 2:
+                errors.append(f"{name} must be at least 2 (two micro-batches), got {getattr(self, name)}")
         if self.data_parallel_size > 1 and self.pipeline_parallel_size > 1:
             errors.append("data_parallel_size > 1 needs pipeline_parallel_size 1 (data-parallel attention runs "
                           "each DP rank's batch on one stage)")
@@ -445,6 +459,9 @@ class EngineArgs:
             all2all_backend=self.all2all_backend,
             enable_eplb=self.enable_eplb,
             eplb=eplb,
+            enable_dbo=self.enable_dbo,
+            dbo_decode_token_threshold=self.dbo_decode_token_threshold,
+            dbo_prefill_token_threshold=self.dbo_prefill_token_threshold,
             nnodes=self.nnodes,
             node_rank=self.node_rank,
             master_addr=self.master_addr,

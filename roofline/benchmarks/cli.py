@@ -1,10 +1,18 @@
 """`roofline bench`: throughput (offline workloads), serve (online, against a running server), w8 (PD
-interference), eplb (expert parallelism under a skewed router), fp8 (FP8 block weights on the CPU) and dsa
-(DeepSeek sparse attention against dense MLA)."""
+interference), eplb (expert parallelism under a skewed router), fp8 (FP8 block weights on the CPU), dsa
+(DeepSeek sparse attention against dense MLA) and dbo (dual-batch overlap of the expert exchanges)."""
 
 from __future__ import annotations
 
-from roofline.benchmarks import eplb_skew, fp8_weights, pd_interference, serve, sparse_attention, throughput
+from roofline.benchmarks import (
+    dual_batch,
+    eplb_skew,
+    fp8_weights,
+    pd_interference,
+    serve,
+    sparse_attention,
+    throughput,
+)
 
 
 def register(subparsers) -> None:
@@ -16,3 +24,4 @@ def register(subparsers) -> None:
     eplb_skew.register(sub)
     fp8_weights.register(sub)
     sparse_attention.register(sub)
+    dual_batch.register(sub)

@@ -135,6 +135,18 @@ class GroupCoordinator:
         dist.all_to_all_single(out, x, output_split_sizes=out_splits, input_split_sizes=in_splits, group=self.group)
         return out
 
+    def all_to_all_single_async(self, x: torch.Tensor, in_splits: list[int], out_splits: list[int]):
+        """all_to_all_single issued without waiting: (the result tensor, a handle whose wait() completes it).
+        Every member issues its async collectives in the same order (they complete in that order)."""
+        self._need_group("all_to_all")
+        x = x.contiguous()
+        row = _nbytes(x[:1]) if x.shape[0] else 0
+        self._count("all_to_all", row * (sum(in_splits) - in_splits[self.rank_in_group]))
+        out = x.new_empty((sum(out_splits),) + tuple(x.shape[1:]))
+        work = dist.all_to_all_single(out, x, output_split_sizes=out_splits, input_split_sizes=in_splits,
+                                      group=self.group, async_op=True)
+        return out, work
+
     def broadcast(self, x: torch.Tensor, src_in_group: int = 0) -> torch.Tensor:
         if self.world_size == 1:
             return x

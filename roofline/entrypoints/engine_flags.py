@@ -54,6 +54,11 @@ _HELP = {
                    "while serving (needs --enable-expert-parallel)",
     "eplb_config": 'EPLB settings as JSON: {"window_size": 1000, "step_interval": 3000, '
                    '"num_redundant_experts": 0, "log_balancedness": false}',
+    "enable_dbo": "dual-batch overlap: a step with enough tokens runs each MoE layer's expert-parallel exchange as "
+                  "two micro-batches, one's all-to-all in flight while the other's experts compute (needs "
+                  "--enable-expert-parallel and --all2all-backend all_to_all)",
+    "dbo_decode_token_threshold": "DBO for steps of decodes alone with at least this many tokens (all DP ranks)",
+    "dbo_prefill_token_threshold": "DBO for steps holding a prefill with at least this many tokens (all DP ranks)",
     "nnodes": "machines taking part (torchrun-style); each runs world_size/nnodes ranks",
     "node_rank": "this machine's index in [0, nnodes); node 0 runs the engine, others `roofline worker`",
     "master_addr": "address of node 0, where rank 0 hosts the rendezvous",

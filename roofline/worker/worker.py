@@ -21,6 +21,7 @@ from roofline.distributed.parallel_state import collective_stats, get_layout
 from roofline.cpu import ops as cpu_ops, gguf_quant
 from roofline.model_executor.layers import cpu_prepare
 from roofline.model_executor.loader.source import ModelSource
+from roofline.model_executor.layers.moe.expert_parallel import dual_batch_step
 from roofline.model_executor.layers.quantization import checkpoint_quantization
 from roofline.model_executor.layers.quantization import fp8 as fp8_blocks
 from roofline.model_executor.loader.weights import gguf_weights, init_dummy_weights, safetensors_weights
@@ -350,6 +351,7 @@ class Worker:
     def execute(self, out: SchedulerOutput) -> ModelRunnerOutput:
         assert self.runner is not None, "init_kv_cache first"
         others_run = False
+        dual_batch_step(self._dual_batch(out))
         if out.data_parallel:  # data-parallel attention: this DP rank's part; idle, it still joins the MoE exchanges
             others_run = any(p.scheduled for p in out.data_parallel)
             out = out.data_parallel_part(get_layout().coords(self.rank).dp)
@@ -366,6 +368,17 @@ class Worker:
         if get_layout().world_size > 1 and result is not None:
             result.parallel = self._parallel_stats()
         return result
+
+    def _dual_batch(self, out: SchedulerOutput) -> bool:
+        """--enable-dbo: whether this step's expert exchanges run as two overlapped micro-batches -- decided
+        from the whole step (every DP rank's part), so every rank of the EP group decides the same."""
+        pc = self.config.parallel_config
+        if not pc.enable_dbo:
+            return False
+        parts = out.data_parallel or [out]
+        tokens = sum(p.total_num_scheduled_tokens for p in parts)
+        prefill = any(len(s.token_ids) - s.num_draft_tokens > 1 for p in parts for s in p.scheduled)
+        return tokens >= (pc.dbo_prefill_token_threshold if prefill else pc.dbo_decode_token_threshold)
 
     def _parallel_stats(self) -> StepParallelStats:
         """This step's collectives (the counters' growth since the last step) and the EPLB state."""

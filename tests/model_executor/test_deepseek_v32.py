@@ -176,3 +176,32 @@ def test_kv_bytes_per_token_hold_the_index_keys_and_the_planner_agrees(v32):
     layers = cfg.num_hidden_layers
     assert spec.kv_bytes_read_per_token(6, 4) == 6 * latent * 4 * layers  # within index_topk: dense
     assert spec.kv_bytes_read_per_token(100, 4) == (100 * cfg.index_head_dim + cfg.index_topk * latent) * 4 * layers
+
+
+def test_dual_batch_overlap_matches_hf(v32):
+    """--enable-dbo on two expert-parallel DP ranks, thresholds at 2 tokens: the steps' exchanges run as two
+    overlapped micro-batches (7 all_to_alls a MoE layer instead of 4); an idle DP rank joins them too."""
+    path, prompts, reference, hf = v32
+    dbo = dict(enable_dbo=True, dbo_decode_token_threshold=2, dbo_prefill_token_threshold=2)
+    tokens, stats, llm = generate(path, prompts, num_kv_blocks=64, data_parallel_size=2, enable_expert_parallel=True,
+                                  **dbo)
+    assert tokens == reference
+    moe_layers = hf.config.num_hidden_layers - hf.config.first_k_dense_replace
+    assert stats.collectives["ep.all_to_all"][0] > 4 * moe_layers * stats.parallel_steps  # dual steps happened
+    out = llm.generate([{"prompt_token_ids": prompts[2]}], GREEDY, use_tqdm=False)[0]  # the other rank idles
+    assert out.outputs[0].token_ids == reference[2]
+    after = llm.llm_engine.get_stats()
+    assert after.num_free_blocks == after.num_total_blocks
+
+
+@pytest.mark.parametrize("args,match", [
+    (dict(enable_dbo=True), "enable_dbo needs enable_expert_parallel"),
+    (dict(enable_dbo=True, enable_expert_parallel=True, all2all_backend="allgather_reducescatter"),
+     "enable_dbo needs all2all_backend 'all_to_all'"),
+    (dict(enable_dbo=True, enable_expert_parallel=True, dbo_decode_token_threshold=1), "dbo_decode_token_threshold"),
+])
+def test_bad_dbo_settings_name_the_field(args, match):
+    from roofline.config import EngineArgs
+
+    with pytest.raises(ValueError, match=match):
+        EngineArgs(model=None, **args).create_engine_config()

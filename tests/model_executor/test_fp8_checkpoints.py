@@ -150,9 +150,13 @@ def test_a_shard_that_cuts_a_column_block_is_a_start_up_error(fp8_models):
         LLM(path, dtype="float32", device="cpu", show_progress=False, num_kv_blocks=16, tensor_parallel_size=2)
 
 
-def test_expert_parallel_2_matches_hf(fp8_models):
+@pytest.mark.parametrize("dbo", [False, True], ids=["", "dbo"])
+def test_expert_parallel_2_matches_hf(fp8_models, dbo):
+    """Each rank's experts in blocks; with --enable-dbo the exchanges as two overlapped micro-batches."""
     path, prompts, reference = fp8_models("deepseek_v3", "128x128")
-    tokens, _, _ = generate(path, prompts, num_kv_blocks=64, data_parallel_size=2, enable_expert_parallel=True)
+    extra = dict(enable_dbo=True, dbo_decode_token_threshold=2, dbo_prefill_token_threshold=2) if dbo else {}
+    tokens, _, _ = generate(path, prompts, num_kv_blocks=64, data_parallel_size=2, enable_expert_parallel=True,
+                            **extra)
     assert tokens == reference
 
 

@@ -1,7 +1,8 @@
 """Expert parallelism in FusedMoE (layers/moe/expert_parallel.py) over real gloo worlds: every rank
 holds whole experts (with and without redundant replicas), tokens go to their experts' ranks and back
-by all_to_all_single or by all-gather + reduce-scatter, and every DP rank's output equals the
-single-rank reference on its own batch -- also when a TP rank's share of the tokens is empty."""
+by all_to_all_single (also as two overlapped micro-batches, --enable-dbo) or by all-gather +
+reduce-scatter, and every DP rank's output equals the single-rank reference on its own batch -- also when a
+TP rank's share of the tokens, a micro-batch, or the whole batch is empty."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ from roofline.distributed import parallel_state as ps
 from roofline.distributed.launch import free_port
 from roofline.distributed.layout import ParallelLayout
 from roofline.model_executor.layers.moe import FusedMoE, RoutingConfig, select_experts
-from roofline.model_executor.layers.moe.expert_parallel import ExpertMap
+from roofline.model_executor.layers.moe.expert_parallel import ExpertMap, dual_batch_step
 from roofline.model_executor.layers.moe.torch_experts import torch_experts
 from roofline.eplb.algorithm import Placement
 
@@ -38,7 +39,8 @@ def _rank_main(rank: int, port: int, tp: int, dp: int, errors) -> None:
         gate, up, down = _weights()
         ref_w13, ref_w2 = torch.cat([gate, up], dim=1), down
         ps.init_distributed(rank, tp * dp, "127.0.0.1", port, "test-secret", "gloo", 60.0)
-        for backend in ("all_to_all", "allgather_reducescatter"):
+        for backend, dual in (("all_to_all", False), ("allgather_reducescatter", False), ("all_to_all", True)):
+            dual_batch_step(dual)  # --enable-dbo: the all_to_all exchange as two overlapped micro-batches
             for redundant in (0, tp * dp):
                 layout = ParallelLayout(tp=tp, dp=dp, expert_parallel=True, num_redundant_experts=redundant,
                                         all2all_backend=backend)
@@ -51,14 +53,16 @@ def _rank_main(rank: int, port: int, tp: int, dp: int, errors) -> None:
                     layer.weight_loader(layer.w2_weight, down[e], "w2", e)
                 assert layer.missing_experts() == []
                 dp_rank = layout.coords(rank).dp
-                for n in (13, 1):  # one token: one TP rank's share is empty
+                for n in (13, 1, 0):  # one token: one TP rank's share (and a micro-batch) empty; none: all empty
                     x, logits = _batch(n + dp_rank, dp_rank)  # DP ranks' batches differ, in size too
                     w, ids = select_experts(logits, ROUTING)
                     ps.reset_collective_counts()
                     y = layer(x, logits)
                     torch.testing.assert_close(y, torch_experts(x, ref_w13, ref_w2, w, ids), rtol=1e-5, atol=1e-5)
                     stats = ps.collective_stats()
-                    if backend == "all_to_all":
+                    if dual:  # both halves' counts in one; per half: slots, hidden out, outputs back
+                        assert stats["ep.all_to_all"][0] == 7, stats
+                    elif backend == "all_to_all":
                         assert stats["ep.all_to_all"][0] == 4, stats  # counts, slots, hidden out, outputs back
                     else:
                         assert stats["ep.all_gather"][0] == 4 and stats["ep.reduce_scatter"][0] == 1, stats

@@ -17,10 +17,20 @@ gets their expert outputs back, by one of two exchanges (--all2all-backend):
                                returns each rank the sums for its own tokens
 
 Both give every token the sum over its k experts of weight * expert(x), as the single-rank layer does.
+
+Dual-batch overlap (--enable-dbo, `dual_batch_step`): a step with enough tokens runs every MoE layer's
+all_to_all exchange as two micro-batches (the first and second half of this rank's tokens) whose
+collectives are issued without waiting: the second half's dispatch is in flight while the first half's
+experts compute, and the first half's combine while the second's do (exchange_all_to_all_dual).  Every rank of
+the EP group decides the same way (from the whole step's token count, all DP ranks' parts included) and
+issues the same collectives in the same order, a rank with an empty half (or no tokens: an idle DP rank's
+join_expert_exchanges) too.  `EXCHANGE_WAIT_S` accumulates the time this rank spent blocked on its exchanges
+(the part of the all-to-all that no compute hid), for benchmarks.
 """
 
 from __future__ import annotations
 
+import time
 from typing import Callable
 
 import torch
@@ -72,13 +82,17 @@ def exchange_all_to_all(x: torch.Tensor, weights: torch.Tensor, physical: torch.
     dest = flat // per_rank
     order = torch.argsort(dest, stable=True)
     send_counts = torch.bincount(dest, minlength=group.world_size)
+    t = time.perf_counter()
     recv_counts = group.all_to_all_single(send_counts, [1] * group.world_size, [1] * group.world_size)
     in_splits, out_splits = send_counts.tolist(), recv_counts.tolist()
     tokens = order // k
     recv_slots = group.all_to_all_single(flat[order] % per_rank, in_splits, out_splits)
     recv_x = group.all_to_all_single(x.index_select(0, tokens), in_splits, out_splits)
+    EXCHANGE_WAIT_S[0] += time.perf_counter() - t
     y = local_experts(recv_x, recv_slots, None)
+    t = time.perf_counter()
     back = group.all_to_all_single(y, out_splits, in_splits)
+    EXCHANGE_WAIT_S[0] += time.perf_counter() - t
     back = back * weights.reshape(-1).index_select(0, order).to(x.dtype)[:, None]
     return torch.zeros_like(x).index_add_(0, tokens, back)
 
@@ -107,3 +121,60 @@ def exchange_allgather_reducescatter(x: torch.Tensor, weights: torch.Tensor, phy
 
 
 EXCHANGES = {"all_to_all": exchange_all_to_all, "allgather_reducescatter": exchange_allgather_reducescatter}
+
+_dual_batch = False  # this step's exchanges as two overlapped micro-batches (set by the worker, every step)
+EXCHANGE_WAIT_S = [0.0]  # seconds this rank spent blocked in the exchanges' collectives (profiling)
+
+
+def dual_batch_step(on: bool) -> None:
+    """Whether this step's all_to_all exchanges run as two overlapped micro-batches (every EP rank the same)."""
+    global _dual_batch
+    _dual_batch = bool(on)
+
+
+def dual_batch() -> bool:
+    return _dual_batch
+
+
+def _timed_wait(work) -> None:
+    t = time.perf_counter()
+    work.wait()
+    EXCHANGE_WAIT_S[0] += time.perf_counter() - t
+
+
+def exchange_all_to_all_dual(x: torch.Tensor, weights: torch.Tensor, physical: torch.Tensor, per_rank: int,
+                             group: GroupCoordinator, local_experts: LocalExperts) -> torch.Tensor:
+    """exchange_all_to_all as two micro-batches (this rank's first and second half of its tokens), their
+    dispatches and combines asynchronous: the same function, the communication hidden behind the other half's
+    expert compute."""
+    n, k = physical.shape
+    w = group.world_size
+    halves = [(0, n // 2), (n // 2, n)]
+    plans = []
+    for lo, hi in halves:  # each half's routing, its rows sorted by destination rank
+        flat = physical[lo:hi].reshape(-1)
+        dest = flat // per_rank
+        order = torch.argsort(dest, stable=True)
+        plans.append((lo, hi, flat, order, torch.bincount(dest, minlength=w)))
+    t = time.perf_counter()
+    recv = group.all_to_all_single(torch.stack([p[4] for p in plans], dim=1).reshape(-1), [2] * w, [2] * w)
+    EXCHANGE_WAIT_S[0] += time.perf_counter() - t
+    recv = recv.view(w, 2)
+    dispatched = []
+    for h, (lo, _, flat, order, send_counts) in enumerate(plans):  # both dispatches in flight
+        in_splits, out_splits = send_counts.tolist(), recv[:, h].tolist()
+        slots = group.all_to_all_single_async(flat[order] % per_rank, in_splits, out_splits)
+        rows = group.all_to_all_single_async(x.index_select(0, lo + order // k), in_splits, out_splits)
+        dispatched.append((in_splits, out_splits, slots, rows))
+    combined = []
+    for in_splits, out_splits, (slots, slots_work), (rows, rows_work) in dispatched:
+        _timed_wait(slots_work)
+        _timed_wait(rows_work)
+        y = local_experts(rows, slots, None)  # the other half's collectives travel meanwhile
+        combined.append(group.all_to_all_single_async(y, out_splits, in_splits))
+    out = torch.zeros_like(x)
+    for (lo, hi, _, order, _), (back, work) in zip(plans, combined):
+        _timed_wait(work)
+        back = back * weights[lo:hi].reshape(-1).index_select(0, order).to(x.dtype)[:, None]
+        out.index_add_(0, lo + order // k, back)
+    return out

@@ -38,7 +38,13 @@ from roofline.cpu import ops as cpu_ops
 from roofline.distributed.parallel_state import get_ep_group, get_layout, get_tp_group, tp_all_reduce
 from roofline.eplb.algorithm import initial_placement
 from roofline.model_executor.layers.moe.cpu_experts import CpuExperts
-from roofline.model_executor.layers.moe.expert_parallel import EXCHANGES, ExpertMap
+from roofline.model_executor.layers.moe.expert_parallel import (
+    EXCHANGES,
+    ExpertMap,
+    dual_batch,
+    exchange_all_to_all,
+    exchange_all_to_all_dual,
+)
 from roofline.model_executor.layers.moe.router import RoutingConfig, select_experts
 from roofline.model_executor.layers.moe.quantized_experts import quantized_experts
 from roofline.model_executor.layers.moe.torch_experts import torch_experts
@@ -250,8 +256,11 @@ class FusedMoE(nn.Module):
         if self.expert_load is not None:
             self.expert_load += torch.bincount(ids_mine.reshape(-1), minlength=self.num_experts)
         physical = self.expert_map.choose(ids_mine, offset=start)
-        y_mine = self.exchange(x[start:start + n], weights[start:start + n], physical, self.expert_map.per_rank,
-                               self.ep_group, self._local_experts)
+        exchange = self.exchange
+        if exchange is exchange_all_to_all and dual_batch():  # --enable-dbo, a step above its threshold
+            exchange = exchange_all_to_all_dual
+        y_mine = exchange(x[start:start + n], weights[start:start + n], physical, self.expert_map.per_rank,
+                          self.ep_group, self._local_experts)
         if tp.world_size == 1:
             return y_mine
         y = torch.zeros_like(x)
