@@ -104,14 +104,24 @@ def test_deepseek_v3_on_its_fp8_blocks_matches_hf(fp8_models, blocks, variant):
         assert stats.num_preemptions > 0
 
 
-@pytest.mark.parametrize("variant", ["default", "budget_16"])
+V32_VARIANTS = dict(VARIANTS, tp2=dict(num_kv_blocks=64, tensor_parallel_size=2),
+                    ep2_dbo=dict(num_kv_blocks=64, data_parallel_size=2, enable_expert_parallel=True, enable_dbo=True,
+                                 dbo_decode_token_threshold=2, dbo_prefill_token_threshold=2))
+
+
+@pytest.mark.parametrize("variant", list(V32_VARIANTS))
 def test_deepseek_v32_on_its_fp8_blocks_matches_hf(fp8_models, variant):
-    """V3.2: the indexer's wq_b and wk in blocks too; sparse attention over FP8 projections."""
-    path, prompts, reference = fp8_models("deepseek_v32", "16x32")
-    tokens, _, llm = generate(path, prompts, **VARIANTS[variant])
+    """V3.2: the indexer's wq_b and wk in blocks too; sparse attention over FP8 projections (8 x 16 blocks, so
+    tensor-parallel shards hold whole column blocks)."""
+    path, prompts, reference = fp8_models("deepseek_v32", "8x16")
+    tokens, stats, llm = generate(path, prompts, **V32_VARIANTS[variant])
     assert tokens == reference
-    indexer = llm.llm_engine.executor.worker.model.model.layers[0].self_attn.indexer
-    assert isinstance(indexer.wq_b.quant, Fp8BlockTensor) and indexer.weights_proj.quant is None
+    if variant == "default":
+        assert stats.prefix_cache_hits > 0
+        indexer = llm.llm_engine.executor.worker.model.model.layers[0].self_attn.indexer
+        assert isinstance(indexer.wq_b.quant, Fp8BlockTensor) and indexer.weights_proj.quant is None
+    if variant.startswith("preempt"):
+        assert stats.num_preemptions > 0
 
 
 def test_dequantize_at_load_gives_the_same_tokens(fp8_models):
