@@ -29,7 +29,8 @@ rc=0
 for part in "${parts[@]}"; do
   case "$part" in
     kernels) sel=(tests/attention tests/model_executor/test_triton_ops.py tests/model_executor/test_gpu_sampler.py
-                  tests/model_executor/test_moe_triton.py tests/worker/test_cuda_graph_logic.py); k=() ;;
+                  tests/model_executor/test_moe_triton.py tests/worker/test_cuda_graph_logic.py
+                  tests/attention/test_dsa_triton.py); k=() ;;
     fp8) sel=(tests/model_executor/test_fp8_triton.py tests/model_executor/test_fp8_checkpoints.py); k=(-k "triton or cuda") ;;
     parity) sel=(tests/engine/test_hf_parity.py tests/engine/test_feature_invariance.py)
             k=(-k "cuda and not smollm2") ;;

@@ -18,9 +18,9 @@ Per head h the up-projection kv_b_proj gives k_nope_h = W_UK[h] c and v_h = W_UV
 Both paths compute the same function (tests compare them with each other and with HF).
 
 Backends: 'torch' (the reference; CPU and CUDA), 'cpu' (decodes in the native latent-decode kernel,
-cpu_ops.mla_decode), 'triton' (decodes in the split-KV Triton kernel, triton_decode.py).  Prefill runs
-the torch code in all three.  Under tensor parallelism each rank holds its heads' W_UK / W_UV and the
-whole (replicated) latent cache.
+cpu_ops.mla_decode), 'triton' (decodes in the split-KV Triton kernel, triton_decode.py; DSA's sparse decodes
+in attention/sparse/triton_dsa.py).  Prefill runs the torch code in all three.  Under tensor parallelism each
+rank holds its heads' W_UK / W_UV and the whole (replicated) latent cache.
 """
 
 from __future__ import annotations
@@ -189,6 +189,16 @@ class TritonMLAAttentionBackend(MLAAttentionBackend):
         nd = q_abs.shape[0]
         return triton_decode.mla_decode(q_abs, cache, meta.block_tables[:nd], meta.seq_lens[:nd], latent_rank,
                                         scale, max_seq_len=max(meta.seq_lens_cpu[:nd]), num_splits=self.num_splits)
+
+    def sparse_decode(self, q_nope, q_pe, cache, meta, weights, scale, selection):
+        """DSA's decodes in the Triton latent kernel over only their kept rows (triton_dsa.sparse_mla_decode)."""
+        from roofline.attention.sparse import triton_dsa
+
+        q_abs = self.absorb_query(q_nope, q_pe, weights)
+        nd = q_nope.shape[0]
+        positions = dsa.decode_positions(selection, meta.seq_lens_cpu[:nd])
+        o = triton_dsa.sparse_mla_decode(q_abs, cache, meta.block_tables, positions, scale, weights.w_uk.shape[2])
+        return self.absorb_output(o, weights)
 
 
 _BY_NAME = {"torch": MLAAttentionBackend, "cpu": CpuMLAAttentionBackend, "triton": TritonMLAAttentionBackend}

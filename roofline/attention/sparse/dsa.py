@@ -15,8 +15,10 @@ latent rows (`sparse_latent_attention`).
 `select_topk` returns a TopkSelection for the step's flat rows: each row's kept positions ([N, K] int64, -1
 past the end) and whether the row is restricted at all.  On fp32 CPU tensors the scores and the top-k run in
 the native kernels (roofline/cpu/dsa.py: the keys read through the block table, never gathered), and the CPU
-MLA backend's sparse decode in cpu_kernels.c's latent kernel over the kept rows only; the torch code here is
-the reference they are tested against (and what other devices run).
+MLA backend's sparse decode in cpu_kernels.c's latent kernel over the kept rows only.  On CUDA tensors the
+scores run in Triton (triton_dsa.py, the keys read through the block table too; the top-k in torch), and the
+Triton MLA backend's sparse decode in triton_dsa's latent kernel.  The torch code here is the reference they
+are tested against (and what other devices run).
 """
 
 from __future__ import annotations
@@ -85,6 +87,12 @@ def select_topk(q: torch.Tensor, w: torch.Tensor, cache: torch.Tensor, meta, top
         if native:  # the native kernels read the keys through the block table; same scores, same top-k set
             scores = cpu_dsa.index_scores(q[lo:q1], w[lo:q1], cache, meta.block_tables[r], first + lo - q0, s, scale)
             positions[lo:q1] = cpu_dsa.topk_positions(scores, topk)
+        elif q.is_cuda:  # the Triton score kernel reads the keys through the block table too
+            from roofline.attention.sparse import triton_dsa
+
+            scores = triton_dsa.index_scores(q[lo:q1], w[lo:q1], cache, meta.block_tables[r], first + lo - q0, s,
+                                             scale)
+            positions[lo:q1] = scores.topk(topk, dim=-1).indices
         else:
             keys = gather_rows(cache, meta.block_tables[r], s)
             scores = index_scores(q[lo:q1], w[lo:q1], keys, scale)  # [rows, s]
