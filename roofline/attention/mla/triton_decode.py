@@ -34,17 +34,17 @@ _DEFAULT_NUM_SMS = 132
 
 @triton.jit
 def _mla_decode_kernel(
-    q_ptr, cache_ptr, bt_ptr, seq_lens_ptr, part_o_ptr, part_lse_ptr,
+    q_ptr, cache_ptr, bt_ptr, seq_lens_ptr, pos_ptr, part_o_ptr, part_lse_ptr,
     num_heads, scale_log2e,
-    stride_qn, stride_qh, stride_block, stride_slot, stride_bt, stride_pn, stride_ph, stride_ps,
+    stride_qn, stride_qh, stride_block, stride_slot, stride_bt, stride_posn, stride_pn, stride_ph, stride_ps,
     L: tl.constexpr, L_P: tl.constexpr, R: tl.constexpr, R_P: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr, NUM_SPLITS: tl.constexpr,
-    UPCAST_DOT: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    UPCAST_DOT: tl.constexpr, DOT_PRECISION: tl.constexpr, GATHER: tl.constexpr,
 ):
     seq = tl.program_id(0).to(tl.int64)
     hb = tl.program_id(1)
     split = tl.program_id(2)
-    S = tl.load(seq_lens_ptr + seq)
+    S = tl.load(seq_lens_ptr + seq)  # positions 0 .. S-1, or (GATHER) the row's first S kept positions
     seg = tl.cdiv(tl.cdiv(S, NUM_SPLITS), BLOCK_N) * BLOCK_N
     start = split * seg
     end = tl.minimum(start + seg, S)
@@ -66,8 +66,12 @@ def _mla_decode_kernel(
     s_sum = tl.zeros([BLOCK_H], dtype=tl.float32)
     acc = tl.zeros([BLOCK_H, L_P], dtype=tl.float32)
     for n0 in range(start, end, BLOCK_N):
-        pos = n0 + tl.arange(0, BLOCK_N)
-        valid = pos < end
+        idx = n0 + tl.arange(0, BLOCK_N)
+        valid = idx < end
+        if GATHER:  # DSA: the kept positions, so only their latent rows are read
+            pos = tl.load(pos_ptr + seq * stride_posn + idx, mask=valid, other=0)
+        else:
+            pos = idx
         blk = tl.load(bt_ptr + seq * stride_bt + pos // BLOCK_SIZE, mask=valid, other=0).to(tl.int64)
         rows = blk * stride_block + (pos % BLOCK_SIZE) * stride_slot
         c = tl.load(cache_ptr + rows[:, None] + offs_l[None, :], mask=valid[:, None] & l_mask[None, :], other=0.0)
@@ -110,8 +114,10 @@ def choose_num_splits(num_seqs: int, head_blocks: int, max_seq_len: int, device:
 
 def mla_decode(q_abs: torch.Tensor, cache: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor,
                latent_rank: int, scale: float, max_seq_len: int, num_splits: Optional[int] = None,
-               block_h: int = 16, block_n: int = 32) -> torch.Tensor:
-    """[n, H, L + R] absorbed decode queries over the latent cache -> [n, H, L] (see the module doc)."""
+               block_h: int = 16, block_n: int = 32, positions: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """[n, H, L + R] absorbed decode queries over the latent cache -> [n, H, L] (see the module doc).
+    positions (DSA's sparse decode, attention/sparse/triton_dsa.py): [n, K] int64, each row's kept positions
+    first; seq_lens then counts them and only those latent rows are read."""
     n, num_heads, width = q_abs.shape
     L, R = latent_rank, width - latent_rank
     out = torch.empty((n, num_heads, L), dtype=q_abs.dtype, device=q_abs.device)
@@ -128,13 +134,16 @@ def mla_decode(q_abs: torch.Tensor, cache: torch.Tensor, block_tables: torch.Ten
     part_lse = torch.empty((n, num_heads, num_splits), dtype=torch.float32, device=q_abs.device)
     sp = (num_heads * num_splits, num_splits, 1)
     lat = cache[0]
+    gather = positions is not None
+    pos = positions.to(torch.int64).contiguous() if gather else seq_lens  # (unread without GATHER)
     _mla_decode_kernel[(n, head_blocks, num_splits)](
-        q_abs, lat, block_tables, seq_lens, part_o, part_lse,
+        q_abs, lat, block_tables, seq_lens, pos, part_o, part_lse,
         num_heads, float(scale) * LOG2E,
-        q_abs.stride(0), q_abs.stride(1), lat.stride(0), lat.stride(1), block_tables.stride(0), *sp,
+        q_abs.stride(0), q_abs.stride(1), lat.stride(0), lat.stride(1), block_tables.stride(0),
+        pos.stride(0) if gather else 0, *sp,
         L=L, L_P=l_p, R=R, R_P=r_p, BLOCK_H=block_h, BLOCK_N=block_n, BLOCK_SIZE=cache.shape[2],
         NUM_SPLITS=num_splits, UPCAST_DOT=interpreting() and cache.dtype == torch.bfloat16,
-        DOT_PRECISION="ieee" if cache.dtype == torch.float32 else "tf32",
+        DOT_PRECISION="ieee" if cache.dtype == torch.float32 else "tf32", GATHER=gather,
     )
     _split_kv_reduce_kernel[(n, num_heads)](
         part_o, part_lse, out, *sp, out.stride(0), out.stride(1), out.stride(2),

@@ -13,14 +13,10 @@ index_scores(q [c, H, D], w [c, H], cache [1, blocks, bs, 1, D], block_table, fi
 
 sparse_mla_decode(q_abs [n, h, L + R], cache [1, blocks, bs, 1, L + R], block_tables, positions [n, K], ...)
     -> [n, h, L]: each decode row's heads attend (absorbed MLA, one shared latent head) to only its kept
-  latent rows; positions holds the valid ones first, -1 after.
-  grid (n, cdiv(h, BLOCK_H), NUM_SPLITS), triton_decode.py's split-KV shape over the kept list instead of
-  the context: a program holds BLOCK_H heads of one row and walks one segment of its valid positions in
-  BLOCK_N tiles, each position mapped through the block table to its latent row, so only kept rows are read
-  (rows not kept may hold anything, NaN included).  Scores q_lat . c + q_pe . k_pe as two tl.dot, online
-  softmax in base 2 (fp32 running max / sum), acc [BLOCK_H, L] += P . c; each split writes its normalised
-  partial and log-sum-exp and triton/kernels.py's `_split_kv_reduce_kernel` combines them (output in
-  q_abs's dtype).  NUM_SPLITS: triton_decode.choose_num_splits over the longest kept list.
+  latent rows; positions holds the valid ones first, -1 after.  It is mla/triton_decode.py's split-KV kernel
+  walking the kept list (its GATHER mode: each position mapped through the block table to its latent row, so
+  only kept rows are read; rows not kept may hold anything, NaN included), the counts of valid positions in
+  place of the sequence lengths.
 
 Any H, h, D, L, R (padded to powers of two >= 16 with masks).  q / q_abs are cast to the cache's dtype for
 the tensor-core dot (bf16 on GPUs); fp32 caches dot in "ieee" precision.  A row with no valid position
@@ -35,8 +31,8 @@ import torch
 import triton
 import triton.language as tl
 
-from roofline.attention.mla.triton_decode import choose_num_splits
-from roofline.attention.triton.kernels import LOG2E, _split_kv_reduce_kernel, interpreting
+from roofline.attention.mla.triton_decode import mla_decode
+from roofline.attention.triton.kernels import interpreting
 
 
 def _pad(x: int) -> int:
@@ -119,105 +115,14 @@ def index_scores(q: torch.Tensor, w: torch.Tensor, cache: torch.Tensor, block_ta
 
 # ---- the latent decode over the kept positions ------------------------------------------------------------
 
-@triton.jit
-def _sparse_mla_decode_kernel(
-    q_ptr, cache_ptr, bt_ptr, pos_ptr, counts_ptr, part_o_ptr, part_lse_ptr,
-    num_heads, scale_log2e,
-    stride_qn, stride_qh, stride_block, stride_slot, stride_bt, stride_posn, stride_pn, stride_ph, stride_ps,
-    L: tl.constexpr, L_P: tl.constexpr, R: tl.constexpr, R_P: tl.constexpr,
-    BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr, NUM_SPLITS: tl.constexpr,
-    UPCAST_DOT: tl.constexpr, DOT_PRECISION: tl.constexpr,
-):
-    seq = tl.program_id(0).to(tl.int64)
-    hb = tl.program_id(1)
-    split = tl.program_id(2)
-    count = tl.load(counts_ptr + seq)  # the row's valid positions: the first `count` entries
-    seg = tl.cdiv(tl.cdiv(count, NUM_SPLITS), BLOCK_N) * BLOCK_N
-    start = split * seg
-    end = tl.minimum(start + seg, count)
-
-    offs_h = hb * BLOCK_H + tl.arange(0, BLOCK_H)
-    h_mask = offs_h < num_heads
-    offs_l = tl.arange(0, L_P)
-    l_mask = offs_l < L
-    offs_r = tl.arange(0, R_P)
-    r_mask = offs_r < R
-    q_base = q_ptr + seq * stride_qn + offs_h[:, None] * stride_qh
-    q_lat = tl.load(q_base + offs_l[None, :], mask=h_mask[:, None] & l_mask[None, :], other=0.0)
-    q_pe = tl.load(q_base + L + offs_r[None, :], mask=h_mask[:, None] & r_mask[None, :], other=0.0)
-    if UPCAST_DOT:
-        q_lat = q_lat.to(tl.float32)
-        q_pe = q_pe.to(tl.float32)
-
-    m = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
-    s_sum = tl.zeros([BLOCK_H], dtype=tl.float32)
-    acc = tl.zeros([BLOCK_H, L_P], dtype=tl.float32)
-    for n0 in range(start, end, BLOCK_N):
-        idx = n0 + tl.arange(0, BLOCK_N)
-        valid = idx < end
-        pos = tl.load(pos_ptr + seq * stride_posn + idx, mask=valid, other=0)
-        valid = valid & (pos >= 0)
-        pos = tl.where(valid, pos, 0)
-        blk = tl.load(bt_ptr + seq * stride_bt + pos // BLOCK_SIZE, mask=valid, other=0).to(tl.int64)
-        rows = blk * stride_block + (pos % BLOCK_SIZE) * stride_slot
-        c = tl.load(cache_ptr + rows[:, None] + offs_l[None, :], mask=valid[:, None] & l_mask[None, :], other=0.0)
-        k_pe = tl.load(cache_ptr + rows[:, None] + L + offs_r[None, :], mask=valid[:, None] & r_mask[None, :],
-                       other=0.0)
-        if UPCAST_DOT:
-            c = c.to(tl.float32)
-            k_pe = k_pe.to(tl.float32)
-        s = tl.dot(q_lat, tl.trans(c), input_precision=DOT_PRECISION)
-        s += tl.dot(q_pe, tl.trans(k_pe), input_precision=DOT_PRECISION)
-        s = tl.where(valid[None, :], s * scale_log2e, float("-inf"))
-        m_new = tl.maximum(m, tl.max(s, 1))  # finite: a tile holds at least one valid position
-        alpha = tl.exp2(m - m_new)
-        p = tl.exp2(s - m_new[:, None])
-        s_sum = s_sum * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(c.dtype), c, input_precision=DOT_PRECISION)
-        m = m_new
-
-    has = s_sum > 0
-    o = acc / tl.where(has, s_sum, 1.0)[:, None]
-    lse = tl.where(has, m + tl.log2(tl.where(has, s_sum, 1.0)), float("-inf"))
-    base = seq * stride_pn + offs_h * stride_ph + split * stride_ps
-    tl.store(part_lse_ptr + base, lse, mask=h_mask)
-    tl.store(part_o_ptr + base[:, None] * L_P + offs_l[None, :], o, mask=h_mask[:, None])
-
-
 def sparse_mla_decode(q_abs: torch.Tensor, cache: torch.Tensor, block_tables: torch.Tensor, positions: torch.Tensor,
                       scale: float, latent_rank: int, num_splits: Optional[int] = None, block_h: int = 16,
                       block_n: int = 32) -> torch.Tensor:
     """q_abs [n, h, L + R] over only each row's kept latent rows (positions [n, K] int64, the valid ones
     first, -1 after; block_tables [>= n, blocks]) -> [n, h, L] in q_abs's dtype.  See the module doc."""
-    n, num_heads, width = q_abs.shape
-    L, R = latent_rank, width - latent_rank
-    out = torch.empty((n, num_heads, L), dtype=q_abs.dtype, device=q_abs.device)
-    if n == 0:
-        return out
-    assert cache.shape[0] == 1 and cache.shape[3] == 1 and cache.shape[4] == width, (cache.shape, q_abs.shape)
-    assert cache.stride(4) == 1 and positions.shape[0] == n, (cache.stride(), positions.shape)
-    q = q_abs.to(cache.dtype).contiguous()
+    n = q_abs.shape[0]
     positions = positions.to(torch.int64).contiguous()
     counts = (positions >= 0).sum(dim=1).to(torch.int32)
-    tables = block_tables[:n].contiguous()
-    head_blocks = triton.cdiv(num_heads, block_h)
-    if num_splits is None:
-        num_splits = choose_num_splits(n, head_blocks, positions.shape[1], q.device)
-    assert num_splits >= 1 and num_splits & (num_splits - 1) == 0, num_splits
-    l_p, r_p = _pad(L), _pad(R)
-    part_o = torch.empty((n, num_heads, num_splits, l_p), dtype=torch.float32, device=q.device)
-    part_lse = torch.empty((n, num_heads, num_splits), dtype=torch.float32, device=q.device)
-    sp = (num_heads * num_splits, num_splits, 1)
-    lat = cache[0]
-    _sparse_mla_decode_kernel[(n, head_blocks, num_splits)](
-        q, lat, tables, positions, counts, part_o, part_lse,
-        num_heads, float(scale) * LOG2E,
-        q.stride(0), q.stride(1), lat.stride(0), lat.stride(1), tables.stride(0), positions.stride(0), *sp,
-        L=L, L_P=l_p, R=R, R_P=r_p, BLOCK_H=block_h, BLOCK_N=block_n, BLOCK_SIZE=cache.shape[2],
-        NUM_SPLITS=num_splits, **_dot_options(cache.dtype),
-    )
-    _split_kv_reduce_kernel[(n, num_heads)](
-        part_o, part_lse, out, *sp, out.stride(0), out.stride(1), out.stride(2),
-        HEAD_DIM=L, HEAD_DIM_P=l_p, NUM_SPLITS=num_splits,
-    )
-    return out
+    return mla_decode(q_abs, cache, block_tables[:n].contiguous(), counts, latent_rank, scale,
+                      max_seq_len=positions.shape[1], num_splits=num_splits, block_h=block_h, block_n=block_n,
+                      positions=positions)
