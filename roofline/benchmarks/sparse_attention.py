@@ -6,7 +6,8 @@ over a paged cache filled with random latents and index keys (no prefill needed 
 CPU).  The same layer runs with its indexer (DSA: scores over the context, top-k, attention over the kept
 rows) and without it (dense MLA over every row), on the engine's backend for the device (the CPU's native
 kernels here).  Attention per token = the layer's time at that context minus its time at a 16-token context
-(the projections), times `--layers`.  The planner's prediction for the same shapes (cost_model.attention_time: ModelSpec's
+(the projections), times `--layers`; medians over `--rounds` measurements that alternate DSA and
+dense, so a slow spell of a shared machine hits both.  The planner's prediction for the same shapes (cost_model.attention_time: ModelSpec's
 DSA-aware cache bytes and FLOPs against the measured copy bandwidth and the native attention kernel's measured
 FLOP/s, probes.measure_attention_flops) is printed beside it.
 """
@@ -100,8 +101,12 @@ def run(args) -> int:
     base = {dense: time_decode(layers[dense], 16, args.block_size, args.repeats) for dense in (False, True)}
     for context in args.contexts:
         row = {"context": context}
+        times = {False: [], True: []}
+        for _ in range(args.rounds):  # DSA and dense alternate, so a slow spell of the machine hits both
+            for dense in (False, True):
+                times[dense].append(time_decode(layers[dense], context, args.block_size, args.repeats))
         for dense, name in ((False, "dsa"), (True, "dense")):
-            t = time_decode(layers[dense], context, args.block_size, args.repeats)
+            t = statistics.median(times[dense])
             row[f"{name}_layer_ms"] = t * 1e3
             row[f"{name}_attention_ms_per_token"] = max(t - base[dense], 0.0) * 1e3 * args.layers
             row[f"{name}_predicted_ms_per_token"] = predicted_attention_s(_config(args, dense), context, bandwidth,
@@ -132,6 +137,8 @@ def register(sub) -> None:
     p.add_argument("--index-topk", type=int, default=2048)
     p.add_argument("--layers", type=int, default=8)
     p.add_argument("--block-size", type=int, default=16)
-    p.add_argument("--repeats", type=int, default=7)
+    p.add_argument("--repeats", type=int, default=7, help="timed decodes per measurement (their median)")
+    p.add_argument("--rounds", type=int, default=3, help="measurements per context, DSA and dense alternating "
+                                                         "(their median)")
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=run)
