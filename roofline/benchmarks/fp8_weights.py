@@ -35,14 +35,14 @@ def _median_time(fn, repeats: int) -> float:
     return statistics.median(times)
 
 
-def bench_gemv(repeats: int) -> list[dict]:
+def bench_gemv(repeats: int, shapes=GEMV_SHAPES) -> list[dict]:
     import torch
 
     from roofline.cpu import ops as cpu_ops
     from roofline.model_executor.layers.quantization.fp8 import Fp8BlockTensor, quantize_fp8_blocks
 
     rows = []
-    for n, k, what in GEMV_SHAPES:
+    for n, k, what in shapes:
         g = torch.Generator().manual_seed(n + k)
         dense = torch.randn(n, k, generator=g) * 0.02
         q, s = quantize_fp8_blocks(dense)
