@@ -38,6 +38,18 @@ def tiny_config(arch: str, **overrides):
     elif arch == "qwen3":
         kw.setdefault("head_dim", 16)
         cfg = Qwen3Config(**kw)
+    elif arch == "smollm3":  # 4 layers, the 4th without rope (no_rope_layer_interval 4)
+        from transformers import SmolLM3Config
+
+        kw["num_hidden_layers"] = max(kw["num_hidden_layers"], 4)
+        kw = dict(dict(pad_token_id=None, bos_token_id=1, eos_token_id=2), **kw)  # the defaults exceed the vocabulary
+        cfg = SmolLM3Config(**kw)
+    elif arch == "granite":  # multipliers away from 1 so each matters
+        from transformers import GraniteConfig
+
+        kw = dict(dict(embedding_multiplier=3.0, attention_multiplier=0.2, residual_multiplier=0.5,
+                       logits_scaling=4.0), **kw)
+        cfg = GraniteConfig(**kw)
     else:
         raise ValueError(arch)
     return cfg

@@ -1,5 +1,6 @@
-"""The Llama family: Llama 2/3/3.1, Mistral, SmolLM (LlamaForCausalLM), Qwen2 (qkv bias) and
-Qwen3 (per-head q/k RMSNorm).  One flat batch of N tokens from many requests goes through:
+"""The Llama family: Llama 2/3/3.1, Mistral, SmolLM (LlamaForCausalLM), Qwen2 (qkv bias), Qwen3
+(per-head q/k RMSNorm), SmolLM3 (layers without rope: `no_rope_layers`) and Granite (embedding, attention
+and residual multipliers, logits scaling).  One flat batch of N tokens from many requests goes through:
 
     x [N x d] = embed(input_ids)
     per layer:  h = RMSNorm(x); qkv = h W_qkv [N x (H + 2 H_kv) D]; q, k = rope(q, k, positions)
@@ -63,6 +64,8 @@ class LlamaAttention(nn.Module):
         eps = config.rms_norm_eps
         self.q_norm = RMSNorm(self.head_dim, eps) if qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, eps) if qk_norm else None
+        no_rope = getattr(config, "no_rope_layers", None)  # SmolLM3: 1 = this layer ropes, 0 = it does not
+        self.use_rope = bool(no_rope[layer_idx]) if no_rope is not None else True
 
     def kv_cache_spec(self) -> kv_spec.KVCacheSpec:
         """K and V of this rank's KV heads (the backend's [2, blocks, block_size, H_kv, D] layout)."""
@@ -79,7 +82,8 @@ class LlamaAttention(nn.Module):
         v = v.view(n, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = self.rotary(positions, q, k, cos_sin)
+        if self.use_rope:
+            q, k = self.rotary(positions, q, k, cos_sin)
         self.backend.write_kv(k, v, kv_cache, meta.slot_mapping)
         o = self.backend.forward(q, kv_cache, meta, self.scale).reshape(n, self.q_size)  # [N, H D]
         return self.o_proj(o if keep is None else o[keep])
@@ -116,6 +120,7 @@ class LlamaDecoderLayer(nn.Module):
         self.mlp = make_mlp(config, layer_idx)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.residual_multiplier = 1.0  # Granite: each block's output scaled before it joins the residual
 
     def forward(self, positions, x, residual: Optional[torch.Tensor], kv_cache, meta, cos_sin=None,
                 keep: Optional[torch.Tensor] = None):
@@ -128,8 +133,11 @@ class LlamaDecoderLayer(nn.Module):
         h = self.self_attn(positions, h, kv_cache, meta, cos_sin, keep)
         if keep is not None:
             residual = residual[keep]
+        if self.residual_multiplier != 1.0:
+            h = h * self.residual_multiplier
         h, residual = self.post_attention_layernorm(h, residual)
-        return self.mlp(h), residual
+        h = self.mlp(h)
+        return (h * self.residual_multiplier if self.residual_multiplier != 1.0 else h), residual
 
 
 class LlamaModel(nn.Module):
@@ -148,6 +156,7 @@ class LlamaModel(nn.Module):
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps) if self.is_last_stage else pipeline.MissingLayer()
         self.cpu_stack = None  # llama_cpu_stack.CpuLayerStack where it applies (set after loading, CPU)
+        self.embedding_multiplier = 1.0  # Granite: the embeddings scaled
 
     def _last_layer_quantized(self) -> list:
         """The quantized weights (GGUF or FP8 blocks) of the stage's last layer (the rows it keeps run its
@@ -170,6 +179,8 @@ class LlamaModel(nn.Module):
         the first stage); a stage other than the last returns its (hidden, residual)."""
         if self.is_first_stage:
             x, residual = self.embed_tokens(input_ids), None
+            if self.embedding_multiplier != 1.0:
+                x = x * self.embedding_multiplier
         else:
             x, residual = intermediate
         keep = output_rows if self.is_last_stage else None
@@ -257,8 +268,11 @@ class LlamaForCausalLM(nn.Module):
             return inner.is_last_stage
         return True
 
+    logits_divisor = 1.0  # Granite's logits_scaling (positive: greedy tokens are the unscaled logits' argmax)
+
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head.compute_logits(hidden)
+        logits = self.lm_head.compute_logits(hidden)
+        return logits / self.logits_divisor if self.logits_divisor != 1.0 else logits
 
     def greedy_tokens(self, hidden: torch.Tensor, rows: list[int]) -> Optional[torch.Tensor]:
         """compute_logits(hidden[rows]).argmax(-1) where the LM head can skip the full logits, else None."""
@@ -349,3 +363,32 @@ class Qwen3ForCausalLM(LlamaForCausalLM):
 
 class MistralForCausalLM(LlamaForCausalLM):
     pass
+
+
+class SmolLM3ForCausalLM(LlamaForCausalLM):
+    """SmolLM3: Llama with every `no_rope_layer_interval`-th layer attending without rope (no_rope_layers)."""
+
+    def __init__(self, config, backend: AttentionBackend):
+        if any(t != "full_attention" for t in (getattr(config, "layer_types", None) or [])):
+            raise ValueError(f"layer_types {sorted(set(config.layer_types))}: sliding-window layers are not "
+                             "supported yet (use_sliding_window)")
+        no_rope = getattr(config, "no_rope_layers", None)
+        if no_rope is not None and len(no_rope) != config.num_hidden_layers:
+            raise ValueError(f"no_rope_layers has {len(no_rope)} entries for {config.num_hidden_layers} layers")
+        super().__init__(config, backend)
+
+
+class GraniteForCausalLM(LlamaForCausalLM):
+    """IBM Granite (3.x): Llama with embedding_multiplier, attention_multiplier (the softmax scale),
+    residual_multiplier (each block's output before the residual add) and logits_scaling (logits divided)."""
+
+    def __init__(self, config, backend: AttentionBackend):
+        super().__init__(config, backend)
+        scaling = float(getattr(config, "logits_scaling", 1.0))
+        if scaling <= 0:
+            raise ValueError(f"logits_scaling must be positive, got {scaling}")
+        self.logits_divisor = scaling
+        self.model.embedding_multiplier = float(getattr(config, "embedding_multiplier", 1.0))
+        for layer in self.model.stage_layers:
+            layer.residual_multiplier = float(getattr(config, "residual_multiplier", 1.0))
+            layer.self_attn.scale = float(getattr(config, "attention_multiplier", layer.self_attn.scale))

@@ -131,8 +131,14 @@ class CpuLayerStack:
         specs = model.kv_cache_specs()
         if any(spec.kind != "attention" for spec in specs) or len(set(specs)) != 1:
             return "layers do not all cache K/V of one shape"
+        if getattr(inner, "embedding_multiplier", 1.0) != 1.0 or getattr(model, "logits_divisor", 1.0) != 1.0:
+            return "embedding or logits multipliers (Granite)"
         for i, layer in enumerate(layers):
             a, m = layer.self_attn, layer.mlp
+            if not getattr(a, "use_rope", True):
+                return f"layer {i} attends without rope (SmolLM3's no_rope_layers)"
+            if getattr(layer, "residual_multiplier", 1.0) != 1.0:
+                return f"layer {i}: a residual multiplier (Granite)"
             if not hasattr(m, "gate_up_proj"):
                 return f"layer {i}: the feed-forward block is not a dense MLP (mixture of experts)"
             if not isinstance(a.backend, CpuAttentionBackend):
