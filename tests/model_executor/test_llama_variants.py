@@ -1,6 +1,7 @@
 """Llama-family variants against HF transformers on tiny random checkpoints written by `save_pretrained`:
-SmolLM3 (every 4th layer attends without rope: no_rope_layers) and Granite (embedding, attention and residual
-multipliers, logits scaling).  Greedy tokens identical in fp32 on the CPU under the default engine (prefix
+SmolLM3 (every 4th layer attends without rope: no_rope_layers), Granite (embedding, attention and residual
+multipliers, logits scaling) and OLMo 2 (post-norms, q/k norms over the whole projection: one all-reduce of
+their sums of squares under tensor parallelism).  Greedy tokens identical in fp32 on the CPU under the default engine (prefix
 hits), a 16-token budget, a pool small enough to preempt and tp=2; logprobs close (Granite's logits are
 scaled); every block back in the pool.  The fp32 layer stack steps aside for both (it runs plain Llama)."""
 
@@ -15,7 +16,7 @@ from tests.model_executor.test_deepseek import VARIANTS
 from tests.reference.hf_models import build_tiny_model, hf_greedy, hf_logprobs
 
 GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
-ARCHS = ["smollm3", "granite"]
+ARCHS = ["smollm3", "granite", "olmo2"]
 
 
 @pytest.fixture(scope="module")

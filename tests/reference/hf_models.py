@@ -50,6 +50,11 @@ def tiny_config(arch: str, **overrides):
         kw = dict(dict(embedding_multiplier=3.0, attention_multiplier=0.2, residual_multiplier=0.5,
                        logits_scaling=4.0), **kw)
         cfg = GraniteConfig(**kw)
+    elif arch == "olmo2":
+        from transformers import Olmo2Config
+
+        kw = dict(dict(pad_token_id=None, bos_token_id=None, eos_token_id=2), **kw)  # the defaults exceed the vocabulary
+        cfg = Olmo2Config(**kw)
     else:
         raise ValueError(arch)
     return cfg

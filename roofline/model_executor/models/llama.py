@@ -142,15 +142,17 @@ class LlamaDecoderLayer(nn.Module):
 
 class LlamaModel(nn.Module):
     def __init__(self, config, backend: AttentionBackend, qk_norm: bool, qkv_bias: bool, o_bias: bool,
-                 make_mlp: Callable[[object, int], nn.Module]):
-        """make_mlp(config, layer_idx): each layer's feed-forward block."""
+                 make_mlp: Callable[[object, int], nn.Module], layer_cls=None):
+        """make_mlp(config, layer_idx): each layer's feed-forward block; layer_cls: the decoder layer
+        (LlamaDecoderLayer unless a family brings its own, called with the same arguments)."""
+        layer_cls = layer_cls or LlamaDecoderLayer
         super().__init__()
         self.start_layer, self.end_layer = pipeline.stage_layers(config.num_hidden_layers)
         self.is_first_stage, self.is_last_stage = pipeline.is_first_stage(), pipeline.is_last_stage()
         self.embed_tokens = (VocabParallelEmbedding(config.vocab_size, config.hidden_size) if self.is_first_stage
                              else pipeline.MissingLayer())
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(config, i, backend, qk_norm, qkv_bias, o_bias, make_mlp)
+            layer_cls(config, i, backend, qk_norm, qkv_bias, o_bias, make_mlp)
             if self.start_layer <= i < self.end_layer else pipeline.MissingLayer()
             for i in range(config.num_hidden_layers)
         )
@@ -212,6 +214,7 @@ def _dense(tensor) -> torch.Tensor:
 
 class LlamaForCausalLM(nn.Module):
     keeps_quantized_weights = True  # load_weights takes gguf_quant.QuantizedTensor (linear layers keep blocks)
+    decoder_layer_cls = None  # LlamaDecoderLayer (OLMo 2 brings its own post-norm layer)
     qk_norm = False
     qkv_bias_default = False
     o_bias_follows_qkv = True  # Llama/Qwen3: o_proj has a bias iff attention_bias; Qwen2: never
@@ -231,7 +234,7 @@ class LlamaForCausalLM(nn.Module):
         qkv_bias = self.qkv_bias(config)
         o_bias = qkv_bias and self.o_bias_follows_qkv
         self.attention_backend = backend
-        self.model = LlamaModel(config, backend, self.qk_norm, qkv_bias, o_bias, self.make_mlp)
+        self.model = LlamaModel(config, backend, self.qk_norm, qkv_bias, o_bias, self.make_mlp, self.decoder_layer_cls)
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
         inner = self.model
         self.lm_head = (ParallelLMHead(config.vocab_size, config.hidden_size) if inner.is_last_stage

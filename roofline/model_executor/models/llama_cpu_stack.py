@@ -135,6 +135,8 @@ class CpuLayerStack:
             return "embedding or logits multipliers (Granite)"
         for i, layer in enumerate(layers):
             a, m = layer.self_attn, layer.mlp
+            if not hasattr(layer, "input_layernorm") or getattr(a, "full_qk_norm", False):
+                return f"layer {i} is not a pre-norm Llama layer (OLMo 2's post-norms and whole-projection q/k norms)"
             if not getattr(a, "use_rope", True):
                 return f"layer {i} attends without rope (SmolLM3's no_rope_layers)"
             if getattr(layer, "residual_multiplier", 1.0) != 1.0:

@@ -16,6 +16,7 @@ from roofline.model_executor.models.llama import (
     SmolLM3ForCausalLM,
 )
 from roofline.model_executor.models.mixtral import MixtralForCausalLM
+from roofline.model_executor.models.olmo2 import Olmo2ForCausalLM
 from roofline.model_executor.models.qwen_moe import Qwen2MoeForCausalLM, Qwen3MoeForCausalLM
 
 MODEL_REGISTRY = {
@@ -28,6 +29,7 @@ MODEL_REGISTRY = {
     "Qwen3ForCausalLM": Qwen3ForCausalLM,
     "SmolLM3ForCausalLM": SmolLM3ForCausalLM,
     "GraniteForCausalLM": GraniteForCausalLM,
+    "Olmo2ForCausalLM": Olmo2ForCausalLM,
     "MixtralForCausalLM": MixtralForCausalLM,
     "Qwen2MoeForCausalLM": Qwen2MoeForCausalLM,
     "Qwen3MoeForCausalLM": Qwen3MoeForCausalLM,
