@@ -43,31 +43,34 @@ def move_experts(layer: FusedMoE, new: Placement, group: GroupCoordinator) -> in
                 out.append((old.replicas(e)[0] // per_rank, e))
         return out
 
-    w13, w2 = layer.w13_weight.data, layer.w2_weight.data
-    a, b = w13[0].numel(), w2[0].numel()
+    stacks = layer.expert_stacks()  # dense stacks, or FP8 bytes and scales: each slot-major
+    by_dtype: dict[torch.dtype, list[int]] = {}
+    for i, t in enumerate(stacks):
+        by_dtype.setdefault(t.dtype, []).append(i)
     plans = [incoming(r) for r in range(group.world_size)]
     send = [e for r in range(group.world_size) for src, e in plans[r] if src == me]
     in_splits = [sum(1 for src, _ in plans[r] if src == me) for r in range(group.world_size)]
     out_splits = [sum(1 for src, _ in plans[me] if src == r) for r in range(group.world_size)]
-    rows = (torch.stack([torch.cat([w13[old_local[e]].reshape(-1), w2[old_local[e]].reshape(-1)]) for e in send])
-            if send else w13.new_empty(0, a + b))
-    received = group.all_to_all_single(rows, in_splits, out_splits)
     # what arrives is grouped by source rank, each source's experts in this rank's slot order
     order = sorted(range(len(plans[me])), key=lambda i: plans[me][i][0])
-    got = {plans[me][i][1]: received[j] for j, i in enumerate(order)}
-    new_w13, new_w2 = torch.empty(w13.shape, dtype=w13.dtype, device=w13.device), torch.empty(
-        w2.shape, dtype=w2.dtype, device=w2.device)
+    got: dict[int, dict[int, torch.Tensor]] = {plans[me][i][1]: {} for i in order}
+    for idxs in by_dtype.values():  # one exchange per dtype: each expert's tensors of it in one row
+        sizes = [stacks[i][0].numel() for i in idxs]
+        rows = (torch.stack([torch.cat([stacks[i][old_local[e]].reshape(-1) for i in idxs]) for e in send])
+                if send else stacks[idxs[0]].new_empty(0, sum(sizes)))
+        received = group.all_to_all_single(rows, in_splits, out_splits)
+        for j, i in enumerate(order):
+            for i_stack, part in zip(idxs, received[j].split(sizes)):
+                got[plans[me][i][1]][i_stack] = part
+    new_stacks = [torch.empty(t.shape, dtype=t.dtype, device=t.device) for t in stacks]
     for slot, e in enumerate(new.rank_slots(me)):
-        if e in old_local:
-            new_w13[slot].copy_(w13[old_local[e]])
-            new_w2[slot].copy_(w2[old_local[e]])
-        else:
-            new_w13[slot].copy_(got[e][:a].view(w13[0].shape))
-            new_w2[slot].copy_(got[e][a:].view(w2[0].shape))
-    layer.w13_weight.data, layer.w2_weight.data = new_w13, new_w2
+        for i, t in enumerate(stacks):
+            if e in old_local:
+                new_stacks[i][slot].copy_(t[old_local[e]])
+            else:
+                new_stacks[i][slot].copy_(got[e][i].view(t[0].shape))
+    layer.set_expert_stacks(new_stacks)
     layer.expert_map.set(new)
-    if layer.cpu_experts is not None:
-        layer.prepare_cpu()  # the native kernels' packed copies follow the new weights
     return len(got)
 
 
@@ -80,7 +83,7 @@ class EplbState:
         self.cfg, self.group, self.num_nodes = cfg, group, num_nodes
         num_experts = self.layers[0].num_experts
         for m in self.layers:
-            m.expert_load = torch.zeros(num_experts, dtype=torch.int64, device=m.w13_weight.device)
+            m.expert_load = torch.zeros(num_experts, dtype=torch.int64, device=m.device)
         self.window = torch.zeros(cfg.window_size, len(self.layers), num_experts, dtype=torch.int64)
         self.steps = 0
         self.rebalances = 0

@@ -220,3 +220,14 @@ def test_cuda_layers_run_their_fp8_blocks_through_triton(fp8_models, gemm):
         assert tokens == reference
     else:
         assert [t[0] for t in tokens] == [r[0] for r in reference] and all(len(t) == len(r) for t, r in zip(tokens, reference))
+
+
+def test_eplb_moves_fp8_experts_between_ranks(fp8_models):
+    """EPLB with the experts in FP8 blocks: a rebalance moves their bytes and scales (one exchange per dtype)
+    mid-generation, and greedy tokens stay HF's."""
+    path, prompts, reference = fp8_models("deepseek_v3", "128x128")
+    tokens, stats, _ = generate(path, prompts, num_kv_blocks=64, data_parallel_size=2, enable_expert_parallel=True,
+                                enable_eplb=True,
+                                eplb_config='{"window_size": 4, "step_interval": 3, "num_redundant_experts": 2}')
+    assert tokens == reference
+    assert stats.eplb_rebalances == stats.parallel_steps // 3 >= 2

@@ -168,6 +168,31 @@ class FusedMoE(nn.Module):
                 self.w13_quant.data[slot].narrow(0, offset, n).copy_(loaded.data.narrow(0, start, n))
                 self.w13_quant.scale[slot].narrow(0, offset, n).copy_(scales.narrow(0, start, n))
 
+    @property
+    def device(self) -> torch.device:
+        """Where the experts compute (their FP8 stacks', or the dense stacks' device)."""
+        return self.w2_quant.device if self.w2_quant is not None else self.w2_weight.device
+
+    def expert_stacks(self) -> list[torch.Tensor]:
+        """This rank's expert tensors, slot-major (dim 0 = local slot): the dense stacks, or an FP8 stack's
+        bytes and scales -- what EPLB moves between ranks (set_expert_stacks puts them back)."""
+        out = []
+        for stack in ("w13", "w2"):
+            kept = getattr(self, f"{stack}_quant")
+            out += [kept.data, kept.scale] if kept is not None else [getattr(self, f"{stack}_weight").data]
+        return out
+
+    def set_expert_stacks(self, tensors: list[torch.Tensor]) -> None:
+        it = iter(tensors)
+        for stack in ("w13", "w2"):
+            kept = getattr(self, f"{stack}_quant")
+            if kept is not None:
+                kept.data, kept.scale = next(it), next(it)
+            else:
+                getattr(self, f"{stack}_weight").data = next(it)
+        if self.cpu_experts is not None:
+            self.prepare_cpu()  # the native kernels' packed copies follow the new weights
+
     def local_slots(self, expert_id: int) -> list[int]:
         """The slots of this rank's w13/w2 stacks that hold logical expert `expert_id` (none: another rank's)."""
         if self.expert_map is None:
