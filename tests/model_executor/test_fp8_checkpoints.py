@@ -145,6 +145,15 @@ def test_llama_on_fp8_blocks_matches_hf(fp8_models, blocks):
     assert inner.cpu_stack is None
 
 
+def test_qwen3_moe_on_fp8_blocks_matches_hf(fp8_models):
+    """Qwen3-MoE-FP8-style checkpoints: the experts (loaded through moe/checkpoint.py) in blocks too."""
+    path, prompts, reference = fp8_models("qwen3_moe", "16x32")
+    tokens, _, llm = generate(path, prompts, num_kv_blocks=64)
+    assert tokens == reference
+    moe = llm.llm_engine.executor.worker.model.model.layers[0].mlp.experts
+    assert isinstance(moe.w13_quant, Fp8BlockTensor) and isinstance(moe.w2_quant, Fp8BlockTensor)
+
+
 def test_tensor_parallel_2_slices_blocks_with_their_scales(fp8_models):
     """tp=2 with 8-row x 16-column blocks: column-parallel shards take their rows' scales, row-parallel shards
     (o_proj, down projections, the experts' down columns) whole column blocks."""
