@@ -175,3 +175,28 @@ def test_bad_checkpoint_tensors_are_named(tensors, match):
     q, s = quantize_blocks(torch.randn(200, 576), (128, 128))
     with pytest.raises(ValueError, match=match):
         list(fp8_checkpoint_weights(tensors(q, s), cfg, keep=True))
+
+
+def test_expert_stacks_stay_in_blocks_together_or_not_at_all():
+    """FusedMoE keeps both expert stacks in FP8 blocks, or neither: a dense expert tensor after FP8 ones turns
+    the layer dense (the blocks loaded so far dequantized), and either way it computes the reference."""
+    from roofline.model_executor.layers.moe import FusedMoE, RoutingConfig, select_experts
+    from roofline.model_executor.layers.moe.torch_experts import torch_experts
+
+    e, h, inter = 4, 64, 32
+    routing = RoutingConfig(top_k=2, renormalize=True)
+    g = torch.Generator().manual_seed(0)
+    tensors = {(x, s): random_fp8(*((h, inter) if s == "w2" else (inter, h)), (16, 16), seed=7 * x + len(s))
+               for x in range(e) for s in ("w1", "w3", "w2")}
+    x, logits = torch.randn(5, h, generator=g), torch.randn(5, e, generator=g)
+    w, ids = select_experts(logits, routing)
+    ref_w13 = torch.stack([torch.cat([tensors[x, "w1"].dequantize(), tensors[x, "w3"].dequantize()]) for x in range(e)])
+    ref_w2 = torch.stack([tensors[x, "w2"].dequantize() for x in range(e)])
+    want = torch_experts(x, ref_w13, ref_w2, w, ids)
+    for dense_down in (False, True):
+        layer = FusedMoE(e, h, inter, routing)
+        for (x_id, s), t in tensors.items():
+            layer.weight_loader(layer.w2_weight if s == "w2" else layer.w13_weight,
+                                t.dequantize() if dense_down and s == "w2" else t, s, x_id)
+        assert (layer.w13_quant is None) == dense_down and (layer.w2_quant is None) == dense_down
+        torch.testing.assert_close(layer.experts(x, w, ids), want, atol=1e-5, rtol=1e-5)

@@ -14,11 +14,11 @@ share of its tokens, so the layer's output is again a partial sum over the TP gr
 other TP ranks' shares are zero) and the same one all-reduce completes it.  `expert_load` counts the
 tokens routed to each logical expert (from this rank's share) for EPLB (eplb/state.py).
 
-FP8 block checkpoints (quantization/fp8.py): on the CPU in fp32 with the native kernels the stacks stay in
-their blocks (`w13_quant` [E, 2I, H] and `w2_quant` [E, H, I], the dense parameters then meta tensors),
-sliced under tensor parallelism like the dense ones (the down projection's share of I must hold whole
-128-column blocks); elsewhere (CUDA: the grouped Triton kernel has no FP8 variant yet) they are dequantized
-at load.
+FP8 block checkpoints (quantization/fp8.py): on the CPU in fp32 with the native kernels both stacks stay in
+their blocks (`w13_quant` [E, 2I, H] and `w2_quant` [E, H, I], the dense parameters then meta tensors), or
+neither (a dense expert tensor turns the layer dense), sliced under tensor parallelism like the dense ones
+(the down projection's share of I must hold whole 128-column blocks); elsewhere (CUDA: the grouped Triton
+kernel has no FP8 variant yet) they are dequantized at load.
 
 Expert compute by where the tensors live:
     FP8 blocks kept                   quantized_experts.quantized_experts (each active expert's native linears)
@@ -84,7 +84,7 @@ class FusedMoE(nn.Module):
         self.cpu_experts: Optional[CpuExperts] = None  # set by prepare_cpu after loading
         self.w13_quant: Optional[Fp8BlockTensor] = None  # the stacks kept in FP8 blocks (see the module doc)
         self.w2_quant: Optional[Fp8BlockTensor] = None
-        self._dense_loaded: set[str] = set()  # stacks ("w13", "w2") that took a dense tensor: no blocks kept
+        self._dense_loaded = False  # a dense expert tensor arrived: both stacks are dense (no blocks kept)
         self._loaded: set[tuple[int, str]] = set()
 
     # ---- loading ---------------------------------------------------------------------------------
@@ -101,16 +101,13 @@ class FusedMoE(nn.Module):
         if tuple(loaded.shape) != want:
             raise ValueError(f"expert {expert_id} {shard_id}: checkpoint shape {tuple(loaded.shape)}, expected {want}")
         if isinstance(loaded, Fp8BlockTensor):
-            if self._keep_fp8(loaded, shard_id):
+            if self._keep_fp8(loaded):
                 self._load_fp8(loaded, shard_id, expert_id)
                 self._loaded.add((expert_id, shard_id))
                 return
             loaded = loaded.dequantize()
-        stack = "w2" if shard_id == "w2" else "w13"
-        if getattr(self, f"{stack}_quant") is not None:  # a dense tensor after blocks: the whole stack goes dense
-            self._stack_to_dense(stack)
-        self._dense_loaded.add(stack)
-        param = getattr(self, f"{stack}_weight")
+        self._to_dense()  # a dense tensor after blocks: both stacks go dense
+        param = self.w2_weight if shard_id == "w2" else self.w13_weight
         loaded = loaded.to(param.dtype)
         for slot in self.local_slots(expert_id):
             if shard_id == "w2":
@@ -126,28 +123,31 @@ class FusedMoE(nn.Module):
         w = self.w13_weight
         return w.device.type in ("cpu", "meta") and w.dtype == torch.float32 and cpu_ops.available()
 
-    def _keep_fp8(self, loaded: Fp8BlockTensor, shard_id: str) -> bool:
-        stack = "w2" if shard_id == "w2" else "w13"
-        kept = getattr(self, f"{stack}_quant")
-        if kept is None:
-            if stack in self._dense_loaded or not self.takes_fp8():
-                return False
-            dense = getattr(self, f"{stack}_weight")
-            kept = Fp8BlockTensor.empty(tuple(dense.shape), loaded.block_k, loaded.block_n)
-            setattr(self, f"{stack}_quant", kept)
-            setattr(self, f"{stack}_weight", nn.Parameter(torch.empty(dense.shape, dtype=dense.dtype, device="meta"),
-                                                          requires_grad=False))
-        if kept.block_k != loaded.block_k:
-            self._stack_to_dense(stack)
+    def _keep_fp8(self, loaded: Fp8BlockTensor) -> bool:
+        """Whether this FP8 tensor joins blocks kept here.  Both stacks are kept in blocks or neither: the
+        first FP8 tensor allocates both (their dense parameters become meta tensors)."""
+        if self._dense_loaded or not self.takes_fp8():
+            return False
+        if self.w13_quant is None:
+            for stack in ("w13", "w2"):
+                dense = getattr(self, f"{stack}_weight")
+                setattr(self, f"{stack}_quant", Fp8BlockTensor.empty(tuple(dense.shape), loaded.block_k, loaded.block_n))
+                setattr(self, f"{stack}_weight", nn.Parameter(torch.empty(dense.shape, dtype=dense.dtype, device="meta"),
+                                                              requires_grad=False))
+        if self.w13_quant.block_k != loaded.block_k:
+            self._to_dense()
             return False
         return True
 
-    def _stack_to_dense(self, stack: str) -> None:
-        kept = getattr(self, f"{stack}_quant")
-        dense = getattr(self, f"{stack}_weight")
-        setattr(self, f"{stack}_weight", nn.Parameter(kept.dequantize().to(dense.dtype), requires_grad=False))
-        setattr(self, f"{stack}_quant", None)
-        self._dense_loaded.add(stack)
+    def _to_dense(self) -> None:
+        """Both stacks dense from now on (blocks kept so far dequantized; rows not loaded yet are 0)."""
+        for stack in ("w13", "w2"):
+            kept = getattr(self, f"{stack}_quant")
+            if kept is not None:
+                dense = getattr(self, f"{stack}_weight")
+                setattr(self, f"{stack}_weight", nn.Parameter(kept.dequantize().to(dense.dtype), requires_grad=False))
+                setattr(self, f"{stack}_quant", None)
+        self._dense_loaded = True
 
     def _load_fp8(self, loaded: Fp8BlockTensor, shard_id: str, expert_id: int) -> None:
         """One expert's FP8 tensor into this rank's slots: bytes and per-row scales, sliced like the dense rows;
@@ -174,24 +174,19 @@ class FusedMoE(nn.Module):
         return self.w2_quant.device if self.w2_quant is not None else self.w2_weight.device
 
     def expert_stacks(self) -> list[torch.Tensor]:
-        """This rank's expert tensors, slot-major (dim 0 = local slot): the dense stacks, or an FP8 stack's
+        """This rank's expert tensors, slot-major (dim 0 = local slot): the dense stacks, or the FP8 stacks'
         bytes and scales -- what EPLB moves between ranks (set_expert_stacks puts them back)."""
-        out = []
-        for stack in ("w13", "w2"):
-            kept = getattr(self, f"{stack}_quant")
-            out += [kept.data, kept.scale] if kept is not None else [getattr(self, f"{stack}_weight").data]
-        return out
+        if self.w13_quant is not None:
+            return [self.w13_quant.data, self.w13_quant.scale, self.w2_quant.data, self.w2_quant.scale]
+        return [self.w13_weight.data, self.w2_weight.data]
 
     def set_expert_stacks(self, tensors: list[torch.Tensor]) -> None:
-        it = iter(tensors)
-        for stack in ("w13", "w2"):
-            kept = getattr(self, f"{stack}_quant")
-            if kept is not None:
-                kept.data, kept.scale = next(it), next(it)
-            else:
-                getattr(self, f"{stack}_weight").data = next(it)
-        if self.cpu_experts is not None:
-            self.prepare_cpu()  # the native kernels' packed copies follow the new weights
+        if self.w13_quant is not None:
+            self.w13_quant.data, self.w13_quant.scale, self.w2_quant.data, self.w2_quant.scale = tensors
+        else:
+            self.w13_weight.data, self.w2_weight.data = tensors
+            if self.cpu_experts is not None:
+                self.prepare_cpu()  # the native kernels' packed copies follow the new weights
 
     def local_slots(self, expert_id: int) -> list[int]:
         """The slots of this rank's w13/w2 stacks that hold logical expert `expert_id` (none: another rank's)."""
@@ -223,14 +218,14 @@ class FusedMoE(nn.Module):
 
     def prepare_cpu(self) -> None:
         """After loading on the CPU: per-expert packed copies for the native kernels (cpu_prepare.prepare_model)."""
-        if self.w13_quant is None and self.w2_quant is None:
+        if self.w13_quant is None:
             self.cpu_experts = CpuExperts.build(self.w13_weight, self.w2_weight)
 
     # ---- compute ---------------------------------------------------------------------------------
     def experts(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """The chosen experts' weighted sum per token, un-reduced across tensor-parallel ranks."""
-        if self.w13_quant is not None or self.w2_quant is not None:
-            return quantized_experts(x, self._stack("w13"), self._stack("w2"), weights, ids)
+        if self.w13_quant is not None:
+            return quantized_experts(x, self.w13_quant, self.w2_quant, weights, ids)
         if self.cpu_experts is not None and self.cpu_experts.takes(x):
             return self.cpu_experts(x, self.w13_weight, self.w2_weight, weights, ids)
         if x.is_cuda:
@@ -238,11 +233,6 @@ class FusedMoE(nn.Module):
 
             return triton_experts(x, self.w13_weight, self.w2_weight, weights, ids)
         return torch_experts(x, self.w13_weight, self.w2_weight, weights, ids)
-
-    def _stack(self, stack: str):
-        """The FP8 stack, or (the other stack kept in blocks) the dense one seen through the same calls."""
-        kept = getattr(self, f"{stack}_quant")
-        return kept if kept is not None else _DenseStack(getattr(self, f"{stack}_weight"))
 
     def _local_experts(self, rows: torch.Tensor, slots: torch.Tensor, weights: Optional[torch.Tensor]) -> torch.Tensor:
         """rows [M, H] through this rank's expert slots [M], scaled by weights [M] (None: 1) -> [M, H]."""
@@ -266,8 +256,7 @@ class FusedMoE(nn.Module):
 
     def join_exchange(self) -> None:
         """This rank's part of the layer's token exchange with no tokens (join_expert_exchanges)."""
-        device = self.w2_quant.device if self.w2_quant is not None else self.w2_weight.device
-        k, x = self.routing.top_k, torch.zeros(0, self.hidden_size, dtype=self.w2_weight.dtype, device=device)
+        k, x = self.routing.top_k, torch.zeros(0, self.hidden_size, dtype=self.w2_weight.dtype, device=self.device)
         self._expert_parallel(x, torch.zeros(0, k, dtype=torch.float32, device=x.device),
                               torch.zeros(0, k, dtype=torch.int64, device=x.device))
 
@@ -291,28 +280,6 @@ class FusedMoE(nn.Module):
         y = torch.zeros_like(x)
         y[start:start + n] = y_mine
         return y
-
-
-class _DenseStack:
-    """A dense expert stack [E, out, in] answering quantized_experts' calls (when only the other stack is FP8)."""
-
-    def __init__(self, w: torch.Tensor):
-        self.w = w
-        self.shape = tuple(w.shape)
-
-    def __getitem__(self, e: int) -> "_DenseMatrix":
-        return _DenseMatrix(self.w[e])
-
-
-class _DenseMatrix:
-    def __init__(self, w: torch.Tensor):
-        self.w = w
-
-    def linear(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.nn.functional.linear(x, self.w)
-
-    def linear_silu_mul(self, x: torch.Tensor):
-        return None
 
 
 def join_expert_exchanges(model: nn.Module) -> None:

@@ -19,7 +19,7 @@ _silu_and_mul = SiluAndMul()
 
 
 def quantized_experts(x: torch.Tensor, w13, w2, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-    """x [N, H], w13 [E, 2I, H] and w2 [E, H, I] FP8 block stacks, weights/ids [N, k] -> [N, H]."""
+    """x [N, H], w13 [E, 2I, H] and w2 [E, H, I] FP8 block stacks (quantization/fp8.py), weights/ids [N, k] -> [N, H]."""
     n, k = ids.shape
     order, counts = grouped_by_expert(ids, w13.shape[0])
     x_sorted = x.index_select(0, order // k)  # [N*k, H], rows of one expert together
