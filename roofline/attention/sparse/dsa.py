@@ -107,13 +107,11 @@ def decode_positions(selection: TopkSelection, seq_lens: list[int]) -> torch.Ten
     """[nd, K] positions each decode row attends to: its kept positions, or (a context no longer than topk)
     all of them."""
     nd = len(seq_lens)
-    pos = selection.positions[:nd].clone()
-    k = pos.shape[1]
-    for i, s in enumerate(seq_lens):
-        if not bool(selection.sparse[i]):
-            row = torch.arange(k, device=pos.device)
-            pos[i] = torch.where(row < s, row, torch.full_like(row, -1))
-    return pos
+    pos = selection.positions[:nd]
+    every = torch.arange(pos.shape[1], device=pos.device)[None, :]
+    lens = torch.tensor(seq_lens, device=pos.device)[:, None]
+    dense = torch.where(every < lens, every, -1)  # 0 .. s-1, then -1
+    return torch.where(selection.sparse[:nd, None], pos, dense)
 
 
 def sparse_latent_attention(q_abs: torch.Tensor, cache: torch.Tensor, block_tables: torch.Tensor,
