@@ -116,7 +116,7 @@ def _per_expert(state: dict) -> dict:
 
 def decode_tokens_per_s(path: str, mode: str, new_tokens: int, repeats: int) -> dict:
     from roofline import LLM, SamplingParams
-    from roofline.model_executor.layers.quantization.fp8 import quantized_tensors
+    from roofline.model_executor.layers.quantization import quantized_tensors
     from roofline.model_executor.layers.moe import FusedMoE
 
     llm = LLM(path, dtype="float32", device="cpu", show_progress=False, num_kv_blocks=64,

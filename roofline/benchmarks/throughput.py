@@ -332,7 +332,7 @@ def w4(args) -> dict:
 # ---- W5 ---------------------------------------------------------------------------------------
 def weight_bytes(model) -> int:
     """The model's weight bytes as its layers compute on them (GGUF blocks where kept; tied ones once)."""
-    from roofline.cpu.gguf_quant import weight_bytes_by_format
+    from roofline.model_executor.layers.quantization import weight_bytes_by_format
 
     return sum(weight_bytes_by_format(model).values())
 

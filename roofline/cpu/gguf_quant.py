@@ -260,23 +260,3 @@ def rows_route(kernel_type: int, rows: int) -> bool:
     """Whether `rows` rows of a weight of this kernel type take the GEMV routes, each row the one-row
     GEMV's values (quant_kernels.c's quant_rows_route), rather than the packed GEMM."""
     return bool(cpu_ops.library().quant_rows_route(kernel_type, rows))
-
-
-def weight_bytes_by_format(model: torch.nn.Module) -> dict[str, int]:
-    """The bytes a model's weights occupy as its layers compute on them, by format ("Q4_1", "fp8_e4m3",
-    "float32", ...): blocks where a layer keeps them (a module's `quant`, a MoE layer's FP8 expert stacks;
-    scales included), every other parameter once (tied ones
-    once); packed copies and caches not counted."""
-    out: dict[str, int] = {}
-    seen: set[int] = set()
-    for module in model.modules():
-        for attr in ("quant", "w13_quant", "w2_quant"):  # linear layers' blocks, expert stacks (FP8)
-            q = getattr(module, attr, None)
-            if q is not None and hasattr(q, "nbytes") and hasattr(q, "format"):
-                out[q.format] = out.get(q.format, 0) + q.nbytes
-    for p in model.parameters():  # unique parameters (tied ones once); meta ones hold nothing
-        if p.device.type != "meta" and id(p) not in seen:
-            seen.add(id(p))
-            name = str(p.dtype).replace("torch.", "")
-            out[name] = out.get(name, 0) + p.numel() * p.element_size()
-    return out

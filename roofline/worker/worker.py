@@ -22,7 +22,7 @@ from roofline.cpu import ops as cpu_ops, gguf_quant
 from roofline.model_executor.layers import cpu_prepare
 from roofline.model_executor.loader.source import ModelSource
 from roofline.model_executor.layers.moe.expert_parallel import dual_batch_step
-from roofline.model_executor.layers.quantization import checkpoint_quantization
+from roofline.model_executor.layers.quantization import checkpoint_quantization, weight_bytes_by_format
 from roofline.model_executor.layers.quantization import fp8 as fp8_blocks
 from roofline.model_executor.loader.weights import gguf_weights, init_dummy_weights, safetensors_weights
 from roofline.model_executor.models import llama_cpu_stack
@@ -215,7 +215,7 @@ class Worker:
                 logger.info("GGUF activations: 8-bit for %d weights", n)
             cpu_prepare.prepare_model(model)
             llama_cpu_stack.attach(model)
-        weight_bytes = gguf_quant.weight_bytes_by_format(model)
+        weight_bytes = weight_bytes_by_format(model)
         if model_hf_config is None:  # the target's (a draft model's are not the served model's)
             self.weight_bytes = weight_bytes
         logger.info("loaded %s (%s, %s) on %s; weights %.1f MB (%s)", arch, source.fmt, self.dtype, self.device,

@@ -46,6 +46,15 @@ def v32(tmp_path_factory):
     return path, prompts, [hf_greedy(hf, p, GREEDY.max_tokens) for p in prompts], hf
 
 
+def copy_checkpoint(src: str, dst, **config) -> dict:
+    """The checkpoint's files copied to dst with these config.json fields changed; returns the new config."""
+    for f in os.listdir(src):
+        (dst / f).write_bytes(open(os.path.join(src, f), "rb").read())
+    cfg = dict(json.loads((dst / "config.json").read_text()), **config)
+    (dst / "config.json").write_text(json.dumps(cfg))
+    return cfg
+
+
 def generate(path, prompts, sampling=GREEDY, **engine_args):
     llm = LLM(path, dtype="float32", device="cpu", show_progress=False, **engine_args)
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], sampling, use_tqdm=False)
@@ -99,11 +108,7 @@ def test_mtp_proposals_with_sparse_attention(v32, tmp_path):
     from tests.spec_decode.test_mtp import ReferenceMTP, mtp_spec
 
     path, prompts, reference, hf = v32
-    for f in os.listdir(path):
-        (tmp_path / f).write_bytes(open(os.path.join(path, f), "rb").read())
-    cfg = json.loads((tmp_path / "config.json").read_text())
-    cfg["num_nextn_predict_layers"] = 1
-    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    copy_checkpoint(path, tmp_path, num_nextn_predict_layers=1)
     ref = ReferenceMTP(hf, seed=7)
     torch.manual_seed(7)
     ref.block = AutoModelForCausalLM.from_config(v32_config(num_hidden_layers=1, first_k_dense_replace=0),
@@ -120,11 +125,7 @@ def test_a_sequence_within_index_topk_is_dense_mla(v32, tmp_path):
     """index_topk above every context: the indexer keeps everything and V3.2 is V3 on the same weights --
     the same tokens and the same logprobs, bit for bit (the dense paths run)."""
     path, prompts, _, _ = v32
-    for f in os.listdir(path):
-        (tmp_path / f).write_bytes(open(os.path.join(path, f), "rb").read())
-    cfg = json.loads((tmp_path / "config.json").read_text())
-    cfg["index_topk"] = 4096
-    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    cfg = copy_checkpoint(path, tmp_path, index_topk=4096)
     v3 = tmp_path / "v3"
     v3.mkdir()
     from safetensors.torch import load_file, save_file

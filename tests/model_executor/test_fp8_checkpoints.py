@@ -14,7 +14,8 @@ import torch
 
 from roofline import LLM, SamplingParams
 from roofline.cpu import ops as cpu_ops
-from roofline.model_executor.layers.quantization.fp8 import Fp8BlockTensor, quantized_tensors
+from roofline.model_executor.layers.quantization import quantized_tensors
+from roofline.model_executor.layers.quantization.fp8 import Fp8BlockTensor
 from tests.engine.test_feature_invariance import shared_prefix_prompts
 from tests.model_executor.test_deepseek import CHECKPOINTS, VARIANTS, build_deepseek  # the same engine variants
 from tests.reference.fp8_checkpoint import is_projection, write_fp8_checkpoint

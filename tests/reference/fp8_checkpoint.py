@@ -12,14 +12,13 @@ import shutil
 import torch
 from safetensors.torch import load_file, save_file
 
+from roofline.cpu.fp8_quant import dequantize_reference
 from roofline.model_executor.layers.quantization.fp8 import quantize_fp8_blocks as quantize_blocks  # noqa: F401
 
 
 def dequantize_blocks(q: torch.Tensor, scale: torch.Tensor, block: tuple[int, int]) -> torch.Tensor:
-    bn, bk = block
-    n, k = q.shape
-    full = scale.repeat_interleave(bn, 0)[:n].repeat_interleave(bk, 1)[:, :k]
-    return q.to(torch.float32) * full
+    """What the engine computes on: e4m3 value x block scale in fp32 (fp8_quant.dequantize_reference)."""
+    return dequantize_reference(q, scale, block[0], block[1])
 
 
 def is_projection(name: str) -> bool:

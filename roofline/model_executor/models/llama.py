@@ -31,7 +31,7 @@ from roofline.attention.backend import AttentionBackend, AttentionMetadata
 from roofline.distributed import pipeline
 from roofline.cpu import gemm as cpu_gemm
 from roofline.model_executor.layers.activation import SiluAndMul
-from roofline.model_executor.layers.quantization.fp8 import is_quantized
+from roofline.model_executor.layers.quantization import is_quantized
 from roofline.model_executor.layers.linear import (
     LinearBase,
     MergedColumnParallelLinear,

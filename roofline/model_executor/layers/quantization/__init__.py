@@ -23,6 +23,8 @@ import math
 from dataclasses import dataclass
 from typing import Any, Optional
 
+import torch
+
 SUPPORTED_METHODS = ("fp8",)
 
 
@@ -79,3 +81,38 @@ def checkpoint_quantization(hf_config) -> Optional[Fp8BlockConfig]:
 
 def blocks(n: int, b: int) -> int:
     return math.ceil(n / b)
+
+
+QUANT_ATTRS = ("quant", "w13_quant", "w2_quant")  # where modules keep quantized weights (linear layers, expert stacks)
+
+
+def is_quantized(t) -> bool:
+    """A quantized weight of any kind (it dequantizes)."""
+    return hasattr(t, "dequantize") and not isinstance(t, torch.Tensor)
+
+
+def quantized_tensors(model: torch.nn.Module) -> list:
+    """Every quantized weight the model's modules keep (linear layers' `quant`, expert stacks)."""
+    out = []
+    for module in model.modules():
+        for attr in QUANT_ATTRS:
+            t = getattr(module, attr, None)
+            if t is not None and is_quantized(t):
+                out.append(t)
+    return out
+
+
+def weight_bytes_by_format(model: torch.nn.Module) -> dict[str, int]:
+    """The bytes a model's weights occupy as its layers compute on them, by format ("Q4_1", "fp8_e4m3",
+    "float32", ...): blocks where a module keeps them (scales included), every other parameter once (tied ones
+    once; meta ones, standing in for kept blocks, hold nothing); packed copies and caches not counted."""
+    out: dict[str, int] = {}
+    for q in quantized_tensors(model):
+        out[q.format] = out.get(q.format, 0) + q.nbytes
+    seen: set[int] = set()
+    for p in model.parameters():
+        if p.device.type != "meta" and id(p) not in seen:
+            seen.add(id(p))
+            name = str(p.dtype).replace("torch.", "")
+            out[name] = out.get(name, 0) + p.numel() * p.element_size()
+    return out

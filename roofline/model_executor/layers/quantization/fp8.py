@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 
 from roofline.cpu import fp8_quant, ops as cpu_ops
-from roofline.model_executor.layers.quantization import Fp8BlockConfig, blocks
+from roofline.model_executor.layers.quantization import Fp8BlockConfig, blocks, quantized_tensors
 
 FORMAT = "fp8_e4m3"
 FP8_GEMMS = ("auto", "w8a8", "weight_only")  # the CUDA route (fp8_triton.block_fp8_linear's mode)
@@ -153,11 +153,6 @@ def quantize_fp8_blocks(w: torch.Tensor, block: tuple[int, int] = (128, 128)) ->
     return q.view(rows * bn, cols * bk)[:n, :k].to(torch.float8_e4m3fn).contiguous(), scale.contiguous()
 
 
-def is_quantized(t) -> bool:
-    """A quantized weight of any kind (it dequantizes)."""
-    return hasattr(t, "dequantize") and not isinstance(t, torch.Tensor)
-
-
 # ---- reading a checkpoint ---------------------------------------------------------------------------------
 
 SCALE_SUFFIX = "_scale_inv"
@@ -232,20 +227,6 @@ def set_gemm(model: torch.nn.Module, mode: str) -> int:
             t.gemm = mode
             n += 1
     return n
-
-
-QUANT_ATTRS = ("quant", "w13_quant", "w2_quant")  # where modules keep quantized weights
-
-
-def quantized_tensors(model: torch.nn.Module) -> list:
-    """Every quantized weight the model's modules keep (linear layers' `quant`, expert stacks)."""
-    out = []
-    for module in model.modules():
-        for attr in QUANT_ATTRS:
-            t = getattr(module, attr, None)
-            if t is not None and is_quantized(t):
-                out.append(t)
-    return out
 
 
 def compact_scales(model: torch.nn.Module) -> None:
