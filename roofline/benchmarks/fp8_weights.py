@@ -116,8 +116,8 @@ def _per_expert(state: dict) -> dict:
 
 def decode_tokens_per_s(path: str, mode: str, new_tokens: int, repeats: int) -> dict:
     from roofline import LLM, SamplingParams
+    from roofline.benchmarks.throughput import token_read_bytes
     from roofline.model_executor.layers.quantization import quantized_tensors
-    from roofline.model_executor.layers.moe import FusedMoE
 
     llm = LLM(path, dtype="float32", device="cpu", show_progress=False, num_kv_blocks=64,
               quantized_weights=mode, enable_prefix_caching=False)
@@ -129,20 +129,10 @@ def decode_tokens_per_s(path: str, mode: str, new_tokens: int, repeats: int) -> 
     t_long = _median_time(lambda: run(new_tokens + 1), repeats)
     t_one = _median_time(lambda: run(1), repeats)
     worker = llm.llm_engine.executor.worker
-    model = worker.model
-    total = sum(worker.weight_bytes.values())
-    experts = 0
-    active_share = 0.0
-    for m in model.modules():
-        if isinstance(m, FusedMoE):
-            nbytes = sum(t.nbytes for t in (m.w13_quant, m.w2_quant) if t is not None) or (
-                (m.w13_weight.numel() + m.w2_weight.numel()) * m.w13_weight.element_size())
-            experts += nbytes
-            active_share += nbytes * m.routing.top_k / m.num_experts
-    embed = model.model.embed_tokens.weight
-    per_token = total - experts + active_share - embed.numel() * embed.element_size()  # a lookup reads one row
-    out = {"mode": mode, "decode_tok_s": new_tokens / (t_long - t_one), "weight_bytes": total,
-           "weight_bytes_per_token": per_token, "kept_in_blocks": len(quantized_tensors(model))}
+    read = token_read_bytes(worker.model, 0, 4)  # weights a decode token reads (top-k of the experts)
+    out = {"mode": mode, "decode_tok_s": new_tokens / (t_long - t_one), "weight_bytes": sum(worker.weight_bytes.values()),
+           "weight_bytes_per_token": read["always_on_weight_bytes"] + read["routed_expert_bytes"],
+           "kept_in_blocks": len(quantized_tensors(worker.model))}
     return out
 
 

@@ -420,7 +420,7 @@ def token_read_bytes(model, context: int, dtype_bytes: int) -> dict:
     experts = routed = 0.0
     for m in model.modules():
         if isinstance(m, FusedMoE):
-            size = (m.w13_weight.numel() + m.w2_weight.numel()) * m.w13_weight.element_size()
+            size = sum(t.numel() * t.element_size() for t in m.expert_stacks())  # dense, or FP8 bytes + scales
             experts += size
             routed += size * m.routing.top_k / m.num_experts
     embed = model.model.embed_tokens.weight
