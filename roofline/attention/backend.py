@@ -10,12 +10,16 @@ The flat batch holds the new tokens of R requests back to back (no padding):
 Query row i of request r sits at position S_r + i and attends causally to positions 0 .. S_r + i,
 reading K/V only through block_tables[r].  Requests with q_len == 1 (decodes) come first:
 num_decodes of them, then the prefill chunks.
+
+A layer may ask for `AttentionOptions` (Gemma's sliding windows and logit soft-capping, gpt-oss's sinks);
+every backend honours them or refuses them by name -- none ignores one.
 """
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
+from typing import Optional
 
 import torch
 
@@ -35,6 +39,39 @@ class AttentionMetadata:
     seq_lens_cpu: list[int]
 
 
+@dataclass(frozen=True, eq=False)
+class AttentionOptions:
+    """How one layer's softmax differs from plain causal attention (all off by default):
+      sliding_window  a query at position p sees keys p - sliding_window + 1 .. p (HF's `sliding_window`:
+                      kv_idx > q_idx - sliding_window), not the whole prefix;
+      logit_softcap   scaled scores s become softcap * tanh(s / softcap) before the mask and softmax (Gemma 2);
+      sinks           [H_q] fp32, this rank's query heads: one extra logit per head in the softmax's denominator
+                      that no value is attached to (gpt-oss's attention sinks)."""
+    sliding_window: Optional[int] = None
+    logit_softcap: Optional[float] = None
+    sinks: Optional[torch.Tensor] = None
+
+    def __post_init__(self) -> None:
+        if self.sliding_window is not None and self.sliding_window <= 0:
+            raise ValueError(f"sliding_window must be positive, got {self.sliding_window}")
+        if self.logit_softcap is not None and not self.logit_softcap > 0:
+            raise ValueError(f"attention logit soft-cap must be positive, got {self.logit_softcap}")
+
+    @property
+    def plain(self) -> bool:
+        return self.sliding_window is None and self.logit_softcap is None and self.sinks is None
+
+    def first_key(self, position):
+        """The first key position a query at `position` sees (an int or a tensor of positions)."""
+        if self.sliding_window is None:
+            return 0 * position
+        lo = position - self.sliding_window + 1
+        return lo.clamp(min=0) if isinstance(lo, torch.Tensor) else max(lo, 0)
+
+
+PLAIN = AttentionOptions()
+
+
 class AttentionBackend(ABC):
     """Writes new K/V into the paged cache and computes attention over it."""
 
@@ -48,9 +85,11 @@ class AttentionBackend(ABC):
 
     @abstractmethod
     def forward(
-        self, query: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float
+        self, query: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
+        options: AttentionOptions = PLAIN,
     ) -> torch.Tensor:
-        """query [N, H_q, D] -> output [N, H_q, D]; GQA when H_q is a multiple of H_kv."""
+        """query [N, H_q, D] -> output [N, H_q, D]; GQA when H_q is a multiple of H_kv; `options` as
+        AttentionOptions describes (sliding window, soft-capping, sinks)."""
 
 
 def write_kv_torch(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:

@@ -8,12 +8,13 @@ through the block tables (~2.5x torch's SDPA on gathered copies at 64-256-token 
 of at most 8 rows (a decode verifying its drafts) attends there as that many decodes, each row bit for
 bit a decode's at its causal length (faster than the tiles at any context measured).  Cache
 writes are one memcpy per token row.  Chosen by attention_backend="auto" on CPU whenever the kernels
-load; fp32 only (anything else falls back to the torch code).
+load; fp32 only (anything else falls back to the torch code).  AttentionOptions (sliding window: blocks
+wholly before a query's window are not read; soft-cap; sinks) go to the same kernels.
 """
 
 from __future__ import annotations
 
-from roofline.attention.backend import AttentionMetadata
+from roofline.attention.backend import PLAIN, AttentionMetadata, AttentionOptions
 from roofline.attention.torch_backend import TorchAttentionBackend
 from roofline.cpu import ops as cpu_ops
 
@@ -32,15 +33,18 @@ class CpuAttentionBackend(TorchAttentionBackend):
         else:
             super().write_kv(key, value, kv_cache, slot_mapping)
 
-    def _prefill(self, query, kv_cache, meta: AttentionMetadata, scale, out, gqa) -> None:
+    def _prefill(self, query, kv_cache, meta: AttentionMetadata, scale, out, gqa,
+                 options: AttentionOptions = PLAIN) -> None:
         if not cpu_ops.can_prefill(query, kv_cache):
-            return super()._prefill(query, kv_cache, meta, scale, out, gqa)
+            return super()._prefill(query, kv_cache, meta, scale, out, gqa, options)
         nd = meta.num_decodes
         cpu_ops.paged_prefill_attention(query, kv_cache, meta.block_tables[nd:], meta.query_start_loc[nd:],
-                                        meta.seq_lens[nd:], scale, out)
+                                        meta.seq_lens[nd:], scale, out, options)
 
-    def _decode(self, query, kv_cache, meta: AttentionMetadata, scale, out, gqa) -> None:
+    def _decode(self, query, kv_cache, meta: AttentionMetadata, scale, out, gqa,
+                options: AttentionOptions = PLAIN) -> None:
         if not cpu_ops.can_decode(query, kv_cache):
-            return super()._decode(query, kv_cache, meta, scale, out, gqa)
+            return super()._decode(query, kv_cache, meta, scale, out, gqa, options)
         nd = query.shape[0]
-        cpu_ops.paged_decode_attention(query, kv_cache, meta.block_tables[:nd], meta.seq_lens[:nd], scale, out=out)
+        cpu_ops.paged_decode_attention(query, kv_cache, meta.block_tables[:nd], meta.seq_lens[:nd], scale, out=out,
+                                       options=options)

@@ -361,10 +361,64 @@ static inline void block_values(const float *scores, const float *vb, int64_t to
  * two passes over a score buffer [heads, S].  Query heads of one GQA group go through K and V in tiles
  * of up to 3 (scores_tile, values_tile), so each row is loaded once per tile, not once per head
  * (64 sequences x 200 tokens, 30 layers, 2 threads: 33 -> 30 ms on the reference machine). */
-void paged_decode_attention_f32(const float *q, int64_t q_row_stride, float *out, const float *key_cache,
-                                const float *value_cache, const int32_t *block_tables, int64_t bt_stride,
-                                const int32_t *seq_lens, int64_t num_seqs, int64_t num_heads, int64_t num_kv_heads,
-                                int64_t head_dim, int64_t block_size, float scale, int nthreads) {
+static float row_max(const float *s, int64_t n) {
+    float m = -INFINITY;
+    int64_t t = 0;
+#ifdef HAVE_AVX2
+    if (n >= 8) {
+        __m256 mv = _mm256_loadu_ps(s);
+        for (t = 8; t + 8 <= n; t += 8) mv = _mm256_max_ps(mv, _mm256_loadu_ps(s + t));
+        __m128 h = _mm_max_ps(_mm256_castps256_ps128(mv), _mm256_extractf128_ps(mv, 1));
+        h = _mm_max_ps(h, _mm_movehl_ps(h, h));
+        m = _mm_cvtss_f32(_mm_max_ss(h, _mm_movehdup_ps(h)));
+    }
+#endif
+    for (; t < n; t++) m = s[t] > m ? s[t] : m;
+    return m;
+}
+
+/* A layer's departures from plain causal attention (attention/backend.py's AttentionOptions); NULL = none.
+ *   window   > 0: a query at position p sees keys p - window + 1 .. p only (blocks wholly before are not read)
+ *   softcap  > 0: scaled scores s -> softcap * tanh(s / softcap), before the softmax
+ *   sinks    [num_heads] or NULL: one extra logit per query head in the softmax's denominator */
+typedef struct {
+    int64_t window;
+    float softcap;
+    const float *sinks;
+} attn_opts_t;
+
+/* the first key a query at position `pos` sees */
+static inline int64_t window_start(const attn_opts_t *o, int64_t pos) {
+    return o && o->window > 0 && pos + 1 > o->window ? pos + 1 - o->window : 0;
+}
+
+/* s[t] = softcap * tanh(s[t] / softcap) for t < n; returns their maximum */
+static float softcap_scores(float *s, int64_t n, float cap) {
+    float m = -INFINITY;
+    for (int64_t t = 0; t < n; t++) {
+        s[t] = cap * tanhf(s[t] / cap);
+        m = s[t] > m ? s[t] : m;
+    }
+    return m;
+}
+
+/* The softmax of one row's scores s[lo .. S) with the options' cap and sink (head h): s[lo ..) become the
+ * numerators, s[base .. lo) zero (keys the window drops inside a block still read); returns the denominator. */
+static float options_softmax(float *s, int64_t base, int64_t lo, int64_t S, float m, const attn_opts_t *o, int64_t h) {
+    if (o->softcap > 0) m = softcap_scores(s + lo, S - lo, o->softcap);
+    const float sink = o->sinks ? o->sinks[h] : -INFINITY;
+    m = sink > m ? sink : m;
+    float sum = softmax_numerators(s + lo, S - lo, m);
+    if (o->sinks) sum += expf(sink - m);
+    for (int64_t t = base; t < lo; t++) s[t] = 0.f;
+    return sum;
+}
+
+static void decode_attention(const float *q, int64_t q_row_stride, float *out, const float *key_cache,
+                             const float *value_cache, const int32_t *block_tables, int64_t bt_stride,
+                             const int32_t *seq_lens, int64_t num_seqs, int64_t num_heads, int64_t num_kv_heads,
+                             int64_t head_dim, int64_t block_size, float scale, const attn_opts_t *opts,
+                             int nthreads) {
     const int64_t G = num_heads / num_kv_heads;
     const int64_t D = head_dim;
     const int64_t tok_stride = num_kv_heads * D;
@@ -395,8 +449,9 @@ void paged_decode_attention_f32(const float *q, int64_t q_row_stride, float *out
             }
             const int32_t *bt = block_tables + sq * bt_stride;
             const float *qs = q + sq * q_row_stride + kv0 * G * D;
+            const int64_t lo = window_start(opts, S - 1), b0 = lo / block_size;  /* the window's first key, block */
             for (int64_t g = 0; g < nh; g++) mx[g] = -INFINITY;
-            for (int64_t b = 0, t0 = 0; t0 < S; b++, t0 += block_size) {  /* pass 1: scores */
+            for (int64_t b = b0, t0 = b0 * block_size; t0 < S; b++, t0 += block_size) {  /* pass 1: scores */
                 const int64_t nt = S - t0 < block_size ? S - t0 : block_size;
                 const float *kb = key_cache + (int64_t)bt[b] * block_size * tok_stride + kv0 * D;
                 /* next: K block b + 1, after the last one V block 0 (whole token rows only) */
@@ -405,9 +460,17 @@ void paged_decode_attention_f32(const float *q, int64_t q_row_stride, float *out
                                                      : block_ahead(value_cache, bt, 0, S, block_size, tok_stride, score_calls);
                 block_scores(qs, kb, tok_stride, nt, nh, G, D, scale, scores, S, t0, mx, &next);
             }
-            for (int64_t g = 0; g < nh; g++) sum[g] = softmax_numerators(scores + g * S, S, mx[g]);  /* pass 2 */
+            if (opts) {  /* pass 2 */
+                for (int64_t g = 0; g < nh; g++) {
+                    float *sg = scores + g * S;
+                    const float m = lo > b0 * block_size ? row_max(sg + lo, S - lo) : mx[g];
+                    sum[g] = options_softmax(sg, b0 * block_size, lo, S, m, opts, kv0 * G + g);
+                }
+            } else {
+                for (int64_t g = 0; g < nh; g++) sum[g] = softmax_numerators(scores + g * S, S, mx[g]);
+            }
             memset(acc, 0, (size_t)(nh * D) * sizeof(float));
-            for (int64_t b = 0, t0 = 0; t0 < S; b++, t0 += block_size) {  /* pass 3: weighted values */
+            for (int64_t b = b0, t0 = b0 * block_size; t0 < S; b++, t0 += block_size) {  /* pass 3: weighted values */
                 const int64_t nt = S - t0 < block_size ? S - t0 : block_size;
                 const float *vb = value_cache + (int64_t)bt[b] * block_size * tok_stride + kv0 * D;
                 ahead_t next = whole ? block_ahead(value_cache, bt, b + 1, S, block_size, tok_stride, value_calls)
@@ -426,6 +489,25 @@ void paged_decode_attention_f32(const float *q, int64_t q_row_stride, float *out
         free(mx);
         free(sum);
     }
+}
+
+void paged_decode_attention_f32(const float *q, int64_t q_row_stride, float *out, const float *key_cache,
+                                const float *value_cache, const int32_t *block_tables, int64_t bt_stride,
+                                const int32_t *seq_lens, int64_t num_seqs, int64_t num_heads, int64_t num_kv_heads,
+                                int64_t head_dim, int64_t block_size, float scale, int nthreads) {
+    decode_attention(q, q_row_stride, out, key_cache, value_cache, block_tables, bt_stride, seq_lens, num_seqs,
+                     num_heads, num_kv_heads, head_dim, block_size, scale, NULL, nthreads);
+}
+
+/* The same with AttentionOptions: window (0 = none), softcap (0 = none), sinks (NULL = none). */
+void paged_decode_attention_opts_f32(const float *q, int64_t q_row_stride, float *out, const float *key_cache,
+                                     const float *value_cache, const int32_t *block_tables, int64_t bt_stride,
+                                     const int32_t *seq_lens, int64_t num_seqs, int64_t num_heads,
+                                     int64_t num_kv_heads, int64_t head_dim, int64_t block_size, float scale,
+                                     int64_t window, float softcap, const float *sinks, int nthreads) {
+    const attn_opts_t o = {window, softcap, sinks};
+    decode_attention(q, q_row_stride, out, key_cache, value_cache, block_tables, bt_stride, seq_lens, num_seqs,
+                     num_heads, num_kv_heads, head_dim, block_size, scale, &o, nthreads);
 }
 
 /* out[r, i] = silu(x[r, i]) * x[r, d + i], silu(g) = g / (1 + exp(-g)). */
@@ -979,27 +1061,12 @@ static void pv_rows(int rows, const float *p, int64_t ldp, const float *v, const
 #endif
 }
 
-static float row_max(const float *s, int64_t n) {
-    float m = -INFINITY;
-    int64_t t = 0;
-#ifdef HAVE_AVX2
-    if (n >= 8) {
-        __m256 mv = _mm256_loadu_ps(s);
-        for (t = 8; t + 8 <= n; t += 8) mv = _mm256_max_ps(mv, _mm256_loadu_ps(s + t));
-        __m128 h = _mm_max_ps(_mm256_castps256_ps128(mv), _mm256_extractf128_ps(mv, 1));
-        h = _mm_max_ps(h, _mm_movehl_ps(h, h));
-        m = _mm_cvtss_f32(_mm_max_ss(h, _mm_movehdup_ps(h)));
-    }
-#endif
-    for (; t < n; t++) m = s[t] > m ? s[t] : m;
-    return m;
-}
 
 static void prefill_attention_tiles(const float *q, int64_t q_row_stride, float *out, const float *key_cache,
                                     const float *value_cache, const int32_t *block_tables, int64_t bt_stride,
                                     const int32_t *qsl, const int32_t *seq_lens, int64_t num_reqs,
                                     int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t block_size,
-                                    float scale, int nthreads) {
+                                    float scale, const attn_opts_t *opts, int nthreads) {
     const int64_t G = num_heads / num_kv_heads, D = head_dim, tok_stride = num_kv_heads * D;
     const int64_t P = G >= PF_ROWS ? 1 : PF_ROWS / G;  /* positions per item */
     const int64_t max_rows = P * G;
@@ -1062,18 +1129,26 @@ static void prefill_attention_tiles(const float *q, int64_t q_row_stride, float 
             for (int64_t r0 = 0; r0 < rows; r0 += GEMM_MR) {
                 const int64_t mr = rows - r0 < GEMM_MR ? rows - r0 : GEMM_MR;
                 const int64_t tr = start + p0 + (r0 + mr - 1) / G + 1;
-                for (int64_t pi = 0; pi * GEMM_NR < tr; pi++)  /* scores */
+                /* a sliding window: the tile's first row sees keys from lo; whole blocks before are skipped */
+                const int64_t lo = window_start(opts, start + p0 + r0 / G), b0 = lo / block_size;
+                for (int64_t pi = lo / GEMM_NR; pi * GEMM_NR < tr; pi++)  /* scores */
                     gemm_tile_rows((int)mr, qt + r0 * D, D, kth + pi * D * GEMM_NR, D, sc + r0 * tpad + pi * GEMM_NR,
                                    tpad, 0, GEMM_NR, 0, 0, 0, 0);
                 for (int64_t i = r0; i < r0 + mr; i++) {  /* softmax over each row's span; p = 0 from there to tr */
                     const int64_t span = start + p0 + i / G + 1;
                     float *s = sc + i * tpad;
-                    sum[i] = softmax_numerators(s, span, row_max(s, span));
+                    if (opts) {
+                        const int64_t lo_i = window_start(opts, span - 1);
+                        sum[i] = options_softmax(s, b0 * block_size, lo_i, span, row_max(s + lo_i, span - lo_i), opts,
+                                                 h * G + i % G);
+                    } else {
+                        sum[i] = softmax_numerators(s, span, row_max(s, span));
+                    }
                     for (int64_t t = span; t < tr; t++) s[t] = 0.f;
                 }
                 for (int64_t c0 = 0; c0 < D; c0 += 16)  /* out = P . V, 16 dims at a time */
-                    pv_rows((int)mr, sc + r0 * tpad, tpad, value_cache + h * D + c0, bt, block_size, tok_stride, tr,
-                            ot + r0 * D + c0, D);
+                    pv_rows((int)mr, sc + r0 * tpad + b0 * block_size, tpad, value_cache + h * D + c0, bt + b0,
+                            block_size, tok_stride, tr - b0 * block_size, ot + r0 * D + c0, D);
             }
             for (int64_t i = 0; i < rows; i++) {
                 float *o = out + ((qsl[r] + p0 + i / G) * num_heads + h * G + i % G) * D;
@@ -1099,11 +1174,11 @@ static void prefill_attention_tiles(const float *q, int64_t q_row_stride, float 
  * kernel reads K and V in place where the tiles would transpose every key first; a verified draft's
  * attention is then a plain decode's, bit for bit); longer ones by the tiles above.  Consecutive
  * requests of one kind go in one call. */
-void paged_prefill_attention_f32(const float *q, int64_t q_row_stride, float *out, const float *key_cache,
-                                 const float *value_cache, const int32_t *block_tables, int64_t bt_stride,
-                                 const int32_t *qsl, const int32_t *seq_lens, int64_t num_reqs, int64_t num_heads,
-                                 int64_t num_kv_heads, int64_t head_dim, int64_t block_size, float scale,
-                                 int nthreads) {
+static void prefill_attention(const float *q, int64_t q_row_stride, float *out, const float *key_cache,
+                              const float *value_cache, const int32_t *block_tables, int64_t bt_stride,
+                              const int32_t *qsl, const int32_t *seq_lens, int64_t num_reqs, int64_t num_heads,
+                              int64_t num_kv_heads, int64_t head_dim, int64_t block_size, float scale,
+                              const attn_opts_t *opts, int nthreads) {
     int32_t *vt = 0, *vl = 0;
     for (int64_t r0 = 0; r0 < num_reqs;) {
         const int short_run = qsl[r0 + 1] - qsl[r0] <= DECODE_LIKE_ROWS;
@@ -1112,7 +1187,7 @@ void paged_prefill_attention_f32(const float *q, int64_t q_row_stride, float *ou
         if (!short_run) {
             prefill_attention_tiles(q, q_row_stride, out, key_cache, value_cache, block_tables + r0 * bt_stride,
                                     bt_stride, qsl + r0, seq_lens + r0, r1 - r0, num_heads, num_kv_heads,
-                                    head_dim, block_size, scale, nthreads);
+                                    head_dim, block_size, scale, opts, nthreads);
         } else {  /* one table row and causal length per query row */
             const int64_t first = qsl[r0], rows = qsl[r1] - first;
             vt = (int32_t *)realloc(vt, (size_t)(rows * bt_stride) * sizeof(int32_t));
@@ -1122,14 +1197,34 @@ void paged_prefill_attention_f32(const float *q, int64_t q_row_stride, float *ou
                     memcpy(vt + (i - first) * bt_stride, block_tables + r * bt_stride, (size_t)bt_stride * sizeof(int32_t));
                     vl[i - first] = seq_lens[r] - (qsl[r + 1] - i) + 1;
                 }
-            paged_decode_attention_f32(q + first * q_row_stride, q_row_stride, out + first * num_heads * head_dim,
-                                       key_cache, value_cache, vt, bt_stride, vl, rows, num_heads, num_kv_heads,
-                                       head_dim, block_size, scale, nthreads);
+            decode_attention(q + first * q_row_stride, q_row_stride, out + first * num_heads * head_dim, key_cache,
+                             value_cache, vt, bt_stride, vl, rows, num_heads, num_kv_heads, head_dim, block_size,
+                             scale, opts, nthreads);
         }
         r0 = r1;
     }
     free(vt);
     free(vl);
+}
+
+void paged_prefill_attention_f32(const float *q, int64_t q_row_stride, float *out, const float *key_cache,
+                                 const float *value_cache, const int32_t *block_tables, int64_t bt_stride,
+                                 const int32_t *qsl, const int32_t *seq_lens, int64_t num_reqs, int64_t num_heads,
+                                 int64_t num_kv_heads, int64_t head_dim, int64_t block_size, float scale,
+                                 int nthreads) {
+    prefill_attention(q, q_row_stride, out, key_cache, value_cache, block_tables, bt_stride, qsl, seq_lens, num_reqs,
+                      num_heads, num_kv_heads, head_dim, block_size, scale, NULL, nthreads);
+}
+
+/* The same with AttentionOptions: window (0 = none), softcap (0 = none), sinks (NULL = none). */
+void paged_prefill_attention_opts_f32(const float *q, int64_t q_row_stride, float *out, const float *key_cache,
+                                      const float *value_cache, const int32_t *block_tables, int64_t bt_stride,
+                                      const int32_t *qsl, const int32_t *seq_lens, int64_t num_reqs,
+                                      int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t block_size,
+                                      float scale, int64_t window, float softcap, const float *sinks, int nthreads) {
+    const attn_opts_t o = {window, softcap, sinks};
+    prefill_attention(q, q_row_stride, out, key_cache, value_cache, block_tables, bt_stride, qsl, seq_lens, num_reqs,
+                      num_heads, num_kv_heads, head_dim, block_size, scale, &o, nthreads);
 }
 
 /* out[r] = the index of the first maximum of row r (x[r * ld + 0 .. n)); a NaN counts as the maximum

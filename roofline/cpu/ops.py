@@ -71,6 +71,10 @@ _SIGNATURES = {
     "silu_and_mul_f32": [_P, _P, _I, _I, ctypes.c_int],
     "paged_decode_attention_f32": [_P, _I, _P, _P, _P, _P, _I, _P, _I, _I, _I, _I, _I, _F, ctypes.c_int],
     "paged_prefill_attention_f32": [_P, _I, _P, _P, _P, _P, _I, _P, _P, _I, _I, _I, _I, _I, _F, ctypes.c_int],
+    "paged_decode_attention_opts_f32": [_P, _I, _P, _P, _P, _P, _I, _P, _I, _I, _I, _I, _I, _F, _I, _F, _P,
+                                        ctypes.c_int],
+    "paged_prefill_attention_opts_f32": [_P, _I, _P, _P, _P, _P, _I, _P, _P, _I, _I, _I, _I, _I, _F, _I, _F, _P,
+                                         ctypes.c_int],
     "gemv_f32": [_P, _P, _P, _P, _I, _I, _I, ctypes.c_int],
     "argmax_rows_f32": [_P, _I, _I, _I, _P, ctypes.c_int],
     "pack_panels_f32": [_P, _I, _I, _I, _P],
@@ -342,10 +346,24 @@ def _int32_rows(block_tables: torch.Tensor) -> torch.Tensor:
     return block_tables.to(torch.int32).contiguous()
 
 
+def _options_args(options, num_heads: int) -> Optional[tuple]:
+    """(window, softcap, sinks tensor) for the *_opts_f32 kernels, or None for plain attention."""
+    if options is None or options.plain:
+        return None
+    sinks = None
+    if options.sinks is not None:
+        sinks = options.sinks.detach().to(torch.float32).contiguous()
+        if sinks.shape != (num_heads,):
+            raise ValueError(f"attention sinks of shape {tuple(sinks.shape)} for {num_heads} query heads")
+    return (options.sliding_window or 0, float(options.logit_softcap or 0.0), sinks)
+
+
 def paged_decode_attention(query: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor,
-                           seq_lens: torch.Tensor, scale: float, out: Optional[torch.Tensor] = None) -> torch.Tensor:
+                           seq_lens: torch.Tensor, scale: float, out: Optional[torch.Tensor] = None,
+                           options=None) -> torch.Tensor:
     """query [n, H, D] (one row per sequence) -> [n, H, D] attending to seq_lens[i] cached tokens,
-    written into `out` (contiguous) when given."""
+    written into `out` (contiguous) when given; `options` an attention/backend.py AttentionOptions
+    (sliding window, soft-cap, sinks) or None."""
     n, h, d = query.shape
     hk, block_size, tables = _attention_args(query, kv_cache, block_tables)
     if out is None:
@@ -353,9 +371,15 @@ def paged_decode_attention(query: torch.Tensor, kv_cache: torch.Tensor, block_ta
     elif not out.is_contiguous():
         raise ValueError("paged_decode_attention writes into a contiguous `out` only")
     lens = _int32(seq_lens)
-    _need().paged_decode_attention_f32(query.data_ptr(), query.stride(0), out.data_ptr(), kv_cache[0].data_ptr(),
-                                    kv_cache[1].data_ptr(), tables.data_ptr(), tables.stride(0), lens.data_ptr(),
-                                    n, h, hk, d, block_size, scale, torch.get_num_threads())
+    args = (query.data_ptr(), query.stride(0), out.data_ptr(), kv_cache[0].data_ptr(), kv_cache[1].data_ptr(),
+            tables.data_ptr(), tables.stride(0), lens.data_ptr(), n, h, hk, d, block_size, scale)
+    extra = _options_args(options, h)
+    if extra is None:
+        _need().paged_decode_attention_f32(*args, torch.get_num_threads())
+    else:
+        window, softcap, sinks = extra
+        _need().paged_decode_attention_opts_f32(*args, window, softcap, None if sinks is None else sinks.data_ptr(),
+                                                torch.get_num_threads())
     return out
 
 
@@ -366,10 +390,11 @@ def can_prefill(query: torch.Tensor, kv_cache: torch.Tensor) -> bool:
 
 def paged_prefill_attention(query: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor,
                             query_start_loc: torch.Tensor, seq_lens: torch.Tensor, scale: float,
-                            out: torch.Tensor) -> None:
+                            out: torch.Tensor, options=None) -> None:
     """Causal attention of prefill chunks: request r's rows query[query_start_loc[r]:query_start_loc[r+1]]
     ([n, H, D] rows, all requests' rows in one tensor) are its last positions of seq_lens[r] cached
-    tokens; results go to the same rows of `out` (contiguous [n, H, D])."""
+    tokens; results go to the same rows of `out` (contiguous [n, H, D]); `options` as for
+    paged_decode_attention."""
     n, h, d = query.shape
     hk, block_size, tables = _attention_args(query, kv_cache, block_tables)
     if not out.is_contiguous() or out.shape != query.shape:
@@ -378,9 +403,15 @@ def paged_prefill_attention(query: torch.Tensor, kv_cache: torch.Tensor, block_t
     if query_start_loc.shape[0] != nreq + 1 or tables.shape[0] != nreq:
         raise ValueError("one block table and seq_len per request, and query_start_loc of one more")
     qsl, lens = _int32(query_start_loc), _int32(seq_lens)
-    _need().paged_prefill_attention_f32(query.data_ptr(), query.stride(0), out.data_ptr(), kv_cache[0].data_ptr(),
-                                        kv_cache[1].data_ptr(), tables.data_ptr(), tables.stride(0), qsl.data_ptr(),
-                                        lens.data_ptr(), nreq, h, hk, d, block_size, scale, torch.get_num_threads())
+    args = (query.data_ptr(), query.stride(0), out.data_ptr(), kv_cache[0].data_ptr(), kv_cache[1].data_ptr(),
+            tables.data_ptr(), tables.stride(0), qsl.data_ptr(), lens.data_ptr(), nreq, h, hk, d, block_size, scale)
+    extra = _options_args(options, h)
+    if extra is None:
+        _need().paged_prefill_attention_f32(*args, torch.get_num_threads())
+    else:
+        window, softcap, sinks = extra
+        _need().paged_prefill_attention_opts_f32(*args, window, softcap, None if sinks is None else sinks.data_ptr(),
+                                                 torch.get_num_threads())
 
 
 def argmax_rows(x: torch.Tensor) -> Optional[torch.Tensor]:

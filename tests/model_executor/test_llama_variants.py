@@ -8,14 +8,20 @@ scaled); every block back in the pool.  The fp32 layer stack steps aside for bot
 from __future__ import annotations
 
 import pytest
-import torch
 
-from roofline import LLM, SamplingParams
+from roofline import LLM
 from tests.engine.test_feature_invariance import shared_prefix_prompts
-from tests.model_executor.test_deepseek import VARIANTS
-from tests.reference.hf_models import build_tiny_model, hf_greedy, hf_logprobs
+from tests.model_executor.family_parity import (
+    ENGINE_VARIANTS,
+    GREEDY,
+    assert_logprobs_close_to_hf,
+    generate,
+    inner_model,
+    tiny_family,
+    tokens,
+)
+from tests.reference.hf_models import build_tiny_model, hf_greedy
 
-GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
 ARCHS = ["smollm3", "granite", "olmo2"]
 
 
@@ -25,59 +31,63 @@ def models(tmp_path_factory):
 
     def get(arch):
         if arch not in made:
-            path = str(tmp_path_factory.mktemp(f"tiny-{arch}"))
-            hf = build_tiny_model(arch, path, seed=5)
-            prompts = shared_prefix_prompts(hf.config.vocab_size, n=4, seed=4)
-            made[arch] = (path, prompts, [hf_greedy(hf, p, GREEDY.max_tokens) for p in prompts], hf)
+            made[arch] = tiny_family(tmp_path_factory, arch)
         return made[arch]
 
     return get
 
 
-def generate(path, prompts, sampling=GREEDY, **engine_args):
-    llm = LLM(path, dtype="float32", device="cpu", show_progress=False, **engine_args)
-    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], sampling, use_tqdm=False)
-    stats = llm.llm_engine.get_stats()
-    assert stats.num_free_blocks == stats.num_total_blocks
-    return outs, stats, llm
-
-
-@pytest.mark.parametrize("variant", list(VARIANTS) + ["tp2"])
+@pytest.mark.parametrize("variant", list(ENGINE_VARIANTS))
 @pytest.mark.parametrize("arch", ARCHS)
 def test_greedy_matches_hf(models, arch, variant):
     path, prompts, reference, hf = models(arch)
-    args = dict(num_kv_blocks=64, tensor_parallel_size=2) if variant == "tp2" else VARIANTS[variant]
-    outs, stats, llm = generate(path, prompts, **args)
-    assert [o.outputs[0].token_ids for o in outs] == reference
-    if variant == "default":
-        assert stats.prefix_cache_hits > 0
-        inner = llm.llm_engine.executor.worker.model.model
+
+    def check(llm):
+        inner = inner_model(llm)
         assert inner.cpu_stack is None
         if arch == "smollm3":
             assert [layer.self_attn.use_rope for layer in inner.layers] == [True, True, True, False]
+
+    outs, stats = generate(path, prompts, inspect=check if variant == "default" else None, **ENGINE_VARIANTS[variant])
+    assert tokens(outs) == reference
+    if variant == "default":
+        assert stats.prefix_cache_hits > 0
     if variant.startswith("preempt"):
         assert stats.num_preemptions > 0
 
 
 @pytest.mark.parametrize("arch", ARCHS)
 def test_logprobs_close_to_hf(models, arch):
-    path, prompts, reference, hf = models(arch)
-    sampling = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, logprobs=1)
-    outs, _, _ = generate(path, prompts[:2], sampling, num_kv_blocks=64)
-    for p, o in zip(prompts[:2], outs):
-        tokens = o.outputs[0].token_ids
-        want = hf_logprobs(hf, p + tokens)[len(p) - 1:-1]  # [T, V] log-softmax at each generated position
-        got = torch.tensor([d[t].logprob for d, t in zip(o.outputs[0].logprobs, tokens)])
-        torch.testing.assert_close(got, want[torch.arange(len(tokens)), torch.tensor(tokens)], atol=1e-4, rtol=1e-4)
+    path, prompts, _, hf = models(arch)
+    assert_logprobs_close_to_hf(path, prompts, hf)
 
 
-def test_sliding_window_layers_are_refused(tmp_path):
+def test_sliding_window_layers_match_hf(tmp_path):
+    """SmolLM3 with use_sliding_window: its sliding layers (layer_types) see their last 6 keys, as in HF; the
+    prompts are longer than the window, and the tokens differ from those of the same weights without it."""
+    hf = build_tiny_model("smollm3", str(tmp_path), seed=5, use_sliding_window=True, sliding_window=6,
+                          max_window_layers=0)
+    assert "sliding_attention" in hf.config.layer_types
+    prompts = shared_prefix_prompts(hf.config.vocab_size, n=4, seed=4)
+    reference = [hf_greedy(hf, p, GREEDY.max_tokens) for p in prompts]
+    windows = []
+    outs, _ = generate(str(tmp_path), prompts, num_kv_blocks=64, inspect=lambda llm: windows.extend(
+        layer.self_attn.attn_options.sliding_window for layer in inner_model(llm).layers))
+    assert tokens(outs) == reference
+    assert windows == [6 if t == "sliding_attention" else None for t in hf.config.layer_types]
+    hf.config.sliding_window = 10_000
+    hf.config.layer_types = ["full_attention"] * len(hf.config.layer_types)
+    assert [hf_greedy(hf, p, GREEDY.max_tokens) for p in prompts] != reference  # the window mattered
+
+
+def test_layer_types_we_cannot_honour_are_refused(tmp_path):
     from transformers import SmolLM3Config
 
     from tests.reference.hf_models import TINY
 
-    cfg = SmolLM3Config(**dict(TINY, num_hidden_layers=4, use_sliding_window=True, sliding_window=8))
+    cfg = SmolLM3Config(**dict(TINY, num_hidden_layers=4))
+    cfg.layer_types = ["full_attention", "chunked_attention", "full_attention", "full_attention"]
     cfg.architectures = ["SmolLM3ForCausalLM"]
     cfg.save_pretrained(tmp_path)
-    with pytest.raises(Exception, match="layer_types"):
+    with pytest.raises(Exception, match="layer_types.*chunked_attention"):
         LLM(str(tmp_path), load_format="dummy", device="cpu", num_kv_blocks=8, show_progress=False)

@@ -50,6 +50,22 @@ def tiny_config(arch: str, **overrides):
         kw = dict(dict(embedding_multiplier=3.0, attention_multiplier=0.2, residual_multiplier=0.5,
                        logits_scaling=4.0), **kw)
         cfg = GraniteConfig(**kw)
+    elif arch in ("gemma2", "gemma3"):  # windows of 6 keys (shorter than the prompts), soft-caps that bend
+        from transformers import Gemma2Config, Gemma3TextConfig
+
+        gemma = dict(num_hidden_layers=4, head_dim=16, query_pre_attn_scalar=24, sliding_window=6,
+                     pad_token_id=0, bos_token_id=1, eos_token_id=2)
+        if arch == "gemma2":
+            gemma.update(attn_logit_softcapping=4.0, final_logit_softcapping=3.0)
+            cls = Gemma2Config
+        else:  # three local layers, then a global one with its own base and linear scaling
+            gemma.update(layer_types=["sliding_attention"] * 3 + ["full_attention"],
+                         rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                                          "full_attention": {"rope_type": "linear", "factor": 4.0,
+                                                             "rope_theta": 1000000.0}})
+            cls = Gemma3TextConfig
+        kw = dict(TINY, **dict(gemma, **overrides))
+        cfg = cls(**kw)
     elif arch == "olmo2":
         from transformers import Olmo2Config
 

@@ -51,6 +51,10 @@ split-KV / FlashDecoding  (same kernel with NUM_SPLITS > 1, then _split_kv_reduc
     Force either path with TritonAttentionBackend(split_kv=True / False) (num_splits=k to pin the
     count); the default split_kv=None is the heuristic.
 
+AttentionOptions: a sliding window starts each tile's key loop at its first row's window (every tile then
+masked by position from both sides); soft-capping applies cap * tanh(s / cap) to each score tile; sinks start
+the online softmax with the sink as its running max and a sum of 1 (a key with no value), on the plain path.
+
 dtypes: fp32, bf16 and fp16 caches (query/output may be any float dtype; accumulation is fp32).
 Under TRITON_INTERPRET=1 (CPU tests) bf16 dot operands are upcast to fp32 first because the
 interpreter's tl.dot does not handle bf16; the products are identical (bf16 x bf16 is exact in fp32).
@@ -60,7 +64,7 @@ from __future__ import annotations
 
 import torch
 
-from roofline.attention.backend import AttentionBackend, AttentionMetadata
+from roofline.attention.backend import PLAIN, AttentionBackend, AttentionMetadata, AttentionOptions
 from roofline.attention.triton import kernels
 
 SPLIT_MIN_SEQ_LEN = 512
@@ -131,7 +135,8 @@ class TritonAttentionBackend(AttentionBackend):
         splits = _pow2_floor(splits)
         return splits if splits >= 2 else 1
 
-    def forward(self, query, kv_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+    def forward(self, query, kv_cache, meta: AttentionMetadata, scale: float,
+                options: AttentionOptions = PLAIN) -> torch.Tensor:
         num_splits = self.choose_num_splits(meta, kv_cache.shape[3], query.device)
         return kernels.paged_attention(
             query,
@@ -146,4 +151,7 @@ class TritonAttentionBackend(AttentionBackend):
             num_splits=num_splits,
             block_m=self.block_m,
             block_n=self.block_n,
+            sliding_window=options.sliding_window,
+            logit_softcap=options.logit_softcap,
+            sinks=options.sinks,
         )

@@ -21,6 +21,7 @@ import triton
 import triton.language as tl
 
 LOG2E = 1.4426950408889634
+LOG2E_C = tl.constexpr(LOG2E)  # the same, usable inside kernels
 
 
 def interpreting() -> bool:
@@ -138,11 +139,15 @@ def _attn_kv_tile(
     stride_cb,
     stride_cs,
     stride_cd,
+    window,
+    softcap,
     BLOCK_SIZE: tl.constexpr,
     BLOCK_N: tl.constexpr,
     MASKED: tl.constexpr,
     UPCAST_DOT: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    HAS_WINDOW: tl.constexpr = False,
+    HAS_SOFTCAP: tl.constexpr = False,
 ):
     """One BLOCK_N-key step of the online softmax for a [BLOCK_M, D] query tile.
 
@@ -150,6 +155,8 @@ def _attn_kv_tile(
     is found through the block table (one gathered block id per key; with BLOCK_N a multiple of the
     page size that is BLOCK_N // BLOCK_SIZE distinct pages).  MASKED=False is the fast path for
     tiles entirely below the causal diagonal and inside the context: no position masks at all.
+    HAS_WINDOW: a row at position p sees keys p - window + 1 .. p only (always MASKED);
+    HAS_SOFTCAP: scores s (natural units) become softcap * tanh(s / softcap) before the softmax.
     """
     offs_n = start_n + tl.arange(0, BLOCK_N)
     if MASKED:
@@ -170,8 +177,13 @@ def _attn_kv_tile(
     else:
         qk = tl.dot(q, k, input_precision=DOT_PRECISION)
     qk = qk * scale_log2e  # [BLOCK_M, BLOCK_N], base-2 logits
+    if HAS_SOFTCAP:  # cap in natural units: s = qk / log2(e); tanh(x) = 1 - 2 / (exp(2x) + 1)
+        x = qk / (LOG2E_C * softcap)
+        qk = (1.0 - 2.0 / (tl.exp(2.0 * x) + 1.0)) * (softcap * LOG2E_C)
     if MASKED:
         visible = (offs_n[None, :] <= q_pos[:, None]) & n_valid[None, :]
+        if HAS_WINDOW:
+            visible = visible & (offs_n[None, :] > q_pos[:, None] - window)
         qk = tl.where(visible, qk, float("-inf"))
 
     m_new = tl.maximum(m_i, tl.max(qk, 1))
@@ -223,6 +235,9 @@ def _paged_attn_kernel(
     stride_pn,
     stride_ph,
     stride_ps,
+    window,
+    softcap,
+    sinks_ptr,
     QUERIES_PER_KV: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     HEAD_DIM_P: tl.constexpr,
@@ -233,6 +248,9 @@ def _paged_attn_kernel(
     NUM_SPLITS: tl.constexpr,
     UPCAST_DOT: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    HAS_WINDOW: tl.constexpr = False,
+    HAS_SOFTCAP: tl.constexpr = False,
+    HAS_SINKS: tl.constexpr = False,
 ):
     """grid = (num_tokens // BLOCK_Q + num_reqs, H_kv, NUM_SPLITS).
 
@@ -286,6 +304,8 @@ def _paged_attn_kernel(
     kv_end = tl.minimum(seq_len, first_q_pos + BLOCK_Q)  # exclusive; = last row's position + 1
     if NUM_SPLITS == 1:
         kv_lo = kv_end * 0
+        if HAS_WINDOW:  # the tile's first row sees keys from first_q_pos - window + 1: earlier tiles are skipped
+            kv_lo = (tl.maximum(first_q_pos - window + 1, 0) // BLOCK_N) * BLOCK_N
         kv_hi = kv_end
     else:
         seg = tl.cdiv(tl.cdiv(kv_end, NUM_SPLITS), BLOCK_N) * BLOCK_N
@@ -295,6 +315,8 @@ def _paged_attn_kernel(
     # run unmasked, the rest (diagonal and context tail) masked.
     full_hi = tl.minimum(kv_hi, first_q_pos + 1)
     kv_mid = kv_lo + (tl.maximum(full_hi - kv_lo, 0) // BLOCK_N) * BLOCK_N
+    if HAS_WINDOW:  # the window's lower edge differs per row: every tile masked
+        kv_mid = kv_lo
 
     k_base = k_cache_ptr + kv_head.to(tl.int64) * stride_ch
     v_base = v_cache_ptr + kv_head.to(tl.int64) * stride_ch
@@ -302,18 +324,21 @@ def _paged_attn_kernel(
 
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    if HAS_SINKS:  # the sink is a key without a value: the running max starts at it, the sum at exp2(0) = 1
+        m_i = tl.load(sinks_ptr + head, mask=row_valid, other=0.0).to(tl.float32) * LOG2E_C
+        l_i = l_i + 1.0
     acc = tl.zeros([BLOCK_M, HEAD_DIM_P], dtype=tl.float32)
     for start_n in range(kv_lo, kv_mid, BLOCK_N):
         acc, l_i, m_i = _attn_kv_tile(
             acc, l_i, m_i, q, k_base, v_base, bt_row_ptr, start_n, kv_hi, q_pos, offs_d, d_mask,
-            scale_log2e, stride_cb, stride_cs, stride_cd,
-            BLOCK_SIZE, BLOCK_N, False, UPCAST_DOT, DOT_PRECISION,
+            scale_log2e, stride_cb, stride_cs, stride_cd, window, softcap,
+            BLOCK_SIZE, BLOCK_N, False, UPCAST_DOT, DOT_PRECISION, HAS_WINDOW, HAS_SOFTCAP,
         )  # fmt: skip
     for start_n in range(kv_mid, kv_hi, BLOCK_N):
         acc, l_i, m_i = _attn_kv_tile(
             acc, l_i, m_i, q, k_base, v_base, bt_row_ptr, start_n, kv_hi, q_pos, offs_d, d_mask,
-            scale_log2e, stride_cb, stride_cs, stride_cd,
-            BLOCK_SIZE, BLOCK_N, True, UPCAST_DOT, DOT_PRECISION,
+            scale_log2e, stride_cb, stride_cs, stride_cd, window, softcap,
+            BLOCK_SIZE, BLOCK_N, True, UPCAST_DOT, DOT_PRECISION, HAS_WINDOW, HAS_SOFTCAP,
         )  # fmt: skip
 
     l_safe = tl.where(l_i == 0.0, 1.0, l_i)
@@ -379,9 +404,14 @@ def paged_attention(
     block_m: int | None = None,
     block_n: int | None = None,
     out: torch.Tensor | None = None,
+    sliding_window: int | None = None,
+    logit_softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Attention of query [N, H_q, D] over the paged cache (see backend.py for the semantics).
 
+    sliding_window / logit_softcap / sinks: backend.py's AttentionOptions (sinks [H_q] fp32; with sinks
+    the split-KV path is not taken).
     num_splits > 1 runs the split-KV path (partials + reduce); it must be a power of two.
     block_m / block_n override the tile shapes (block_m rows = tokens x GQA group; both powers of
     two >= 16).
@@ -415,6 +445,11 @@ def paged_attention(
     upcast = interpreting() and cache_dtype == torch.bfloat16  # the interpreter's tl.dot mishandles bf16
     precision = "ieee" if cache_dtype == torch.float32 else "tf32"
     scale_log2e = float(scale) * LOG2E
+    if sinks is not None:
+        if sinks.shape != (num_heads,):
+            raise ValueError(f"attention sinks of shape {tuple(sinks.shape)} for {num_heads} query heads")
+        sinks = sinks.to(device=query.device, dtype=torch.float32).contiguous()
+        num_splits = 1  # the sink enters one softmax once: the plain path
 
     if num_splits > 1:
         part_o = torch.empty((num_tokens, num_heads, num_splits, head_dim_p), dtype=torch.float32, device=query.device)
@@ -451,6 +486,9 @@ def paged_attention(
         sp[0],
         sp[1],
         sp[2],
+        int(sliding_window or 0),
+        float(logit_softcap or 0.0),
+        sinks if sinks is not None else out,  # unused without sinks
         QUERIES_PER_KV=group,
         HEAD_DIM=head_dim,
         HEAD_DIM_P=head_dim_p,
@@ -461,6 +499,9 @@ def paged_attention(
         NUM_SPLITS=num_splits,
         UPCAST_DOT=upcast,
         DOT_PRECISION=precision,
+        HAS_WINDOW=sliding_window is not None,
+        HAS_SOFTCAP=logit_softcap is not None,
+        HAS_SINKS=sinks is not None,
         num_warps=8 if block_m >= 128 else 4,
         num_stages=2,
     )

@@ -27,7 +27,7 @@ import torch
 from torch import nn
 
 from roofline.attention import kv_spec
-from roofline.attention.backend import AttentionBackend, AttentionMetadata
+from roofline.attention.backend import PLAIN, AttentionBackend, AttentionMetadata, AttentionOptions
 from roofline.distributed import pipeline
 from roofline.cpu import gemm as cpu_gemm
 from roofline.model_executor.layers.activation import SiluAndMul
@@ -41,6 +41,31 @@ from roofline.model_executor.layers.linear import (
 from roofline.model_executor.layers.norm import RMSNorm
 from roofline.model_executor.layers.rotary import RotaryEmbedding, rope_parameters
 from roofline.model_executor.layers.vocab_embedding import ParallelLMHead, VocabParallelEmbedding
+
+
+LAYER_TYPES = ("full_attention", "sliding_attention")
+
+
+def layer_sliding_window(config, layer_idx: int) -> Optional[int]:
+    """How many keys layer layer_idx's queries see (None: all), as HF reads the config: `layer_types` where
+    the config has it (a "sliding_attention" layer sees `sliding_window` keys; an entry we cannot honour is a
+    start-up error naming it), else `sliding_window` for every layer (Mistral, Mixtral).  A window no shorter
+    than max_position_embeddings is no window."""
+    types = getattr(config, "layer_types", None)
+    if types:
+        if len(types) != config.num_hidden_layers:
+            raise ValueError(f"layer_types has {len(types)} entries for {config.num_hidden_layers} layers")
+        unknown = sorted(set(types) - set(LAYER_TYPES))
+        if unknown:
+            raise ValueError(f"layer_types entries {unknown} are not supported; supported: {list(LAYER_TYPES)}")
+        if types[layer_idx] != "sliding_attention":
+            return None
+        if not getattr(config, "sliding_window", None):
+            raise ValueError("layer_types has sliding_attention layers but sliding_window is not set")
+    window = getattr(config, "sliding_window", None) or None
+    if window is not None and window >= getattr(config, "max_position_embeddings", window + 1):
+        return None  # no position is that far from another: plain causal attention
+    return window
 
 
 class LlamaAttention(nn.Module):
@@ -57,15 +82,19 @@ class LlamaAttention(nn.Module):
         self.q_size, self.kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         self.o_proj = RowParallelLinear(total_heads * self.head_dim, hidden, bias=o_bias)
         self.scale = self.head_dim**-0.5
-        self.rotary = RotaryEmbedding(
-            self.head_dim, config.max_position_embeddings, rope_parameters(config),
-            rotary_dim=int(self.head_dim * getattr(config, "partial_rotary_factor", 1.0)),
-        )
+        rope = rope_parameters(config)
+        # HF 5 keeps partial_rotary_factor in the rope dict (Phi-4-mini); older configs at the top level
+        partial = rope.get("partial_rotary_factor") or getattr(config, "partial_rotary_factor", None) or 1.0
+        self.rotary = RotaryEmbedding(self.head_dim, config.max_position_embeddings, rope,
+                                      rotary_dim=int(self.head_dim * partial))
         eps = config.rms_norm_eps
         self.q_norm = RMSNorm(self.head_dim, eps) if qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, eps) if qk_norm else None
         no_rope = getattr(config, "no_rope_layers", None)  # SmolLM3: 1 = this layer ropes, 0 = it does not
         self.use_rope = bool(no_rope[layer_idx]) if no_rope is not None else True
+        window = layer_sliding_window(config, layer_idx)
+        # sliding window (Mistral, layer_types' sliding layers), soft-cap and sinks (Gemma, gpt-oss add theirs)
+        self.attn_options = PLAIN if window is None else AttentionOptions(sliding_window=window)
 
     def kv_cache_spec(self) -> kv_spec.KVCacheSpec:
         """K and V of this rank's KV heads (the backend's [2, blocks, block_size, H_kv, D] layout)."""
@@ -85,7 +114,7 @@ class LlamaAttention(nn.Module):
         if self.use_rope:
             q, k = self.rotary(positions, q, k, cos_sin)
         self.backend.write_kv(k, v, kv_cache, meta.slot_mapping)
-        o = self.backend.forward(q, kv_cache, meta, self.scale).reshape(n, self.q_size)  # [N, H D]
+        o = self.backend.forward(q, kv_cache, meta, self.scale, self.attn_options).reshape(n, self.q_size)  # [N, H D]
         return self.o_proj(o if keep is None else o[keep])
 
 
@@ -369,12 +398,10 @@ class MistralForCausalLM(LlamaForCausalLM):
 
 
 class SmolLM3ForCausalLM(LlamaForCausalLM):
-    """SmolLM3: Llama with every `no_rope_layer_interval`-th layer attending without rope (no_rope_layers)."""
+    """SmolLM3: Llama with every `no_rope_layer_interval`-th layer attending without rope (no_rope_layers); its
+    sliding layers (use_sliding_window) follow layer_types like every Llama-family model's."""
 
     def __init__(self, config, backend: AttentionBackend):
-        if any(t != "full_attention" for t in (getattr(config, "layer_types", None) or [])):
-            raise ValueError(f"layer_types {sorted(set(config.layer_types))}: sliding-window layers are not "
-                             "supported yet (use_sliding_window)")
         no_rope = getattr(config, "no_rope_layers", None)
         if no_rope is not None and len(no_rope) != config.num_hidden_layers:
             raise ValueError(f"no_rope_layers has {len(no_rope)} entries for {config.num_hidden_layers} layers")

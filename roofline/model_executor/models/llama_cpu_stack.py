@@ -27,7 +27,7 @@ from typing import Optional
 import torch
 
 from roofline.attention import kv_spec
-from roofline.attention.backend import AttentionMetadata
+from roofline.attention.backend import PLAIN, AttentionMetadata
 from roofline.config import Switch
 from roofline.cpu import ops as cpu_ops
 from roofline.cpu.gguf_quant import QuantizedTensor
@@ -137,6 +137,10 @@ class CpuLayerStack:
             a, m = layer.self_attn, layer.mlp
             if not hasattr(layer, "input_layernorm") or getattr(a, "full_qk_norm", False):
                 return f"layer {i} is not a pre-norm Llama layer (OLMo 2's post-norms and whole-projection q/k norms)"
+            if not getattr(a, "attn_options", PLAIN).plain:
+                return f"layer {i}: a sliding window, soft-capped logits or sinks (the stack attends plainly)"
+            if getattr(m, "activation", "silu") != "silu":
+                return f"layer {i}: a {m.activation} gate (the stack's MLP is SwiGLU)"
             if not getattr(a, "use_rope", True):
                 return f"layer {i} attends without rope (SmolLM3's no_rope_layers)"
             if getattr(layer, "residual_multiplier", 1.0) != 1.0:

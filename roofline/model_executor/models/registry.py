@@ -7,6 +7,7 @@ from roofline.model_executor.models.deepseek import (
     DeepseekV3ForCausalLM,
     DeepseekV32ForCausalLM,
 )
+from roofline.model_executor.models.gemma import Gemma2ForCausalLM, Gemma3ForCausalLM
 from roofline.model_executor.models.llama import (
     GraniteForCausalLM,
     LlamaForCausalLM,
@@ -30,6 +31,8 @@ MODEL_REGISTRY = {
     "SmolLM3ForCausalLM": SmolLM3ForCausalLM,
     "GraniteForCausalLM": GraniteForCausalLM,
     "Olmo2ForCausalLM": Olmo2ForCausalLM,
+    "Gemma2ForCausalLM": Gemma2ForCausalLM,
+    "Gemma3ForCausalLM": Gemma3ForCausalLM,
     "MixtralForCausalLM": MixtralForCausalLM,
     "Qwen2MoeForCausalLM": Qwen2MoeForCausalLM,
     "Qwen3MoeForCausalLM": Qwen3MoeForCausalLM,
