@@ -24,6 +24,16 @@ TINY_MOE = {
 }
 
 
+# Phi-3 LongRoPE: sequences longer than this take the long factors in HF (and always here: 512 > 16)
+PHI3_ORIGINAL_MAX_POSITIONS = 16
+
+
+def phi3_longrope(**overrides) -> dict:
+    """A fresh LongRoPE dict for the tiny Phi-3 (rotary dim 12: head 16 x 0.75, so 6 factors each)."""
+    return dict(dict(rope_type="longrope", rope_theta=10000.0, short_factor=[1.0, 1.05, 1.1, 1.2, 1.3, 1.5],
+                     long_factor=[1.0, 1.5, 2.5, 4.0, 7.0, 12.0]), **overrides)
+
+
 def tiny_config(arch: str, **overrides):
     from transformers import LlamaConfig, MixtralConfig, Qwen2Config, Qwen2MoeConfig, Qwen3Config, Qwen3MoeConfig
 
@@ -50,6 +60,13 @@ def tiny_config(arch: str, **overrides):
         kw = dict(dict(embedding_multiplier=3.0, attention_multiplier=0.2, residual_multiplier=0.5,
                        logits_scaling=4.0), **kw)
         cfg = GraniteConfig(**kw)
+    elif arch == "phi3":  # LongRoPE past a 16-token pretraining window (attention factor 1.5), partial rope
+        from transformers import Phi3Config
+
+        phi3 = dict(pad_token_id=None, bos_token_id=1, eos_token_id=2, sliding_window=None,
+                    original_max_position_embeddings=PHI3_ORIGINAL_MAX_POSITIONS, partial_rotary_factor=0.75,
+                    rope_parameters=phi3_longrope())
+        cfg = Phi3Config(**dict(phi3, **kw))
     elif arch in ("gemma2", "gemma3"):  # windows of 6 keys (shorter than the prompts), soft-caps that bend
         from transformers import Gemma2Config, Gemma3TextConfig
 

@@ -1,7 +1,24 @@
-"""Rotary position embedding (rotate-half form) with the rope-scaling variants of the Llama family.
+"""Rotary position embedding (rotate-half form) with the rope-scaling variants of the Llama family and
+Phi-3's LongRoPE.
 
 cos/sin are precomputed for every position up to max_position; a batch indexes them by its flat
-positions tensor, so no per-request work happens here.
+positions tensor, so no per-request work happens here.  A rope type not listed in SUPPORTED_ROPE_TYPES
+is a start-up error naming the field (`rope_parameters['rope_type']`, `rope_scaling.type` in older configs).
+
+LongRoPE (`longrope`: Phi-3 / Phi-3.5 / Phi-4): inv_freq = 1 / (ext * theta^(2i/d)) with ext the
+per-frequency `short_factor` or `long_factor`, and cos/sin scaled by the attention factor (mscale):
+`attention_factor` if given, else sqrt(1 + ln(s) / ln(original_max_position_embeddings)) for
+s = `factor` or max_position_embeddings / original_max_position_embeddings (1 for s <= 1), as HF.
+HF transformers picks the factors per forward call: `long_factor` once the sequence is longer than
+original_max_position_embeddings, `short_factor` before, and its Phi-3 generate() drops the KV cache
+and re-encodes the whole sequence when it crosses that length.  A paged engine cannot follow that
+switch: K/V already in the cache (and prefix-cache blocks shared by requests of different lengths) keep
+the rotation they were written with, and a batch mixes short and long requests.  So the factors are
+chosen once, from the config: `long_factor` iff max_position_embeddings > original_max_position_embeddings
+(the model is configured for contexts past its pretraining window; vLLM's choice too), else
+`short_factor`.  This equals HF exactly for a model whose max_position_embeddings is within the original
+window, and for every sequence longer than that window otherwise; a shorter sequence on a long-context
+model gets the long factors where HF would use the short ones.
 """
 
 from __future__ import annotations
@@ -14,7 +31,7 @@ from torch import nn
 
 from roofline.model_executor.layers import fused_ops
 
-SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "dynamic", "yarn")
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "dynamic", "yarn", "longrope")
 
 
 def rope_parameters(hf_config) -> dict:
@@ -26,7 +43,35 @@ def rope_parameters(hf_config) -> dict:
     if "rope_type" not in params:
         params["rope_type"] = params.get("type", "default")
     params.setdefault("rope_theta", getattr(hf_config, "rope_theta", 10000.0))
+    if params["rope_type"] == "longrope" and getattr(hf_config, "original_max_position_embeddings", None):
+        # Phi-3 keeps the pretraining window at the top level; HF gives it priority over the rope dict's
+        params["original_max_position_embeddings"] = hf_config.original_max_position_embeddings
     return params
+
+
+def _longrope(params: dict, dim: int, max_position: int) -> tuple[torch.Tensor, float]:
+    """LongRoPE's inv_freq [dim/2] and attention factor, the factors chosen from the config (module doc)."""
+    def field(key):
+        if params.get(key) is None:
+            raise ValueError(f"rope_parameters['{key}'] is required for rope_type 'longrope'")
+        return params[key]
+
+    original = int(field("original_max_position_embeddings"))
+    use_long = max_position > original
+    key = "long_factor" if use_long else "short_factor"
+    ext = field(key)
+    field("short_factor" if use_long else "long_factor")  # both belong to a longrope config
+    if len(ext) != dim // 2:
+        raise ValueError(f"rope_parameters['{key}'] has {len(ext)} entries; the rotary dimension {dim} needs "
+                         f"{dim // 2}")
+    factor = params.get("factor")
+    factor = float(factor) if factor is not None else max_position / original
+    attention_factor = params.get("attention_factor")
+    if attention_factor is None:
+        attention_factor = 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(original))
+    exponent = torch.arange(0, dim, 2, dtype=torch.int64).float() / dim
+    inv_freq = 1.0 / (torch.tensor(ext, dtype=torch.float32) * float(params["rope_theta"]) ** exponent)
+    return inv_freq, float(attention_factor)
 
 
 def _inv_freq(params: dict, dim: int, max_position: int) -> tuple[torch.Tensor, float]:
@@ -77,12 +122,15 @@ def _inv_freq(params: dict, dim: int, max_position: int) -> tuple[torch.Tensor, 
         extrapolation = 1 - ramp
         pos_freqs = base ** (torch.arange(0, dim, 2).float() / dim)
         inv_freq = (1.0 / (factor * pos_freqs)) * (1 - extrapolation) + (1.0 / pos_freqs) * extrapolation
+    elif rope_type == "longrope":
+        inv_freq, attention_factor = _longrope(params, dim, max_position)
     elif rope_type == "dynamic":
         # Dynamic NTK scaling changes with sequence length; for lengths within the original window
         # it equals the default rope, which is what we support (max_model_len is capped there).
         pass
     else:
-        raise ValueError(f"unsupported rope_type {rope_type!r}; supported: {SUPPORTED_ROPE_TYPES}")
+        raise ValueError(f"unsupported rope_parameters['rope_type'] (rope_scaling.type) {rope_type!r}; "
+                         f"supported: {SUPPORTED_ROPE_TYPES}")
     return inv_freq, attention_factor
 
 

@@ -18,6 +18,7 @@ from roofline.model_executor.models.llama import (
 )
 from roofline.model_executor.models.mixtral import MixtralForCausalLM
 from roofline.model_executor.models.olmo2 import Olmo2ForCausalLM
+from roofline.model_executor.models.phi3 import Phi3ForCausalLM
 from roofline.model_executor.models.qwen_moe import Qwen2MoeForCausalLM, Qwen3MoeForCausalLM
 
 MODEL_REGISTRY = {
@@ -31,6 +32,7 @@ MODEL_REGISTRY = {
     "SmolLM3ForCausalLM": SmolLM3ForCausalLM,
     "GraniteForCausalLM": GraniteForCausalLM,
     "Olmo2ForCausalLM": Olmo2ForCausalLM,
+    "Phi3ForCausalLM": Phi3ForCausalLM,
     "Gemma2ForCausalLM": Gemma2ForCausalLM,
     "Gemma3ForCausalLM": Gemma3ForCausalLM,
     "MixtralForCausalLM": MixtralForCausalLM,
