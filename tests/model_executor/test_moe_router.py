@@ -1,7 +1,7 @@
 """Routing (roofline/model_executor/layers/moe/router.py) against HF transformers' own router modules:
 the same hidden states and gate weight through both, the same experts chosen (ties included: experts
 with identical gate rows, all-zero hidden states) and the same weights; DeepSeek-V3's correction bias
-steers the choice but not the weights; configs we cannot serve fail naming the field."""
+steers the choice but not the weights (GLM-4.5 routes as V3); configs we cannot serve fail naming the field."""
 
 from __future__ import annotations
 
@@ -29,9 +29,11 @@ def _gate_weight(seed=1):
 
 
 def _hf_router(kind: str, **cfg):
-    from transformers import DeepseekV2Config, DeepseekV3Config, MixtralConfig, Qwen2MoeConfig, Qwen3MoeConfig
+    from transformers import (DeepseekV2Config, DeepseekV3Config, Glm4MoeConfig, MixtralConfig, Qwen2MoeConfig,
+                              Qwen3MoeConfig)
     from transformers.models.deepseek_v2.modeling_deepseek_v2 import DeepseekV2TopkRouter
     from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3TopkRouter
+    from transformers.models.glm4_moe.modeling_glm4_moe import Glm4MoeTopkRouter
     from transformers.models.mixtral.modeling_mixtral import MixtralTopKRouter
     from transformers.models.qwen2_moe.modeling_qwen2_moe import Qwen2MoeTopKRouter
     from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeTopKRouter
@@ -42,6 +44,7 @@ def _hf_router(kind: str, **cfg):
         "qwen3_moe": (Qwen3MoeConfig, Qwen3MoeTopKRouter, dict(num_experts=E)),
         "deepseek_v2": (DeepseekV2Config, DeepseekV2TopkRouter, dict(n_routed_experts=E)),
         "deepseek_v3": (DeepseekV3Config, DeepseekV3TopkRouter, dict(n_routed_experts=E)),
+        "glm4_moe": (Glm4MoeConfig, Glm4MoeTopkRouter, dict(n_routed_experts=E)),
     }
     config_cls, router_cls, experts = table[kind]
     cfg.setdefault("num_experts_per_tok", 2)
@@ -63,6 +66,8 @@ CASES = {
                                           routed_scaling_factor=2.5)),
     "dsv3_no_renorm": ("deepseek_v3", dict(num_experts_per_tok=2, n_group=2, topk_group=1, norm_topk_prob=False,
                                            routed_scaling_factor=1.0)),
+    "glm4_moe_grouped": ("glm4_moe", dict(num_experts_per_tok=4, n_group=4, topk_group=2, norm_topk_prob=True,
+                                          routed_scaling_factor=2.5)),
 }
 
 
@@ -82,7 +87,7 @@ def test_routing_matches_hf_router(case):
     routing = routing_from_hf_config(config)
     x = _hidden()
     bias = None
-    if kind == "deepseek_v3":
+    if kind in ("deepseek_v3", "glm4_moe"):
         with torch.no_grad():
             router.e_score_correction_bias.copy_(torch.linspace(-0.3, 0.3, E))
         bias = router.e_score_correction_bias
@@ -137,6 +142,8 @@ def test_group_limit_keeps_choice_inside_chosen_groups():
     ("deepseek_v3", dict(scoring_func="tanh"), "scoring_func"),
     ("deepseek_v2", dict(topk_method="group_limited_greedy", n_group=3, topk_group=1), "n_group"),
     ("deepseek_v3", dict(n_group=4, topk_group=5), "topk_group"),
+    ("glm4_moe", dict(topk_method="greedy"), "topk_method"),  # HF's GLM router is always V3's
+    ("glm4_moe", dict(scoring_func="softmax"), "scoring_func"),
     ("mixtral", dict(num_experts_per_tok=E + 1), "num_experts_per_tok"),
 ])
 def test_unservable_routing_names_the_field(kind, cfg, field):

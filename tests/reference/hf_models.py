@@ -60,6 +60,14 @@ def tiny_config(arch: str, **overrides):
         kw = dict(dict(embedding_multiplier=3.0, attention_multiplier=0.2, residual_multiplier=0.5,
                        logits_scaling=4.0), **kw)
         cfg = GraniteConfig(**kw)
+    elif arch == "glm4_moe":  # GLM-4.5: 3 layers, the first dense; grouped sigmoid routing, partial rope, q/k norm
+        from transformers import Glm4MoeConfig
+
+        glm = dict(num_hidden_layers=3, head_dim=32, first_k_dense_replace=1, n_routed_experts=8, num_experts_per_tok=2,
+                   moe_intermediate_size=32, n_shared_experts=1, n_group=4, topk_group=2, routed_scaling_factor=2.5,
+                   norm_topk_prob=True, use_qk_norm=True, attention_bias=True, partial_rotary_factor=0.5)
+        kw = dict(TINY, **dict(glm, **overrides))
+        cfg = Glm4MoeConfig(**kw)
     elif arch == "phi3":  # LongRoPE past a 16-token pretraining window (attention factor 1.5), partial rope
         from transformers import Phi3Config
 
@@ -104,6 +112,9 @@ def build_tiny_model(arch: str, path: str, seed: int = 0, **overrides):
         for name, p in model.named_parameters():
             if name.endswith("bias") or "norm" in name:
                 p.add_(torch.randn_like(p) * 0.1)
+        for name, b in model.named_buffers():  # DeepSeek-V3-style routers (GLM-4.5): steer the choice
+            if name.endswith("e_score_correction_bias"):
+                b.add_(torch.randn_like(b) * 0.1)
     model.eval()
     os.makedirs(path, exist_ok=True)
     model.save_pretrained(path, safe_serialization=True)

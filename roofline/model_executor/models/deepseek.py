@@ -187,7 +187,8 @@ class DeepseekMLA(nn.Module):
 
 
 class DeepseekMoE(nn.Module):
-    """Router (fp32 logits), routed experts (FusedMoE) and shared experts; one all-reduce under TP."""
+    """Router (fp32 logits), routed experts (FusedMoE) and shared experts; one all-reduce under TP.
+    GLM-4.5's MoE layers are this block too (glm4_moe.py)."""
 
     def __init__(self, config, v3: bool):
         super().__init__()

@@ -1,8 +1,8 @@
 """Llama-family decoders whose feed-forward blocks are mixtures of experts (Mixtral, Qwen2-MoE,
-Qwen3-MoE): the attention, norms, embeddings and LM head of llama.py, each layer's MLP chosen by
-`make_mlp` (a `SparseMoeBlock` or a dense LlamaMLP), and checkpoint loading that routes expert tensors
-(per expert or stacked 3-D) into the FusedMoE layers and fails naming any expert projection the
-checkpoint lacks.
+Qwen3-MoE, GLM-4.5): the attention, norms, embeddings and LM head of llama.py, each layer's MLP chosen by
+`make_mlp` (a `SparseMoeBlock`, GLM-4.5's deepseek.DeepseekMoE or a dense LlamaMLP), and checkpoint
+loading that routes expert tensors (per expert or stacked 3-D) into the FusedMoE layers and fails naming
+any expert projection the checkpoint lacks.
 
 The native CPU layer stack (llama_cpu_stack.py) does not apply to these models (it needs dense MLPs);
 their layers run as modules, the experts on cpu_experts.py's packed GEMMs.

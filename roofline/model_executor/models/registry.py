@@ -7,6 +7,7 @@ from roofline.model_executor.models.deepseek import (
     DeepseekV3ForCausalLM,
     DeepseekV32ForCausalLM,
 )
+from roofline.model_executor.models.glm4_moe import Glm4MoeForCausalLM
 from roofline.model_executor.models.gemma import Gemma2ForCausalLM, Gemma3ForCausalLM
 from roofline.model_executor.models.llama import (
     GraniteForCausalLM,
@@ -32,12 +33,13 @@ MODEL_REGISTRY = {
     "SmolLM3ForCausalLM": SmolLM3ForCausalLM,
     "GraniteForCausalLM": GraniteForCausalLM,
     "Olmo2ForCausalLM": Olmo2ForCausalLM,
-    "Phi3ForCausalLM": Phi3ForCausalLM,
     "Gemma2ForCausalLM": Gemma2ForCausalLM,
     "Gemma3ForCausalLM": Gemma3ForCausalLM,
+    "Phi3ForCausalLM": Phi3ForCausalLM,
     "MixtralForCausalLM": MixtralForCausalLM,
     "Qwen2MoeForCausalLM": Qwen2MoeForCausalLM,
     "Qwen3MoeForCausalLM": Qwen3MoeForCausalLM,
+    "Glm4MoeForCausalLM": Glm4MoeForCausalLM,
 }
 
 

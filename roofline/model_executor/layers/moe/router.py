@@ -5,9 +5,11 @@ One function, `select_experts`, covers every router the served architectures use
     softmax top-k, weights renormalized          Mixtral, Qwen-MoE with norm_topk_prob
     grouped top-k ("max" group score)            DeepSeek-V2 group_limited_greedy: keep the topk_group groups
                                                  whose best expert scores highest, then top-k inside them
-    sigmoid + correction bias, grouped top-k     DeepSeek-V3 noaux_tc: the bias (e_score_correction_bias) is
-      ("top2_sum" group score)                   added for the choice only; a group scores the sum of its two
-                                                 best biased scores; weights are the unbiased sigmoid scores
+    sigmoid + correction bias, grouped top-k     DeepSeek-V3 noaux_tc, and GLM-4.5 (glm4_moe, whose HF router
+      ("top2_sum" group score)                   is V3's and reads no topk_method / scoring_func): the bias
+                                                 (e_score_correction_bias) is added for the choice only; a
+                                                 group scores the sum of its two best biased scores; weights
+                                                 are the unbiased sigmoid scores
 and routed_scaling_factor multiplies the final weights.  The selection uses torch.topk on the same
 float32 values as HF transformers' routers, so ties resolve the same way.
 
@@ -102,16 +104,22 @@ def num_routed_experts(hf_config) -> int:
 
 
 def routing_from_hf_config(hf_config) -> RoutingConfig:
-    """The RoutingConfig of an HF MoE config (Mixtral, Qwen2-MoE, Qwen3-MoE, DeepSeek-V2/V3), validated."""
+    """The RoutingConfig of an HF MoE config (Mixtral, Qwen2-MoE, Qwen3-MoE, DeepSeek-V2/V3, GLM-4.5),
+    validated."""
     model_type = getattr(hf_config, "model_type", "")
     top_k = int(getattr(hf_config, "num_experts_per_tok", 0) or 0)
     scale = float(getattr(hf_config, "routed_scaling_factor", None) or 1.0)
     if model_type == "mixtral":
         cfg = RoutingConfig(top_k=top_k, renormalize=True)
-    elif model_type in ("deepseek_v2", "deepseek_v3", "deepseek_v32"):
+    elif model_type in ("deepseek_v2", "deepseek_v3", "deepseek_v32", "glm4_moe"):
         v3 = model_type != "deepseek_v2"
         method = getattr(hf_config, "topk_method", None) or ("noaux_tc" if v3 else "greedy")
         scoring = getattr(hf_config, "scoring_func", None) or ("sigmoid" if v3 else "softmax")
+        if model_type == "glm4_moe":  # HF's GLM router is V3's whatever the config says: refuse another
+            for field, value, fixed in (("topk_method", method, "noaux_tc"), ("scoring_func", scoring, "sigmoid")):
+                if value != fixed:
+                    raise ValueError(f"{field} {value!r} is not supported for glm4_moe (its router is always "
+                                     f"{fixed}, as HF transformers' Glm4MoeTopkRouter computes it)")
         if scoring not in SCORINGS:
             raise ValueError(f"scoring_func {scoring!r} is not supported (supported: {', '.join(SCORINGS)})")
         groups = int(getattr(hf_config, "n_group", None) or 1)
