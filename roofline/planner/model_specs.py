@@ -67,6 +67,10 @@ class ModelSpec:
     shared_intermediate_size: int = 0  # total width of always-on shared expert(s) per MoE layer
     shared_expert_gate: bool = False  # Qwen2-MoE: a [1 x hidden] gate scales the shared expert per token
     num_moe_layers: int = 0
+    # sliding-window attention (Mistral, Gemma 2/3, gpt-oss, Phi-3-mini): num_sliding_layers of the layers see
+    # only the last sliding_window positions; 0: none
+    sliding_window: int = 0
+    num_sliding_layers: int = 0
     native_dtype: str = "bf16"  # dtype of the released checkpoint
     weight_block_elems: int = 0  # FP8 block checkpoints: weights per fp32 scale (128 x 128); 0: none
 
@@ -174,8 +178,16 @@ class ModelSpec:
         return 2 * math.ceil(self.num_kv_heads / tp) * self.head_dim
 
     def attended_positions(self, context: float) -> float:
-        """Positions one query token attends to: its context, or DSA's index_topk of it."""
+        """Positions one query token attends to in a full-attention layer: its context, or DSA's index_topk
+        of it."""
         return min(context, self.index_topk) if self.is_dsa else context
+
+    def attended_layer_positions(self, context: float) -> float:
+        """Positions one query token attends to, summed over the layers: a sliding layer sees at most
+        sliding_window of them (and reads only those: the kernels skip blocks before the window)."""
+        sliding = self.num_sliding_layers if self.sliding_window else 0
+        return ((self.num_layers - sliding) * self.attended_positions(context)
+                + sliding * min(context, self.sliding_window))
 
     def indexed(self, context: float) -> bool:
         """Whether DSA's indexer scores this context (longer than index_topk; a shorter one is dense)."""
@@ -184,14 +196,15 @@ class ModelSpec:
     def kv_bytes_read_per_token(self, context: float, kv_dtype_bytes: float, tp: int = 1) -> float:
         """Cache bytes one decode token reads over all layers at this context: every position's K/V or latent;
         under DSA every position's index key and only the kept positions' latent rows."""
-        if not self.is_dsa:
-            return context * self.kv_bytes_per_token(kv_dtype_bytes, tp)
+        if not self.is_dsa:  # sliding layers: their window's positions only
+            return self.attended_layer_positions(context) * self.kv_values_per_token_per_layer(tp) * kv_dtype_bytes
         latent = self.kv_lora_rank + self.qk_rope_head_dim
         keys = context * self.index_head_dim if self.indexed(context) else 0.0
         return self.num_layers * (keys + self.attended_positions(context) * latent) * kv_dtype_bytes
 
     def kv_bytes_per_token(self, kv_dtype_bytes: float, tp: int = 1) -> float:
-        """KV-cache bytes one token occupies on one GPU, summed over all layers."""
+        """KV-cache bytes one token occupies on one GPU, summed over all layers (sliding layers included: the
+        pool keeps every layer's blocks for a request's whole context today)."""
         return self.num_layers * self.kv_values_per_token_per_layer(tp) * kv_dtype_bytes
 
     # ---- attention FLOPs -------------------------------------------------------------------
@@ -207,8 +220,11 @@ class ModelSpec:
         the indexer's scores over the whole context (index_n_heads x index_head_dim a position) and attention
         over index_topk positions in decodes (prefill chunks run dense attention under a mask: all of them)."""
         d_qk, d_v = self.attention_dims(phase)
-        attended = self.attended_positions(context) if phase == "decode" else context
-        flops = 2.0 * attended * self.num_heads * (d_qk + d_v) * self.num_layers
+        if self.is_dsa:
+            attended = (self.attended_positions(context) if phase == "decode" else context) * self.num_layers
+        else:  # sliding layers see their window only, in prefill and decode alike
+            attended = self.attended_layer_positions(context)
+        flops = 2.0 * attended * self.num_heads * (d_qk + d_v)
         return flops + self.indexer_flops_per_token(context)
 
     def indexer_flops_per_token(self, context: float) -> float:
@@ -238,6 +254,8 @@ class ModelSpec:
                                      f"{self.index_head_dim}")
         if self.is_moe:
             d["experts"] = f"{self.num_experts_per_tok}/{self.num_experts}"
+        if self.sliding_window and self.num_sliding_layers:
+            d["sliding_window"] = f"{self.num_sliding_layers} of {self.num_layers} layers see {self.sliding_window}"
         return d
 
     # ---- construction ----------------------------------------------------------------------
@@ -292,6 +310,7 @@ class ModelSpec:
             )
 
         qk_norm = str(get("model_type", "")).startswith("qwen3") or bool(get("use_qk_norm", False))
+        window, sliding = _sliding_layers(cfg, layers)
         return cls(
             name=name or str(get("_name_or_path") or get("model_type") or "model"),
             num_layers=layers,
@@ -307,9 +326,26 @@ class ModelSpec:
             qk_norm=qk_norm,
             native_dtype=_native_dtype(cfg),
             weight_block_elems=_weight_block_elems(cfg),
+            sliding_window=window,
+            num_sliding_layers=sliding,
             **mla,
             **moe,
         )
+
+
+def _sliding_layers(cfg: Dict[str, Any], layers: int) -> tuple:
+    """(sliding_window, how many layers slide), as the engine reads the config (llama.layer_sliding_window):
+    `layer_types`' sliding_attention layers where the config lists them, else every layer when a model-wide
+    sliding_window is shorter than max_position_embeddings (Mistral); (0, 0) without a window."""
+    window = int(cfg.get("sliding_window") or 0)
+    if not window:
+        return 0, 0
+    types = cfg.get("layer_types")
+    if types:
+        return window, sum(1 for t in types if t == "sliding_attention")
+    if window >= int(cfg.get("max_position_embeddings") or window + 1):
+        return 0, 0
+    return window, layers
 
 
 def _config_to_dict(config: Any) -> Dict[str, Any]:

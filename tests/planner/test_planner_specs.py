@@ -173,3 +173,39 @@ def test_paged_never_worse_than_naive():
     assert r["paged_max_seqs"] >= r["naive_max_seqs"] >= r["max_seqs_at_context"] - 1
     assert r["kv_tokens"] == r["kv_blocks"] * 16
     assert math.isfinite(r["saturation_batch"])
+
+
+def test_sliding_window_layers_read_their_window_only():
+    """Gemma-3-1B's shape: 22 of 26 layers see their last 512 positions.  A decode token at 32k reads 4 full
+    layers' keys and values and 22 windows; the pool still holds every layer's (capacity unchanged); the planner
+    counts exactly the layers the engine gives a window (llama.layer_sliding_window)."""
+    from transformers import Gemma3TextConfig
+
+    from roofline.model_executor.models.llama import layer_sliding_window
+    from roofline.planner.model_specs import ModelSpec
+
+    cfg = Gemma3TextConfig(hidden_size=1152, intermediate_size=6912, num_hidden_layers=26, num_attention_heads=4,
+                           num_key_value_heads=1, head_dim=256, sliding_window=512, vocab_size=262144,
+                           max_position_embeddings=32768)
+    spec = ModelSpec.from_hf_config(cfg)
+    engine_windows = [layer_sliding_window(cfg, i) for i in range(26)]
+    assert (spec.sliding_window, spec.num_sliding_layers) == (512, sum(w == 512 for w in engine_windows)) == (512, 22)
+    per_layer = 2 * 1 * 256 * 2  # K and V, one KV head of 256, bf16
+    assert spec.kv_bytes_read_per_token(32768, 2) == (4 * 32768 + 22 * 512) * per_layer
+    assert spec.kv_bytes_read_per_token(300, 2) == 26 * 300 * per_layer  # within the window: every layer reads all
+    assert spec.kv_bytes_per_token(2) == 26 * per_layer
+    assert spec.attention_flops_per_token(32768) == 2.0 * (4 * 32768 + 22 * 512) * 4 * (256 + 256)
+    assert "22 of 26 layers see 512" in spec.summary()["sliding_window"]
+
+
+def test_a_model_wide_window_slides_every_layer_unless_it_spans_the_context():
+    from transformers import LlamaConfig, MistralConfig
+
+    from roofline.planner.model_specs import ModelSpec
+
+    small = dict(hidden_size=256, intermediate_size=512, num_hidden_layers=4, num_attention_heads=4, vocab_size=1000)
+    mistral = ModelSpec.from_hf_config(MistralConfig(sliding_window=4096, max_position_embeddings=32768, **small))
+    assert (mistral.sliding_window, mistral.num_sliding_layers) == (4096, 4)
+    spanning = ModelSpec.from_hf_config(MistralConfig(sliding_window=4096, max_position_embeddings=4096, **small))
+    assert spanning.num_sliding_layers == 0
+    assert ModelSpec.from_hf_config(LlamaConfig(**small)).num_sliding_layers == 0
