@@ -76,23 +76,58 @@ def resolve_source(model: Optional[str], load_format: str = "auto") -> ModelSour
                      "(expected *.safetensors with config.json, or a .gguf file)")
 
 
+def _gguf_path(src: ModelSource) -> str:
+    return os.path.abspath(os.path.join(src.path, src.gguf_file))
+
+
+def _gguf_config(src: ModelSource) -> Any:
+    """The GGUF file's config: built by gguf_archs for the families it maps (gemma2, gemma3, phi3, olmo2,
+    granite, glm4moe, smollm3; a key or tensor it cannot honour fails here, naming it), by transformers'
+    GGUF reader for the others (llama, mistral, qwen2, qwen3, mixtral, qwen2moe, qwen3moe)."""
+    from transformers import AutoConfig
+
+    from roofline.model_executor.loader import gguf_archs
+
+    path = _gguf_path(src)
+    if gguf_archs.file_architecture(path) in gguf_archs.ARCHS:
+        return gguf_archs.hf_config(path)
+    return AutoConfig.from_pretrained(src.path, gguf_file=src.gguf_file)
+
+
+def _gguf_tokenizer(src: ModelSource):
+    """The GGUF file's tokenizer (None: gguf_archs' families without tokenizer metadata)."""
+    from transformers import AutoTokenizer
+
+    from roofline.model_executor.loader import gguf_archs
+
+    path = _gguf_path(src)
+    if gguf_archs.file_architecture(path) in gguf_archs.ARCHS:
+        return gguf_archs.tokenizer(path)
+    return AutoTokenizer.from_pretrained(src.path, gguf_file=src.gguf_file)
+
+
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+
+
 def gguf_metadata_dir(src: ModelSource) -> Optional[str]:
     """A directory holding the GGUF file's config and tokenizer in HF format, or None.
 
     transformers rebuilds both from the GGUF metadata by parsing the whole file (the 49k-entry
     vocabulary and merges: seconds each, once for the config and once for the tokenizer).  The
     first load saves what it built under cache_dir()/gguf-<key>, the key naming the file's path,
-    size and modification time and the transformers version; later loads read those small files.
-    Without a writable cache the GGUF is parsed every time, as before.
+    size and modification time, the transformers version and gguf_archs.MAPPING_VERSION; later loads
+    read those small files (a file without a tokenizer leaves none there).  Without a writable cache the
+    GGUF is parsed every time, as before.
     """
     import transformers
-    from transformers import AutoConfig, AutoTokenizer
 
     from roofline.config import cache_dir
+    from roofline.model_executor.loader import gguf_archs
 
-    gguf_path = os.path.abspath(os.path.join(src.path, src.gguf_file))
+    gguf_path = _gguf_path(src)
     st = os.stat(gguf_path)
-    ident = f"{gguf_path}|{st.st_size}|{st.st_mtime_ns}|{transformers.__version__}"
+    ident = (f"{gguf_path}|{st.st_size}|{st.st_mtime_ns}|{transformers.__version__}|"
+             f"gguf-archs-{gguf_archs.MAPPING_VERSION}")
     target = cache_dir() / f"gguf-{hashlib.sha256(ident.encode()).hexdigest()[:16]}"
     if (target / "config.json").exists():
         return str(target)
@@ -103,8 +138,10 @@ def gguf_metadata_dir(src: ModelSource) -> Optional[str]:
         logger.debug("no GGUF metadata cache (%s): parsing %s", e, gguf_path)
         return None
     try:
-        AutoConfig.from_pretrained(src.path, gguf_file=src.gguf_file).save_pretrained(tmp)
-        AutoTokenizer.from_pretrained(src.path, gguf_file=src.gguf_file).save_pretrained(tmp)
+        _gguf_config(src).save_pretrained(tmp)
+        tok = _gguf_tokenizer(src)
+        if tok is not None:
+            tok.save_pretrained(tmp)
         os.rename(tmp, target)  # atomic: a concurrent loader sees all of it or none
     except OSError as e:  # full disk, or another process renamed its copy first
         logger.debug("GGUF metadata not cached (%s)", e)
@@ -122,7 +159,7 @@ def load_hf_config(src: ModelSource) -> Any:
             config = AutoConfig.from_pretrained(cached)
             config._name_or_path = src.path  # as if read from the GGUF itself
             return config
-        return AutoConfig.from_pretrained(src.path, gguf_file=src.gguf_file)
+        return _gguf_config(src)
     return AutoConfig.from_pretrained(src.path)
 
 
@@ -135,12 +172,19 @@ def load_tokenizer(src: ModelSource, tokenizer: Optional[str] = None):
     if src.fmt == "gguf":
         cached = gguf_metadata_dir(src)
         if cached is not None:
+            if not any(os.path.exists(os.path.join(cached, f)) for f in _TOKENIZER_FILES):
+                logger.warning("GGUF file %s has no tokenizer metadata: only token-id prompts will be accepted",
+                               src.gguf_file)
+                return None
             tok = AutoTokenizer.from_pretrained(cached)
             tok.name_or_path = src.path
             return tok
-        return AutoTokenizer.from_pretrained(src.path, gguf_file=src.gguf_file)
-    tok_files = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
-    if not any(os.path.exists(os.path.join(src.path, f)) for f in tok_files):
+        tok = _gguf_tokenizer(src)
+        if tok is None:
+            logger.warning("GGUF file %s has no tokenizer metadata: only token-id prompts will be accepted",
+                           src.gguf_file)
+        return tok
+    if not any(os.path.exists(os.path.join(src.path, f)) for f in _TOKENIZER_FILES):
         logger.warning("no tokenizer files in %s: only token-id prompts will be accepted", src.path)
         return None
     return AutoTokenizer.from_pretrained(src.path)

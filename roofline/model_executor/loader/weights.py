@@ -3,7 +3,9 @@ their block format), random (dummy).
 
 Each yields (HF parameter name, tensor) so a model's load_weights reads one naming scheme; with
 keep_quantized, a GGUF weight in a format the native kernels take comes as a
-gguf_quant.QuantizedTensor (its rows still permuted like an fp32 weight's).
+gguf_quant.QuantizedTensor (its rows still permuted like an fp32 weight's).  GGUF names: llama.cpp's
+llama / mistral / qwen2 / qwen3 / mixtral / qwen2moe / qwen3moe files through the tables below; the
+families of gguf_archs.ARCHS (gemma2, gemma3, phi3, olmo2, granite, glm4moe, smollm3) through theirs.
 """
 
 from __future__ import annotations
@@ -82,13 +84,16 @@ def gguf_weights(file: str, hf_config, show_progress: bool = True,
     the LM head are dequantized)."""
     import gguf
 
+    from roofline.model_executor.loader import gguf_archs
+
     reader = gguf.GGUFReader(file)
     arch = reader.fields["general.architecture"].contents()
-    permute_qk = arch in ("llama", "mistral")
+    mapped = arch in gguf_archs.ARCHS  # else the llama-family tables above
+    permute_qk = arch in ("llama", "mistral") or (mapped and gguf_archs.ARCHS[arch].permute_qk)
     n_head = hf_config.num_attention_heads
     n_kv = getattr(hf_config, "num_key_value_heads", None) or n_head
     for t in tqdm(reader.tensors, desc="Reading GGUF tensors", disable=not show_progress):
-        name = gguf_name_to_hf(t.name)
+        name = gguf_archs.tensor_name(arch, t.name, hf_config) if mapped else gguf_name_to_hf(t.name)
         if name is None:
             continue
         shape = tuple(int(d) for d in reversed(t.shape))  # ggml lists the fastest dim first
@@ -99,16 +104,17 @@ def gguf_weights(file: str, hf_config, show_progress: bool = True,
             yield name, w
             continue
         arr = gguf.quants.dequantize(t.data, t.tensor_type)
-        w = torch.from_numpy(np.array(arr, dtype=np.float32).reshape(shape))
-        yield name, _permuted_rows(w, name, permute_qk, n_head, n_kv)
+        w = _permuted_rows(torch.from_numpy(np.array(arr, dtype=np.float32).reshape(shape)), name, permute_qk,
+                           n_head, n_kv)
+        yield name, gguf_archs.adjust(arch, name, w) if mapped else w
 
 
 def _permuted_rows(w: torch.Tensor, name: str, permute_qk: bool, n_head: int, n_kv: int) -> torch.Tensor:
-    """Q/K weights of llama.cpp's llama/mistral files back in HF's row order; rows of blocks
-    move as rows of values do."""
-    if permute_qk and name.endswith("q_proj.weight"):
+    """Q/K weights and biases of llama.cpp's files whose converter permutes them (llama / mistral, and
+    gguf_archs' granite / smollm3) back in HF's row order; rows of blocks move as rows of values do."""
+    if permute_qk and name.endswith(("q_proj.weight", "q_proj.bias")):
         return _unpermute(w, n_head).contiguous()
-    if permute_qk and name.endswith("k_proj.weight"):
+    if permute_qk and name.endswith(("k_proj.weight", "k_proj.bias")):
         return _unpermute(w, n_kv).contiguous()
     return w
 
