@@ -44,10 +44,11 @@ class ModelConfig:
 @dataclass
 class CacheConfig:
     block_size: int = 16
-    num_kv_blocks: Optional[int] = None  # force the pool size
+    num_kv_blocks: Optional[int] = None  # force the pool size (blocks of every layer; see worker.determine_num_blocks)
     kv_cache_memory: Optional[int] = None  # bytes for the KV pool (CPU); default: 2 GiB
     gpu_memory_utilization: float = 0.9
     enable_prefix_caching: bool = True
+    hybrid_kv_cache: bool = True  # sliding-window layers in their own block tables (attention/kv_spec.plan_layout)
     swap_space: float = 4.0  # GiB of CPU memory for swapped-out blocks
     kv_cache_dtype: str = "auto"
 
@@ -262,6 +263,7 @@ class EngineArgs:
     kv_cache_memory: Optional[int] = None
     gpu_memory_utilization: float = 0.9
     enable_prefix_caching: bool = True
+    hybrid_kv_cache: bool = True
     swap_space: float = 4.0
     kv_cache_dtype: str = "auto"
     # scheduler
@@ -438,6 +440,7 @@ class EngineArgs:
             kv_cache_memory=self.kv_cache_memory,
             gpu_memory_utilization=self.gpu_memory_utilization,
             enable_prefix_caching=self.enable_prefix_caching,
+            hybrid_kv_cache=self.hybrid_kv_cache,
             swap_space=self.swap_space,
             kv_cache_dtype=self.kv_cache_dtype,
         )

@@ -37,6 +37,14 @@ class AttentionMetadata:
     max_seq_len: int
     query_start_loc_cpu: list[int]  # host copies, for backends that loop on the host
     seq_lens_cpu: list[int]
+    # hybrid KV layout (attention/kv_spec.plan_layout): one metadata per block-table group (its block_tables and
+    # slot_mapping; the rest as here) and each layer's group; None: every layer reads the fields above
+    group_metas: Optional[list] = None
+    group_of_layer: Optional[tuple] = None
+
+    def for_layer(self, layer_idx: int) -> "AttentionMetadata":
+        """The metadata layer layer_idx attends with (its group's block tables under a hybrid layout)."""
+        return self if self.group_metas is None else self.group_metas[self.group_of_layer[layer_idx]]
 
 
 @dataclass(frozen=True, eq=False)

@@ -13,11 +13,21 @@ Every layer's cache is one tensor  [num_kv_slots, num_blocks, block_size, num_kv
 A layer may declare more than one spec (the model's list holds them in layer order, each layer's together).
 The block index is dim 1 for every kind, so block swaps and copies (`cache[:, dst] = cache[:, src]`)
 are generic.  Which attention backend reads and writes the tensor follows from `kind`.
+
+Sliding-window layers (an attention spec with `sliding_window`) need only their window's blocks.  `plan_layout`
+groups the layers so that those blocks can go back to the pool (vLLM's hybrid allocator): layers are cut into
+groups of k layers of one window each (k = the gcd of each window's layer count); a group has its own block
+table per request, and the pool keeps k slot tensors, layer j of every group in slot j -- a block id belongs
+to one group at a time, so a block holds k layers' K/V whichever group owns it.  Gemma 3 1B (4 full, 22
+sliding layers): k = 2, 2 full groups and 11 sliding ones; a request of L tokens holds 4 L + 22 W layer-rows
+instead of 26 L.  Without windows (or with the plan switched off) the layout is the identity: one group,
+one slot per layer.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import math
+from dataclasses import dataclass, replace
 from typing import Callable, Sequence
 
 import torch
@@ -32,6 +42,7 @@ class KVCacheSpec:
     head_size: int  # values per head and slot
     latent_rank: int = 0  # MLA: the latent's width (the first latent_rank values of the row)
     rope_dim: int = 0  # MLA: the roped shared key's width (the rest of the row)
+    sliding_window: int = 0  # attention: a query sees its last sliding_window keys only (0: all)
 
     def __post_init__(self) -> None:
         if self.kind not in KINDS:
@@ -54,9 +65,10 @@ class KVCacheSpec:
         return (self.num_slots, num_blocks, block_size, self.num_kv_heads, self.head_size)
 
 
-def attention_spec(num_kv_heads: int, head_dim: int) -> KVCacheSpec:
-    """K and V of num_kv_heads x head_dim per token (MHA when the heads equal the query heads, else GQA)."""
-    return KVCacheSpec("attention", num_kv_heads, head_dim)
+def attention_spec(num_kv_heads: int, head_dim: int, sliding_window: int = 0) -> KVCacheSpec:
+    """K and V of num_kv_heads x head_dim per token (MHA when the heads equal the query heads, else GQA);
+    sliding_window > 0: the layer's queries see their last sliding_window keys only."""
+    return KVCacheSpec("attention", num_kv_heads, head_dim, sliding_window=sliding_window)
 
 
 def mla_spec(kv_lora_rank: int, qk_rope_head_dim: int) -> KVCacheSpec:
@@ -92,3 +104,57 @@ def uniform(specs: Sequence[KVCacheSpec]) -> KVCacheSpec:
     if any(s != first for s in specs[1:]):
         raise ValueError("layers declare different KV cache specs")
     return first
+
+
+@dataclass(frozen=True)
+class KVCacheLayout:
+    """Where each layer keeps its cache and which block table it reads (module docstring).
+      group_windows   per block-table group: its layers' sliding window (0: full attention)
+      group_of_layer  per layer (the model's spec order): its group
+      slot_of_layer   per layer: the slot tensor holding its cache
+      slot_specs      per slot tensor: its spec (without a window: the shape)"""
+    group_windows: tuple
+    group_of_layer: tuple
+    slot_of_layer: tuple
+    slot_specs: tuple
+
+    @property
+    def num_groups(self) -> int:
+        return len(self.group_windows)
+
+    @property
+    def grouped(self) -> bool:
+        """Whether block tables differ from the one plain table (several groups, or windows)."""
+        return self.num_groups > 1 or any(self.group_windows)
+
+    def layer_caches(self, slots: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+        """Each layer's cache tensor (slot tensors shared by the groups' layers)."""
+        return [slots[j] for j in self.slot_of_layer]
+
+
+def identity_layout(specs: Sequence[KVCacheSpec]) -> KVCacheLayout:
+    """One group, one slot per layer: every layer keeps every block of a request."""
+    n = len(specs)
+    return KVCacheLayout((0,), (0,) * n, tuple(range(n)), tuple(specs))
+
+
+def plan_layout(specs: Sequence[KVCacheSpec]) -> tuple[KVCacheLayout, str]:
+    """The grouped layout for layers with sliding windows, or the identity; and why not grouped ("" when it is)."""
+    if not specs or not any(s.sliding_window for s in specs):
+        return identity_layout(specs), "no sliding-window layers"
+    shapes = {replace(s, sliding_window=0) for s in specs}
+    if any(s.kind != "attention" for s in specs) or len(shapes) != 1:
+        return identity_layout(specs), "layers cache different shapes"
+    by_window: dict[int, list[int]] = {}
+    for i, s in enumerate(specs):
+        by_window.setdefault(s.sliding_window, []).append(i)
+    k = math.gcd(*(len(layers) for layers in by_window.values()))
+    group_of, slot_of = [0] * len(specs), [0] * len(specs)
+    windows: list[int] = []
+    for window, layers in by_window.items():
+        for c in range(0, len(layers), k):
+            for j, layer in enumerate(layers[c:c + k]):
+                group_of[layer], slot_of[layer] = len(windows), j
+            windows.append(window)
+    (shape,) = shapes
+    return KVCacheLayout(tuple(windows), tuple(group_of), tuple(slot_of), (shape,) * k), ""

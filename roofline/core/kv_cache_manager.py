@@ -30,6 +30,8 @@ def hash_block(parent: Optional[bytes], token_ids: Sequence[int], extra: Optiona
 
 
 class KVCacheManager:
+    grouped = False  # one block table per request (HybridKVCacheManager: one per layer group)
+
     def __init__(
         self,
         num_blocks: int,
@@ -148,10 +150,14 @@ class KVCacheManager:
         if num_full <= start:
             return
         self._update_hashes(request)
-        blocks = self.req_blocks[rid]
-        for i in range(start, num_full):
-            self.pool.cache_block(blocks[i], request.block_hashes[i])
+        self._register_blocks(rid, request.block_hashes, start, num_full)
         self.num_cached_blocks[rid] = num_full
+
+    def _register_blocks(self, rid: str, hashes: list[bytes], start: int, end: int) -> None:
+        """Offer the request's blocks start .. end-1 to the prefix cache under their hashes."""
+        blocks = self.req_blocks[rid]
+        for i in range(start, end):
+            self.pool.cache_block(blocks[i], hashes[i])
 
     def free(self, request: Request) -> None:
         """Release every block of the request (tail first, so the tail is evicted first)."""
@@ -229,3 +235,7 @@ class KVCacheManager:
 
     def usage(self) -> float:
         return self.pool.usage()
+
+    def capacity_tokens(self) -> int:
+        """The longest single request the pool holds."""
+        return self.pool.num_blocks * self.block_size

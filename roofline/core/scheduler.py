@@ -40,10 +40,11 @@ import itertools
 import time
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Iterable, Optional
+from typing import Iterable, Optional, Sequence
 
 from roofline.config import CacheConfig, SchedulerConfig
 from roofline.core.beam_search import BeamGroup, BeamSearch
+from roofline.core.hybrid_kv_cache_manager import HybridKVCacheManager
 from roofline.core.kv_cache_manager import KVCacheManager
 from roofline.core.request import Request, RequestStatus
 from roofline.spec_decode.stats import SpecDecodeStats
@@ -117,10 +118,18 @@ class Scheduler:
         draft_length_policy=None,
         num_lookahead_slots: int = 0,
         kv_connector: Optional[KVConnectorScheduler] = None,
+        kv_group_windows: Sequence[int] = (),
     ) -> None:
+        """kv_group_windows: the block-table groups of a hybrid KV layout (their sliding windows, 0: full);
+        empty: one table per request (KVCacheManager)."""
         self.config = scheduler_config
         self.block_size = cache_config.block_size
-        self.kv = KVCacheManager(num_blocks, cache_config.block_size, cache_config.enable_prefix_caching, num_swap_blocks)
+        if kv_group_windows:
+            self.kv = HybridKVCacheManager(num_blocks, cache_config.block_size, kv_group_windows,
+                                           cache_config.enable_prefix_caching, num_swap_blocks)
+        else:
+            self.kv = KVCacheManager(num_blocks, cache_config.block_size, cache_config.enable_prefix_caching,
+                                     num_swap_blocks)
         self.requests: dict[str, Request] = {}
         self.waiting: list[Request] = []
         self.running: list[Request] = []
@@ -242,6 +251,18 @@ class Scheduler:
             self._enqueue(victim, front=True)
         victim.spec_token_ids = []
         return returned
+
+    def _fitting_chunk(self, req: Request, n: int, num_hit: int, hits) -> int:
+        """The longest first chunk (< n tokens) of a waiting request whose blocks the pool has free now; 0: none."""
+        start = req.num_computed_tokens + num_hit
+        lo, hi = 0, n - 1
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            if self.kv.blocks_needed(req, self._slots(req, mid, start), hits) <= self.kv.pool.num_free_blocks:
+                lo = mid
+            else:
+                hi = mid - 1
+        return lo
 
     def _release_waiting_holder(self, keep: Request) -> bool:
         """Free the blocks of a waiting request that holds some (a forked sibling or a continued beam not
@@ -390,6 +411,12 @@ class Scheduler:
             allocated = self.kv.allocate_slots(req, slots, hits)
             while allocated is None and self._release_waiting_holder(req):
                 allocated = self.kv.allocate_slots(req, slots, hits)  # same lookup: count the query once
+            if allocated is None and self.kv.grouped and self.config.enable_chunked_prefill and n > 1:
+                # a hybrid layout's sliding groups hold a whole chunk's blocks while it runs: a shorter one fits
+                n = self._fitting_chunk(req, n, num_hit, hits)
+                if n > 0:
+                    slots = self._slots(req, n, req.num_computed_tokens + num_hit)
+                    allocated = self.kv.allocate_slots(req, slots, hits)
             if allocated is None:
                 break
             self.waiting.pop(0)
@@ -438,6 +465,7 @@ class Scheduler:
                     block_ids=self.kv.get_block_ids(req.request_id),
                     sample=start + known == req.num_tokens,
                     num_draft_tokens=len(drafts),
+                    group_block_ids=self.kv.get_group_block_ids(req.request_id) if self.kv.grouped else [],
                 )
             )
         finished, self.finished_req_ids = self.finished_req_ids, []

@@ -46,6 +46,8 @@ class ScheduledRequest(msgspec.Struct, array_like=True):
     # speculative decoding: the last num_draft_tokens of token_ids are proposals to verify (the runner
     # samples at each of the 1 + num_draft_tokens last rows and keeps the accepted prefix)
     num_draft_tokens: int = 0
+    # hybrid KV layout (core/hybrid_kv_cache_manager.py): every group's table (block_ids is group 0's); [] without
+    group_block_ids: list[list[int]] = []
 
 
 class SchedulerOutput(msgspec.Struct, array_like=True):

@@ -121,6 +121,7 @@ class EngineCore:
         self.executor = create_executor(config, self.source, show_progress)
         self.weight_bytes = self.executor.weight_bytes()
         num_blocks = self.executor.determine_num_blocks()
+        kv_groups = self.executor.kv_group_windows()  # a hybrid KV layout's block-table groups ([]: one table)
         cc, sc = config.cache_config, config.scheduler_config
         num_swap = int(cc.swap_space * GiB) // self.executor.block_bytes() if sc.preemption_mode == "swap" else 0
         self.executor.init_kv_cache(num_blocks, num_swap)
@@ -138,10 +139,11 @@ class EngineCore:
         policy, lookahead = self._speculation()
         dp = config.parallel_config.data_parallel_size
         schedulers = [Scheduler(sc, cc, num_blocks, num_swap, seed=mc.seed, draft_length_policy=policy,
-                                num_lookahead_slots=lookahead, kv_connector=create_scheduler_connector(config))
+                                num_lookahead_slots=lookahead, kv_connector=create_scheduler_connector(config),
+                                kv_group_windows=kv_groups)
                       for _ in range(dp)]  # data-parallel attention: a scheduler and KV pool per DP rank
         self.scheduler = schedulers[0] if dp == 1 else DataParallelScheduler(schedulers)
-        self.kv_capacity_tokens = num_blocks * cc.block_size
+        self.kv_capacity_tokens = schedulers[0].kv.capacity_tokens()  # sliding layers' windows counted
         self.output_processor = OutputProcessor(self.tokenizer)
         self.structured_output = StructuredOutputManager(self.tokenizer, self.vocab_size)
         self.pending_outputs: list[RequestOutput] = []
@@ -153,8 +155,10 @@ class EngineCore:
         self.collectives: dict[str, list[int]] = {}
         self.parallel_steps = 0
         self.last_parallel: Optional[StepParallelStats] = None
-        logger.info("engine ready in %.1f s: %s, max_model_len=%d, %d KV blocks",
-                    time.monotonic() - t0, mc.served_model_name, mc.max_model_len, num_blocks)
+        logger.info("engine ready in %.1f s: %s, max_model_len=%d, %d KV blocks%s",
+                    time.monotonic() - t0, mc.served_model_name, mc.max_model_len, num_blocks,
+                    f" in {len(kv_groups)} block-table groups (windows {sorted(set(kv_groups))}), "
+                    f"{self.kv_capacity_tokens} tokens for one request" if kv_groups else "")
 
     def _check_draft_model(self) -> None:
         """A draft model must share the target's vocabulary (its token ids are the target's); MTP needs a

@@ -34,7 +34,11 @@ _HELP = {
                         "bits per 32 values, as llama.cpp does, for integer dot products with Q4_0/Q4_1/Q8_0 "
                         "blocks: faster decode, close to fp32 but not equal)",
     "kv_cache_memory": "bytes for the KV pool on CPU",
-    "num_kv_blocks": "force the number of KV blocks",
+    "hybrid_kv_cache": "models with sliding-window layers (Gemma 2/3, gpt-oss, Mistral v0.1, ...): those layers "
+                       "get their own block tables from the one pool and give back the blocks that leave their "
+                       "window (vLLM's hybrid allocator); --no-hybrid-kv-cache keeps every layer's blocks",
+    "num_kv_blocks": "force the number of KV blocks (blocks of every layer: under the hybrid KV layout, whose "
+                     "blocks hold a group's layers, the pool has as many more blocks as that memory holds)",
     "preemption_mode": "recompute | swap",
     "scheduling_policy": "fcfs | priority",
     "attention_backend": "auto | torch | cpu | triton",

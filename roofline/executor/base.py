@@ -22,6 +22,11 @@ class Executor(ABC):
     @abstractmethod
     def init_kv_cache(self, num_blocks: int, num_swap_blocks: int) -> None: ...
 
+    def kv_group_windows(self) -> list[int]:
+        """The block-table groups of the workers' hybrid KV layout (each one's sliding window, 0: full); []
+        when every layer reads one table per request."""
+        return []
+
     @abstractmethod
     def execute(self, out: SchedulerOutput) -> ModelRunnerOutput: ...
 

@@ -205,6 +205,10 @@ class MultiprocExecutor(Executor):
     def init_kv_cache(self, num_blocks: int, num_swap_blocks: int) -> None:
         self._call("init_kv_cache", num_blocks, num_swap_blocks, timeout=startup_timeout_s())
 
+    def kv_group_windows(self) -> list[int]:
+        """Rank 0's (every rank plans the same layout from the same layers)."""
+        return [int(w) for w in self._call("kv_group_windows", timeout=startup_timeout_s())]
+
     def step_deadline_s(self) -> float:
         """How long the next step may take before the executor is declared hung."""
         cap = execute_timeout_s()

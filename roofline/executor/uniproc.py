@@ -22,6 +22,9 @@ class UniProcExecutor(Executor):
     def init_kv_cache(self, num_blocks: int, num_swap_blocks: int) -> None:
         self.worker.init_kv_cache(num_blocks, num_swap_blocks)
 
+    def kv_group_windows(self) -> list[int]:
+        return self.worker.kv_group_windows()
+
     def weight_bytes(self) -> dict[str, int]:
         return dict(self.worker.weight_bytes)
 

@@ -121,6 +121,24 @@ def kv_pool(kv_budget_bytes: float, kv_bytes_per_token: float, block_size: int) 
     return {"kv_block_bytes": block_bytes, "kv_blocks": max(blocks, 0), "kv_tokens": max(blocks, 0) * block_size}
 
 
+def max_request_tokens(model, kv_budget_bytes: float, block_size: int, kv_dtype_bytes: float, tp: int = 1) -> int:
+    """The longest single request a KV budget holds at every step of its life (sliding layers counting their
+    window's blocks only): request_kv_bytes peaks at each block's first token and those peaks grow with the
+    block index (the hybrid KV manager's capacity_tokens, in bytes)."""
+    def fits(k: int) -> bool:  # block k's first token
+        return model.request_kv_bytes(k * block_size + 1, block_size, kv_dtype_bytes, tp) <= kv_budget_bytes
+
+    if not fits(0):
+        return 0
+    lo, hi = 0, 1
+    while fits(hi):
+        lo, hi = hi, 2 * hi
+    while lo < hi - 1:
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if fits(mid) else (lo, mid)
+    return (lo + 1) * block_size
+
+
 def blocks_per_seq(context: int, block_size: int) -> int:
     return -(-int(context) // int(block_size))
 
@@ -389,6 +407,7 @@ def make_plan(p: PlanInputs) -> Plan:
         "kv_block_bytes": pool["kv_block_bytes"],
         "kv_blocks": pool["kv_blocks"],
         "kv_tokens": pool["kv_tokens"],
+        "max_request_tokens": max_request_tokens(m, budget["kv_budget_bytes"], p.block_size, p.kv_bytes, p.tp),
         "max_seqs_at_context": paged_capacity(pool["kv_blocks"], p.context, p.block_size),
         "naive_max_seqs": naive_capacity(budget["kv_budget_bytes"], kvtok, p.context),
         "paged_max_seqs": paged_capacity(pool["kv_blocks"], p.avg_context, p.block_size),

@@ -341,7 +341,7 @@ def run_measure(
         pk = PlanInputs(spec, hw, weight_dtype=wdt, kv_dtype=wdt, kv_budget_bytes=engine_kv["budget_bytes"],
                         block_size=engine_kv["block_size"])
         kv_check = {"engine_kv_tokens": engine_kv["tokens"], "engine_kv_budget_bytes": engine_kv["budget_bytes"],
-                    "predicted_kv_tokens": make_plan(pk).results["kv_tokens"]}
+                    "predicted_kv_tokens": make_plan(pk).results["max_request_tokens"]}
     return {
         "model": spec.summary(),
         "device": device,

@@ -202,9 +202,18 @@ class ModelSpec:
         keys = context * self.index_head_dim if self.indexed(context) else 0.0
         return self.num_layers * (keys + self.attended_positions(context) * latent) * kv_dtype_bytes
 
+    def request_kv_bytes(self, tokens: int, block_size: int, kv_dtype_bytes: float, tp: int = 1) -> float:
+        """Bytes of KV blocks one request of `tokens` tokens holds at its last step: every block of a full layer,
+        a sliding layer's from its window's first block on (the hybrid KV layout gives the others back)."""
+        n = -(-int(tokens) // block_size)
+        per_layer_block = block_size * self.kv_values_per_token_per_layer(tp) * kv_dtype_bytes
+        sliding = self.num_sliding_layers if self.sliding_window else 0
+        live = n - max(0, int(tokens) - self.sliding_window) // block_size if sliding else n
+        return per_layer_block * ((self.num_layers - sliding) * n + sliding * live)
+
     def kv_bytes_per_token(self, kv_dtype_bytes: float, tp: int = 1) -> float:
-        """KV-cache bytes one token occupies on one GPU, summed over all layers (sliding layers included: the
-        pool keeps every layer's blocks for a request's whole context today)."""
+        """KV-cache bytes one token occupies on one GPU, summed over all layers (sliding layers included: what
+        a token costs while it is inside every window; request_kv_bytes counts the windows)."""
         return self.num_layers * self.kv_values_per_token_per_layer(tp) * kv_dtype_bytes
 
     # ---- attention FLOPs -------------------------------------------------------------------

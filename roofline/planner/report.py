@@ -83,6 +83,8 @@ def render_table(plan: Plan) -> str:
         ("kv_budget", fmt_bytes(r["kv_budget_bytes"]), i["kv_budget_source"]),
         ("kv_blocks", f"{r['kv_blocks']:,}", f"{fmt_bytes(r['kv_block_bytes'])} per block"),
         ("kv_tokens", f"{r['kv_tokens']:,}", "tokens of KV the pool holds"),
+        ("max_request_tokens", f"{r['max_request_tokens']:,}",
+         "the longest one request it holds (sliding layers: their window)"),
         ("", "Capacity (concurrent sequences)", ""),
         ("max_seqs_at_context", f"{r['max_seqs_at_context']:,}", f"fully grown to {i['context']} tokens"),
         ("naive_max_seqs", f"{r['naive_max_seqs']:,}", f"contiguous reservation of {i['context']} tokens each"),

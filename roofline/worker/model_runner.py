@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import logging
 import time
+from dataclasses import replace
 from typing import Optional
 
 import numpy as np
@@ -51,9 +52,15 @@ NO_TOKEN_ERROR = ("no token could be sampled: every token was masked (the struct
 
 class ModelRunner:
     def __init__(self, model: torch.nn.Module, kv_caches: list[torch.Tensor], block_size: int,
-                 device: torch.device, swap_caches: Optional[list[torch.Tensor]] = None) -> None:
+                 device: torch.device, swap_caches: Optional[list[torch.Tensor]] = None,
+                 block_caches: Optional[list[torch.Tensor]] = None, kv_layout=None) -> None:
+        """kv_caches: each layer's cache; block_caches: the distinct tensors behind them (a hybrid layout's slot
+        tensors, which block swaps and copies move; default kv_caches), swap_caches matching them;
+        kv_layout: attention/kv_spec.KVCacheLayout (its groups' block tables go to the layers), or None."""
         self.model = model
         self.kv_caches = kv_caches
+        self.block_caches = block_caches if block_caches is not None else kv_caches
+        self.kv_layout = kv_layout if kv_layout is not None and kv_layout.grouped else None
         self.swap_caches = swap_caches
         self.block_size = block_size
         self.device = device
@@ -77,7 +84,7 @@ class ModelRunner:
     # ---- block movement ----------------------------------------------------------------------
     def _move_blocks(self, out: SchedulerOutput) -> None:
         """Swaps and copy-on-write copies, in the target's pool and a draft model's (same block ids)."""
-        caches = self.kv_caches + (self.proposer.kv_caches if self.proposer is not None else [])
+        caches = self.block_caches + (self.proposer.kv_caches if self.proposer is not None else [])
         if out.blocks_to_swap_out:
             src = torch.tensor([d for d, _ in out.blocks_to_swap_out], device=self.device)
             dst = torch.tensor([c for _, c in out.blocks_to_swap_out])
@@ -154,7 +161,26 @@ class ModelRunner:
             query_start_loc_cpu=qsl,
             seq_lens_cpu=seq_lens,
         )
+        if self.kv_layout is not None and items[0].group_block_ids:
+            meta.group_metas = [self._group_meta(meta, items, g) for g in range(self.kv_layout.num_groups)]
+            meta.group_of_layer = self.kv_layout.group_of_layer
         return torch.from_numpy(input_ids).to(dev), torch.from_numpy(positions).to(dev), meta
+
+    def _group_meta(self, meta: AttentionMetadata, items: list[ScheduledRequest], g: int) -> AttentionMetadata:
+        """The step's metadata for block-table group g of a hybrid layout: its tables and slots."""
+        bs = self.block_size
+        width = max(len(s.group_block_ids[g]) for s in items)
+        tables = np.zeros((len(items), width), dtype=np.int32)
+        slots = np.empty(meta.num_tokens, dtype=np.int64)
+        off = 0
+        for r, s in enumerate(items):
+            table = s.group_block_ids[g]
+            tables[r, : len(table)] = table
+            pos = np.arange(s.num_computed_tokens, s.num_computed_tokens + len(s.token_ids), dtype=np.int64)
+            slots[off : off + len(pos)] = np.asarray(table, dtype=np.int64)[pos // bs] * bs + pos % bs
+            off += len(pos)
+        return replace(meta, block_tables=torch.from_numpy(tables).to(self.device),
+                       slot_mapping=torch.from_numpy(slots).to(self.device))
 
     def _grammar_masks(self, out: SchedulerOutput, req_ids: list[str]):
         """Structured outputs: a function that masks the logits of req_ids' rows (given which of them the

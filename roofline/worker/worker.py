@@ -259,13 +259,46 @@ class Worker:
         """The models with a KV pool indexed by the scheduler's block ids: the target, and a draft model."""
         return [self.model] + ([self.draft_model] if self.draft_model is not None else [])
 
+    def kv_layout(self) -> kv_spec.KVCacheLayout:
+        """Where the target model's layers keep their caches (attention/kv_spec.plan_layout): grouped when it has
+        sliding-window layers and nothing here needs one table for every layer, else the identity."""
+        if getattr(self, "_kv_layout", None) is None:
+            specs = self.model.kv_cache_specs()
+            layout, why = kv_spec.plan_layout(specs)
+            cfg = self.config
+            blockers = [
+                (not cfg.cache_config.hybrid_kv_cache, "--no-hybrid-kv-cache"),
+                (not getattr(self.model, "supports_kv_groups", False), f"{type(self.model).__name__} reads one table"),
+                (self.draft_model is not None or (cfg.speculative_config is not None
+                                                  and cfg.speculative_config.method != "ngram"),
+                 "a draft model's or MTP layer's cache shares the block tables"),
+                (cfg.parallel_config.pipeline_parallel_size > 1, "pipeline stages share the block tables"),
+                (cfg.kv_transfer_config is not None, "KV transfer moves one table per request"),
+                (self.device.type == "cuda" and not cfg.device_config.enforce_eager, "CUDA graphs bind one table"),
+            ]
+            why = why or next((reason for blocked, reason in blockers if blocked), "")
+            if why:
+                if any(s.sliding_window for s in specs):
+                    logger.info("sliding-window layers keep every block (%s)", why)
+                layout = kv_spec.identity_layout(specs)
+            self._kv_layout = layout
+        return self._kv_layout
+
+    def kv_group_windows(self) -> list[int]:
+        """The layout's block-table groups (their windows) for the scheduler; [] for one table per request."""
+        layout = self.kv_layout()
+        return list(layout.group_windows) if layout.grouped else []
+
     def block_bytes(self) -> int:
-        return sum(kv_bytes_per_block(m, self.config.cache_config.block_size, self.dtype) for m in self._kv_models())
+        bs = self.config.cache_config.block_size
+        draft = kv_bytes_per_block(self.draft_model, bs, self.dtype) if self.draft_model is not None else 0
+        return kv_spec.bytes_per_block(self.kv_layout().slot_specs, bs, self.dtype) + draft
 
     def determine_num_blocks(self) -> int:
         cc = self.config.cache_config
-        if cc.num_kv_blocks is not None:
-            return cc.num_kv_blocks
+        if cc.num_kv_blocks is not None:  # blocks of every layer: a grouped layout's blocks hold fewer layers each
+            layout = self.kv_layout()
+            return cc.num_kv_blocks * len(layout.slot_of_layer) // len(layout.slot_specs)
         if self.device.type == "cuda":
             return self._profile_cuda_blocks()
         budget = cc.kv_cache_memory if cc.kv_cache_memory is not None else DEFAULT_CPU_KV_BYTES
@@ -308,14 +341,16 @@ class Worker:
         return blocks
 
     def init_kv_cache(self, num_blocks: int, num_swap_blocks: int = 0) -> None:
-        specs = self.model.kv_cache_specs()
+        layout = self.kv_layout()
+        specs = layout.slot_specs  # one tensor per slot; a layer's cache is its slot's (shared by its group peers)
         bs = self.config.cache_config.block_size
         # zeros, not empty: masked-out (never written) slots must not hold NaN bit patterns
         if self.device.type == "cpu":
-            caches = kv_spec.allocate(specs, num_blocks, bs, lambda shape: zeros_on_huge_pages(shape, self.dtype))
+            slots = kv_spec.allocate(specs, num_blocks, bs, lambda shape: zeros_on_huge_pages(shape, self.dtype))
         else:
-            caches = kv_spec.allocate(specs, num_blocks, bs,
-                                      lambda shape: torch.zeros(shape, dtype=self.dtype, device=self.device))
+            slots = kv_spec.allocate(specs, num_blocks, bs,
+                                     lambda shape: torch.zeros(shape, dtype=self.dtype, device=self.device))
+        caches = layout.layer_caches(slots)
         draft_caches = []
         if self.draft_model is not None:  # the draft's own pool, same block geometry
             draft_caches = kv_spec.allocate(self.draft_model.kv_cache_specs(), num_blocks, bs,
@@ -323,11 +358,12 @@ class Worker:
         swap = None
         if num_swap_blocks:
             pin = self.device.type == "cuda"
-            swap = [c for m in self._kv_models() for c in kv_spec.allocate(
-                m.kv_cache_specs(), num_swap_blocks, bs,
-                lambda shape: torch.zeros(shape, dtype=self.dtype, device="cpu", pin_memory=pin))]
+            swap = [c for specs_m in [specs] + [m.kv_cache_specs() for m in self._kv_models()[1:]]
+                    for c in kv_spec.allocate(specs_m, num_swap_blocks, bs,
+                                              lambda shape: torch.zeros(shape, dtype=self.dtype, device="cpu",
+                                                                        pin_memory=pin))]
         self.num_blocks = num_blocks
-        self.runner = ModelRunner(self.model, caches, bs, self.device, swap)
+        self.runner = ModelRunner(self.model, caches, bs, self.device, swap, block_caches=slots, kv_layout=layout)
         from roofline.worker.cuda_graph import create_graph_runner
 
         # CUDA, not enforce_eager, triton attention, tp=1: decode steps replay captured graphs

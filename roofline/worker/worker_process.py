@@ -285,6 +285,9 @@ class WorkerProc:
     def rpc_init_kv_cache(self, num_blocks: int, num_swap_blocks: int) -> None:
         self.worker.init_kv_cache(num_blocks, num_swap_blocks)
 
+    def rpc_kv_group_windows(self) -> list[int]:
+        return list(self.worker.kv_group_windows())
+
     def rpc_collective_counts(self) -> list[list[int]]:
         return comm.all_gather_ints(list(collective_counts()))
 

@@ -3,8 +3,9 @@ sliding-window layers (6 keys, shorter than every prompt) beside global ones, Ge
 logit soft-caps, Gemma 3's q/k norms and per-layer-type rope (a local base; a global base with linear
 scaling), (1 + w) norms, scaled embeddings, GeGLU.  Greedy tokens identical in fp32 on the CPU under the
 default engine (prefix hits), a 16-token budget, a pool small enough to preempt (recompute and swap) and tp=2,
-on the native CPU backend and the torch reference; logprobs close (the final soft-cap shows there); every
-block back in the pool."""
+on the native CPU backend and the torch reference, with the sliding layers' blocks given back as they leave
+the window (the hybrid KV layout) and with every block kept; logprobs close (the final soft-cap shows there);
+every block back in the pool.  The same KV memory holds a longer request with the windows counted."""
 
 from __future__ import annotations
 
@@ -23,7 +24,10 @@ from tests.model_executor.family_parity import (
 from tests.reference.hf_models import build_tiny_model, hf_greedy
 
 ARCHS = ["gemma2", "gemma3"]
-VARIANTS = dict(ENGINE_VARIANTS, torch_backend=dict(num_kv_blocks=64, attention_backend="torch"))
+VARIANTS = dict(ENGINE_VARIANTS, torch_backend=dict(num_kv_blocks=64, attention_backend="torch"),
+                every_block_kept=dict(num_kv_blocks=64, hybrid_kv_cache=False))
+for _name in ("preempt_recompute", "preempt_swap"):  # the windows' blocks go back: half the pool still preempts
+    VARIANTS[_name] = dict(VARIANTS[_name], num_kv_blocks=6)
 
 
 @pytest.fixture(scope="module")
@@ -50,6 +54,8 @@ def test_greedy_matches_hf(models, arch, variant):
         assert inner.cpu_stack is None  # the fp32 layer stack runs plain Llama layers only
         assert [layer.self_attn.attn_options.sliding_window for layer in inner.layers] == [
             6 if t == "sliding_attention" else None for t in hf.config.layer_types]
+        kv = llm.llm_engine.scheduler.kv  # sliding layers in their own block tables (gemma2: 2 groups of 2 layers)
+        assert sorted(kv.group_windows) == {"gemma2": [0, 6], "gemma3": [0, 6, 6, 6]}[arch]
 
     outs, stats = generate(path, prompts, inspect=check if variant == "default" else None, **VARIANTS[variant])
     assert tokens(outs) == reference
@@ -92,3 +98,16 @@ def test_config_fields_we_cannot_honour_are_named(tmp_path, field, value, match)
     cfg.save_pretrained(tmp_path)
     with pytest.raises(Exception, match=match):
         LLM(str(tmp_path), load_format="dummy", device="cpu", num_kv_blocks=8, show_progress=False)
+
+
+def test_the_windows_lengthen_what_the_same_memory_holds(models):
+    """4 of gemma3's layers: 3 slide (6 keys), 1 does not; with 1 MiB of KV the hybrid layout holds a
+    request about 4x as long as keeping every layer's blocks does."""
+    path = models("gemma3")[0]
+    capacity = {}
+    for hybrid in (True, False):
+        llm = LLM(path, dtype="float32", device="cpu", show_progress=False, kv_cache_memory=1 << 20,
+                  hybrid_kv_cache=hybrid)
+        capacity[hybrid] = llm.llm_engine.kv_capacity_tokens
+        llm.llm_engine.shutdown()
+    assert capacity[True] > 3.5 * capacity[False], capacity

@@ -209,3 +209,23 @@ def test_a_model_wide_window_slides_every_layer_unless_it_spans_the_context():
     spanning = ModelSpec.from_hf_config(MistralConfig(sliding_window=4096, max_position_embeddings=4096, **small))
     assert spanning.num_sliding_layers == 0
     assert ModelSpec.from_hf_config(LlamaConfig(**small)).num_sliding_layers == 0
+
+
+def test_the_longest_request_counts_sliding_windows_as_the_engine_does():
+    """The planner's longest request in a budget against the hybrid KV manager's on the same blocks."""
+    from transformers import Gemma3TextConfig
+
+    from roofline.core.hybrid_kv_cache_manager import HybridKVCacheManager
+    from roofline.planner.cost_model import max_request_tokens
+    from roofline.planner.model_specs import ModelSpec
+
+    cfg = Gemma3TextConfig(hidden_size=256, intermediate_size=512, num_hidden_layers=12, num_attention_heads=4,
+                           num_key_value_heads=1, head_dim=64, sliding_window=64, vocab_size=1000)
+    spec = ModelSpec.from_hf_config(cfg)  # 10 sliding, 2 full: groups of 2 layers, 5 sliding + 1 full
+    bs, layer_block = 16, 16 * 2 * 64 * 4
+    budget = 300 * 2 * layer_block  # 300 blocks of 2 layers
+    kv = HybridKVCacheManager(300, bs, [64] * 5 + [0])
+    assert max_request_tokens(spec, budget, bs, 4) == kv.capacity_tokens()
+    plain = ModelSpec.from_hf_config(Gemma3TextConfig(**dict(cfg.to_dict(), sliding_window=None,
+                                                             layer_types=["full_attention"] * 12)))
+    assert max_request_tokens(plain, budget, bs, 4) == 300 * 2 * bs // 12

@@ -98,7 +98,7 @@ class LlamaAttention(nn.Module):
 
     def kv_cache_spec(self) -> kv_spec.KVCacheSpec:
         """K and V of this rank's KV heads (the backend's [2, blocks, block_size, H_kv, D] layout)."""
-        return kv_spec.attention_spec(self.num_kv_heads, self.head_dim)
+        return kv_spec.attention_spec(self.num_kv_heads, self.head_dim, self.attn_options.sliding_window or 0)
 
     def forward(self, positions, x, kv_cache: torch.Tensor, meta: AttentionMetadata, cos_sin=None,
                 keep: Optional[torch.Tensor] = None):
@@ -227,7 +227,8 @@ class LlamaModel(nn.Module):
             layers = self.stage_layers
             last = len(layers) - 1
             for i, (layer, kv_cache) in enumerate(zip(layers, kv_caches)):
-                x, residual = layer(positions, x, residual, kv_cache, meta, cos_sin, keep if i == last else None)
+                x, residual = layer(positions, x, residual, kv_cache, meta.for_layer(self.start_layer + i), cos_sin,
+                                    keep if i == last else None)
             if not self.is_last_stage:
                 return x, residual
             if keep is not None and not layers:
@@ -242,6 +243,7 @@ def _dense(tensor) -> torch.Tensor:
 
 
 class LlamaForCausalLM(nn.Module):
+    supports_kv_groups = True  # layers read AttentionMetadata.for_layer (a hybrid KV layout's group tables)
     keeps_quantized_weights = True  # load_weights takes gguf_quant.QuantizedTensor (linear layers keep blocks)
     decoder_layer_cls = None  # LlamaDecoderLayer (OLMo 2 brings its own post-norm layer)
     qk_norm = False
