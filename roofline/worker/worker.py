@@ -22,8 +22,8 @@ from roofline.cpu import ops as cpu_ops, gguf_quant
 from roofline.model_executor.layers import cpu_prepare
 from roofline.model_executor.loader.source import ModelSource
 from roofline.model_executor.layers.moe.expert_parallel import dual_batch_step
-from roofline.model_executor.layers.quantization import checkpoint_quantization, weight_bytes_by_format
-from roofline.model_executor.layers.quantization import fp8 as fp8_blocks
+from roofline.model_executor.layers.quantization import Mxfp4Config, checkpoint_quantization, weight_bytes_by_format
+from roofline.model_executor.layers.quantization import fp8 as fp8_blocks, mxfp4
 from roofline.model_executor.loader.weights import gguf_weights, init_dummy_weights, safetensors_weights
 from roofline.model_executor.models import llama_cpu_stack
 from roofline.model_executor.models.registry import resolve_architecture
@@ -226,12 +226,16 @@ class Worker:
     def _checkpoint_weights(self, weights, hf_config):
         """A safetensors checkpoint's tensors, quantized ones joined with their scales (layers/quantization):
         kept in their blocks with --quantized-weights native (each layer that cannot take them dequantizes
-        its own), dequantized here otherwise.  A quantization_config we cannot honour fails here, naming the
-        field."""
+        its own), dequantized here otherwise (MXFP4 experts: dequantized here either way, no native route yet).
+        A quantization_config we cannot honour fails here, naming the field."""
         cfg = checkpoint_quantization(hf_config)
         if cfg is None:
             return weights
         keep = self.config.model_config.quantized_weights == "native"
+        if isinstance(cfg, Mxfp4Config):
+            logger.info("MXFP4 checkpoint: expert blocks dequantized to %s at load%s", self.dtype,
+                        " (no native MXFP4 route yet)" if keep else "")
+            return mxfp4.mxfp4_checkpoint_weights(weights, cfg, self.dtype)
         logger.info("FP8 block checkpoint ([%d, %d] blocks): %s", cfg.block_n, cfg.block_k,
                     "kept in blocks where a layer takes them" if keep else "dequantized at load")
         return fp8_blocks.fp8_checkpoint_weights(weights, cfg, keep)

@@ -46,3 +46,22 @@ def test_triton_experts_match_reference(n, k, e, inter, hidden):
     expected = torch_experts(x, w13, w2, weights, ids)
     got = triton_moe.triton_experts(x.to(DEVICE), w13.to(DEVICE), w2.to(DEVICE), weights.to(DEVICE), ids.to(DEVICE))
     torch.testing.assert_close(got.cpu(), expected, rtol=1e-4, atol=1e-4)
+
+
+def test_triton_experts_with_biases_and_the_clamped_swiglu_match_reference():
+    """gpt-oss's experts: biases on both projections and the clamped SwiGLU, applied between the launches."""
+    from roofline.model_executor.layers.moe.torch_experts import ExpertActivation
+
+    n, k, e, inter, hidden = 9, 2, 4, 32, 64
+    g = torch.Generator().manual_seed(3)
+    w13 = torch.randn(e, 2 * inter, hidden, generator=g) * 0.3
+    w2 = torch.randn(e, hidden, inter, generator=g) * 0.2
+    b13, b2 = torch.randn(e, 2 * inter, generator=g), torch.randn(e, hidden, generator=g)
+    x = torch.randn(n, hidden, generator=g)
+    weights, ids = select_experts(torch.randn(n, e, generator=g), RoutingConfig(top_k=k, scoring="topk_softmax"))
+    act = ExpertActivation("clamped_swiglu", alpha=1.702, limit=1.5)
+    expected = torch_experts(x, w13, w2, weights, ids, act, b13, b2)
+    assert not torch.allclose(expected, torch_experts(x, w13, w2, weights, ids, act, b13, None))  # b2 counts
+    got = triton_moe.triton_experts(*(t.to(DEVICE) for t in (x, w13, w2, weights, ids)), activation=act,
+                                    b13=b13.to(DEVICE), b2=b2.to(DEVICE))
+    torch.testing.assert_close(got.cpu(), expected, rtol=1e-4, atol=1e-4)

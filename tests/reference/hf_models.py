@@ -91,6 +91,14 @@ def tiny_config(arch: str, **overrides):
             cls = Gemma3TextConfig
         kw = dict(TINY, **dict(gemma, **overrides))
         cfg = cls(**kw)
+    elif arch == "gpt_oss":  # 4 layers alternating 6-key windows and full attention, 4 experts top-2, sinks, YaRN
+        from transformers import GptOssConfig
+
+        oss = dict(num_hidden_layers=4, head_dim=16, sliding_window=6, num_local_experts=4, num_experts_per_tok=2,
+                   intermediate_size=32, swiglu_limit=1.5, pad_token_id=0, bos_token_id=1, eos_token_id=2,
+                   rope_parameters=dict(rope_type="yarn", rope_theta=150000.0, factor=8.0, beta_fast=32.0,
+                                        beta_slow=1.0, truncate=False, original_max_position_embeddings=64))
+        cfg = GptOssConfig(**dict(TINY, **dict(oss, **overrides)))
     elif arch == "olmo2":
         from transformers import Olmo2Config
 
@@ -112,6 +120,8 @@ def build_tiny_model(arch: str, path: str, seed: int = 0, **overrides):
         for name, p in model.named_parameters():
             if name.endswith("bias") or "norm" in name:
                 p.add_(torch.randn_like(p) * 0.1)
+            elif name.endswith(".sinks"):  # gpt-oss's attention sinks: logits as large as the scores'
+                p.copy_(torch.randn_like(p) * 2.0)
         for name, b in model.named_buffers():  # DeepSeek-V3-style routers (GLM-4.5): steer the choice
             if name.endswith("e_score_correction_bias"):
                 b.add_(torch.randn_like(b) * 0.1)

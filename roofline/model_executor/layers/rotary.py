@@ -1,5 +1,6 @@
 """Rotary position embedding (rotate-half form) with the rope-scaling variants of the Llama family and
-Phi-3's LongRoPE.
+Phi-3's LongRoPE.  YaRN follows HF's `_compute_yarn_parameters`, `truncate` included (gpt-oss sets it
+false: the correction range's bounds are not rounded to whole dimensions).
 
 cos/sin are precomputed for every position up to max_position; a batch indexes them by its flat
 positions tensor, so no per-request work happens here.  A rope type not listed in SUPPORTED_ROPE_TYPES
@@ -96,9 +97,17 @@ def _inv_freq(params: dict, dim: int, max_position: int) -> tuple[torch.Tensor, 
         medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
         inv_freq = torch.where(medium, smoothed, scaled)
     elif rope_type == "yarn":
-        factor = float(params["factor"])
-        old_len = float(params.get("original_max_position_embeddings", max_position / factor))
-        beta_fast, beta_slow = float(params.get("beta_fast", 32)), float(params.get("beta_slow", 1))
+        original = params.get("original_max_position_embeddings")
+        factor = params.get("factor")
+        if factor is None:  # HF: the ratio of the context length to the pretraining window
+            if original is None:
+                raise ValueError("rope_parameters['factor'] is required for rope_type 'yarn' (or "
+                                 "original_max_position_embeddings to derive it from)")
+            factor = max_position / float(original)
+        factor = float(factor)
+        old_len = float(original if original is not None else max_position / factor)
+        beta_fast, beta_slow = float(params.get("beta_fast") or 32), float(params.get("beta_slow") or 1)
+        truncate = params.get("truncate", True)  # gpt-oss: False (the correction range's bounds kept fractional)
         mscale = params.get("mscale"), params.get("mscale_all_dim")
 
         def get_mscale(scale, m=1.0):
@@ -114,8 +123,10 @@ def _inv_freq(params: dict, dim: int, max_position: int) -> tuple[torch.Tensor, 
         def correction_dim(rot):
             return (dim * math.log(old_len / (rot * 2 * math.pi))) / (2 * math.log(base))
 
-        low = max(math.floor(correction_dim(beta_fast)), 0)
-        high = min(math.ceil(correction_dim(beta_slow)), dim - 1)
+        low, high = correction_dim(beta_fast), correction_dim(beta_slow)
+        if truncate:
+            low, high = math.floor(low), math.ceil(high)
+        low, high = max(low, 0), min(high, dim - 1)
         if low == high:
             high += 0.001
         ramp = ((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)

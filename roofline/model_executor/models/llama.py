@@ -140,12 +140,14 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
+    attention_cls = LlamaAttention  # a family's own attention, built with the same arguments (gpt-oss: sinks)
+
     def __init__(self, config, layer_idx: int, backend: AttentionBackend, qk_norm: bool, qkv_bias: bool, o_bias: bool,
                  make_mlp: Callable[[object, int], nn.Module]):
         """make_mlp(config, layer_idx): the layer's feed-forward block, x [N, d] -> [N, d] (LlamaMLP, or a
         mixture of experts); built after the attention, whose split errors come first."""
         super().__init__()
-        self.self_attn = LlamaAttention(config, layer_idx, backend, qk_norm, qkv_bias, o_bias)
+        self.self_attn = self.attention_cls(config, layer_idx, backend, qk_norm, qkv_bias, o_bias)
         self.mlp = make_mlp(config, layer_idx)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)

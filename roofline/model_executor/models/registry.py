@@ -9,6 +9,7 @@ from roofline.model_executor.models.deepseek import (
 )
 from roofline.model_executor.models.glm4_moe import Glm4MoeForCausalLM
 from roofline.model_executor.models.gemma import Gemma2ForCausalLM, Gemma3ForCausalLM
+from roofline.model_executor.models.gpt_oss import GptOssForCausalLM
 from roofline.model_executor.models.llama import (
     GraniteForCausalLM,
     LlamaForCausalLM,
@@ -40,6 +41,7 @@ MODEL_REGISTRY = {
     "Qwen2MoeForCausalLM": Qwen2MoeForCausalLM,
     "Qwen3MoeForCausalLM": Qwen3MoeForCausalLM,
     "Glm4MoeForCausalLM": Glm4MoeForCausalLM,
+    "GptOssForCausalLM": GptOssForCausalLM,
 }
 
 

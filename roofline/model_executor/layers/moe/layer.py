@@ -25,6 +25,13 @@ Expert compute by where the tensors live:
     CPU, fp32, native kernels loaded  cpu_experts.CpuExperts (packed per-expert GEMMs, set by prepare_cpu)
     CUDA                              triton_moe.triton_experts (grouped GEMM over expert-sorted rows)
     anything else                     torch_experts.torch_experts (the reference)
+
+Options (gpt-oss): `activation` (torch_experts.ExpertActivation: SiLU-and-mul, or the clamped SwiGLU) and
+`bias` (w13_bias [slots, 2 I/tp] sliced like w13's rows, w2_bias [slots, H] whole, added by TP rank 0 only
+so that the all-reduce counts it once; under expert parallelism every rank holds whole experts and adds it).
+A layer with either runs the torch reference on the CPU (the native CPU kernels fuse SiLU-and-mul and know no
+biases: prepare_cpu builds no CpuExperts for it) and the Triton grouped GEMM with the bias and activation
+applied in torch between its launches on CUDA; FP8 expert blocks are dequantized at load for it.
 """
 
 from __future__ import annotations
@@ -47,7 +54,7 @@ from roofline.model_executor.layers.moe.expert_parallel import (
 )
 from roofline.model_executor.layers.moe.router import RoutingConfig, select_experts
 from roofline.model_executor.layers.moe.quantized_experts import quantized_experts
-from roofline.model_executor.layers.moe.torch_experts import torch_experts
+from roofline.model_executor.layers.moe.torch_experts import SILU, ExpertActivation, torch_experts
 from roofline.model_executor.layers.quantization.fp8 import Fp8BlockTensor
 
 SHARDS = ("w1", "w3", "w2")  # gate, up, down
@@ -55,8 +62,10 @@ SHARDS = ("w1", "w3", "w2")  # gate, up, down
 
 class FusedMoE(nn.Module):
     def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int, routing: RoutingConfig,
-                 *, reduce_results: bool = True, width_field: str = "moe_intermediate_size"):
-        """width_field: the config field intermediate_size came from (named when tp does not divide it)."""
+                 *, reduce_results: bool = True, width_field: str = "moe_intermediate_size",
+                 activation: ExpertActivation = SILU, bias: bool = False):
+        """width_field: the config field intermediate_size came from (named when tp does not divide it);
+        activation / bias: the experts' gate (SiLU-and-mul unless given) and whether they carry biases."""
         super().__init__()
         routing.validate(num_experts)
         tp, ep, layout = get_tp_group(), get_ep_group(), get_layout()
@@ -80,6 +89,9 @@ class FusedMoE(nn.Module):
         slots = num_experts if self.expert_map is None else self.expert_map.per_rank
         self.w13_weight = nn.Parameter(torch.empty(slots, 2 * self.inter_local, hidden_size), requires_grad=False)
         self.w2_weight = nn.Parameter(torch.empty(slots, hidden_size, self.inter_local), requires_grad=False)
+        self.activation = activation
+        self.w13_bias = nn.Parameter(torch.empty(slots, 2 * self.inter_local), requires_grad=False) if bias else None
+        self.w2_bias = nn.Parameter(torch.empty(slots, hidden_size), requires_grad=False) if bias else None
         self.expert_load: Optional[torch.Tensor] = None  # [num_experts] token counts, set by eplb.state
         self.cpu_experts: Optional[CpuExperts] = None  # set by prepare_cpu after loading
         self.w13_quant: Optional[Fp8BlockTensor] = None  # the stacks kept in FP8 blocks (see the module doc)
@@ -117,11 +129,37 @@ class FusedMoE(nn.Module):
                 param.data[slot].narrow(0, offset, n).copy_(loaded.narrow(0, start, n))
         self._loaded.add((expert_id, shard_id))
 
+    def bias_loader(self, loaded: torch.Tensor, shard_id: str, expert_id: int) -> None:
+        """One expert's bias: "w1" (gate) / "w3" (up) [I] (this rank keeps its slice of I), or "w2" (down) [H]."""
+        if self.w13_bias is None:
+            raise ValueError("this mixture-of-experts layer has no expert biases")
+        if shard_id not in SHARDS:
+            raise ValueError(f"unknown expert shard {shard_id!r} (expected one of {SHARDS})")
+        if not 0 <= expert_id < self.num_experts:
+            raise ValueError(f"expert {expert_id} out of range (the layer has {self.num_experts})")
+        want = (self.hidden_size,) if shard_id == "w2" else (self.intermediate_size,)
+        if tuple(loaded.shape) != want:
+            raise ValueError(f"expert {expert_id} {shard_id} bias: checkpoint shape {tuple(loaded.shape)}, "
+                             f"expected {want}")
+        n, start = self.inter_local, self.tp_rank * self.inter_local
+        for slot in self.local_slots(expert_id):
+            if shard_id == "w2":
+                self.w2_bias.data[slot].copy_(loaded.to(self.w2_bias.dtype))
+            else:
+                offset = 0 if shard_id == "w1" else n
+                self.w13_bias.data[slot].narrow(0, offset, n).copy_(loaded.narrow(0, start, n).to(self.w13_bias.dtype))
+
+    @property
+    def plain(self) -> bool:
+        """SiLU-and-mul experts without biases: what the native CPU and FP8 expert routes compute."""
+        return self.activation.is_silu and self.w13_bias is None
+
     # ---- FP8 block stacks ----------------------------------------------------------------------------------
     def takes_fp8(self) -> bool:
-        """Whether FP8 expert stacks stay in their blocks here: CPU, fp32, native kernels."""
+        """Whether FP8 expert stacks stay in their blocks here: CPU, fp32, native kernels, plain experts."""
         w = self.w13_weight
-        return w.device.type in ("cpu", "meta") and w.dtype == torch.float32 and cpu_ops.available()
+        return (w.device.type in ("cpu", "meta") and w.dtype == torch.float32 and cpu_ops.available()
+                and self.plain)
 
     def _keep_fp8(self, loaded: Fp8BlockTensor) -> bool:
         """Whether this FP8 tensor joins blocks kept here.  Both stacks are kept in blocks or neither: the
@@ -178,13 +216,16 @@ class FusedMoE(nn.Module):
         bytes and scales -- what EPLB moves between ranks (set_expert_stacks puts them back)."""
         if self.w13_quant is not None:
             return [self.w13_quant.data, self.w13_quant.scale, self.w2_quant.data, self.w2_quant.scale]
-        return [self.w13_weight.data, self.w2_weight.data]
+        biases = [] if self.w13_bias is None else [self.w13_bias.data, self.w2_bias.data]
+        return [self.w13_weight.data, self.w2_weight.data] + biases
 
     def set_expert_stacks(self, tensors: list[torch.Tensor]) -> None:
         if self.w13_quant is not None:
             self.w13_quant.data, self.w13_quant.scale, self.w2_quant.data, self.w2_quant.scale = tensors
         else:
-            self.w13_weight.data, self.w2_weight.data = tensors
+            self.w13_weight.data, self.w2_weight.data = tensors[:2]
+            if self.w13_bias is not None:
+                self.w13_bias.data, self.w2_bias.data = tensors[2:]
             if self.cpu_experts is not None:
                 self.prepare_cpu()  # the native kernels' packed copies follow the new weights
 
@@ -217,8 +258,9 @@ class FusedMoE(nn.Module):
         return [(e, s) for e in range(self.num_experts) for s in SHARDS if (e, s) not in self._loaded]
 
     def prepare_cpu(self) -> None:
-        """After loading on the CPU: per-expert packed copies for the native kernels (cpu_prepare.prepare_model)."""
-        if self.w13_quant is None:
+        """After loading on the CPU: per-expert packed copies for the native kernels (cpu_prepare.prepare_model);
+        none for experts the kernels cannot compute (another activation than SiLU-and-mul, biases)."""
+        if self.w13_quant is None and self.plain:
             self.cpu_experts = CpuExperts.build(self.w13_weight, self.w2_weight)
 
     # ---- compute ---------------------------------------------------------------------------------
@@ -228,11 +270,16 @@ class FusedMoE(nn.Module):
             return quantized_experts(x, self.w13_quant, self.w2_quant, weights, ids)
         if self.cpu_experts is not None and self.cpu_experts.takes(x):
             return self.cpu_experts(x, self.w13_weight, self.w2_weight, weights, ids)
+        if self.plain:
+            extra = {}
+        else:  # the down bias once across the TP group's partial sums (TP rank 0; every rank under EP)
+            extra = dict(activation=self.activation, b13=self.w13_bias,
+                         b2=self.w2_bias if self.tp_rank == 0 else None)
         if x.is_cuda:
             from roofline.model_executor.layers.moe.triton_moe import triton_experts
 
-            return triton_experts(x, self.w13_weight, self.w2_weight, weights, ids)
-        return torch_experts(x, self.w13_weight, self.w2_weight, weights, ids)
+            return triton_experts(x, self.w13_weight, self.w2_weight, weights, ids, **extra)
+        return torch_experts(x, self.w13_weight, self.w2_weight, weights, ids, **extra)
 
     def _local_experts(self, rows: torch.Tensor, slots: torch.Tensor, weights: Optional[torch.Tensor]) -> torch.Tensor:
         """rows [M, H] through this rank's expert slots [M], scaled by weights [M] (None: 1) -> [M, H]."""

@@ -10,6 +10,9 @@ One function, `select_experts`, covers every router the served architectures use
                                                  (e_score_correction_bias) is added for the choice only; a
                                                  group scores the sum of its two best biased scores; weights
                                                  are the unbiased sigmoid scores
+    top-k of the logits, then softmax over       gpt-oss (scoring "topk_softmax"): the experts chosen on the raw
+      the chosen ones                            logits (its router's linear has a bias), the weights a softmax
+                                                 over the k chosen logits alone
 and routed_scaling_factor multiplies the final weights.  The selection uses torch.topk on the same
 float32 values as HF transformers' routers, so ties resolve the same way.
 
@@ -24,14 +27,14 @@ from typing import Optional
 
 import torch
 
-SCORINGS = ("softmax", "sigmoid")
+SCORINGS = ("softmax", "sigmoid", "topk_softmax")
 GROUP_SCORES = ("max", "top2_sum")
 
 
 @dataclass(frozen=True)
 class RoutingConfig:
     top_k: int
-    scoring: str = "softmax"  # "softmax" | "sigmoid"
+    scoring: str = "softmax"  # "softmax" | "sigmoid" | "topk_softmax" (gpt-oss: top-k logits, then softmax)
     renormalize: bool = False  # norm_topk_prob: chosen weights divided by their sum
     num_groups: int = 1  # n_group (grouped top-k when > 1)
     topk_groups: int = 1  # topk_group
@@ -59,6 +62,8 @@ class RoutingConfig:
             if self.group_score == "top2_sum" and per_group < 2:
                 raise ValueError(f"n_group ({self.num_groups}) leaves groups of one expert; the top-2 group score "
                                  "needs two")
+        if self.scoring == "topk_softmax" and self.num_groups > 1:
+            raise ValueError("grouped top-k (n_group) is not supported with top-k-then-softmax routing")
 
 
 def select_experts(router_logits: torch.Tensor, cfg: RoutingConfig,
@@ -68,6 +73,12 @@ def select_experts(router_logits: torch.Tensor, cfg: RoutingConfig,
     come from the unbiased scores."""
     logits = router_logits.float()
     n, e = logits.shape
+    if cfg.scoring == "topk_softmax":  # gpt-oss: choose on the logits, softmax over the chosen
+        top, ids = torch.topk(logits, k=cfg.top_k, dim=-1)
+        weights = top.softmax(dim=-1)
+        if cfg.routed_scaling_factor != 1.0:
+            weights = weights * cfg.routed_scaling_factor
+        return weights, ids
     scores = logits.softmax(dim=-1) if cfg.scoring == "softmax" else logits.sigmoid()
     choice = scores if correction_bias is None else scores + correction_bias.float()
     if cfg.num_groups > 1:
@@ -104,13 +115,15 @@ def num_routed_experts(hf_config) -> int:
 
 
 def routing_from_hf_config(hf_config) -> RoutingConfig:
-    """The RoutingConfig of an HF MoE config (Mixtral, Qwen2-MoE, Qwen3-MoE, DeepSeek-V2/V3, GLM-4.5),
-    validated."""
+    """The RoutingConfig of an HF MoE config (Mixtral, Qwen2-MoE, Qwen3-MoE, DeepSeek-V2/V3, GLM-4.5,
+    gpt-oss), validated."""
     model_type = getattr(hf_config, "model_type", "")
     top_k = int(getattr(hf_config, "num_experts_per_tok", 0) or 0)
     scale = float(getattr(hf_config, "routed_scaling_factor", None) or 1.0)
     if model_type == "mixtral":
         cfg = RoutingConfig(top_k=top_k, renormalize=True)
+    elif model_type == "gpt_oss":  # GptOssTopKRouter: topk(logits), softmax over those k
+        cfg = RoutingConfig(top_k=top_k, scoring="topk_softmax")
     elif model_type in ("deepseek_v2", "deepseek_v3", "deepseek_v32", "glm4_moe"):
         v3 = model_type != "deepseek_v2"
         method = getattr(hf_config, "topk_method", None) or ("noaux_tc" if v3 else "greedy")

@@ -6,9 +6,9 @@ One kernel (`_grouped_gemm_kernel`) then computes, per block and BLOCK_N output 
 rows times that expert's weight, gathering its input rows through the sort and scattering the results
 back to the rows' own places:
 
-    gate_up [N*k, 2I] = x[token of row] @ w13[e]^T          (first launch)
-    h = silu(gate) * up                                      (the fused SiLU kernel where it applies)
-    y [N*k, H] = (h[row] @ w2[e]^T) * routing weight[row]    (second launch)
+    gate_up [N*k, 2I] = x[token of row] @ w13[e]^T          (first launch; + b13[e] with expert biases)
+    h = silu(gate) * up                                      (or the layer's ExpertActivation, in torch)
+    y [N*k, H] = (h[row] @ w2[e]^T) * routing weight[row]    (second launch; + b2[e] before the weight)
     out [N, H] = y.view(N, k, H).sum(1)
 
 Everything is sync-free (no .item(), sizes bounded from N alone), so it can be captured in a CUDA graph.
@@ -114,15 +114,28 @@ def grouped_gemm(a: torch.Tensor, w: torch.Tensor, rows: torch.Tensor, block_exp
 
 
 def triton_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor,
-                   ids: torch.Tensor) -> torch.Tensor:
-    """As torch_experts.torch_experts (x [N, H], weights/ids [N, k] -> [N, H])."""
+                   ids: torch.Tensor, activation=None, b13: torch.Tensor | None = None,
+                   b2: torch.Tensor | None = None) -> torch.Tensor:
+    """As torch_experts.torch_experts (x [N, H], weights/ids [N, k] -> [N, H]; activation: a
+    torch_experts.ExpertActivation, None for SiLU-and-mul; b13 / b2: the experts' biases, added to each
+    row by its expert -- rows sit at their flat (token, slot) index -- before the routing weight)."""
     n, k = ids.shape
     if n == 0:
         return torch.zeros_like(x)
     block_m = _block_m(n * k)
     rows, block_expert = align_by_expert(ids, w13.shape[0], block_m)
     gate_up = grouped_gemm(x, w13, rows, block_expert, n * k, k, block_m)
-    inter = w2.shape[2]
-    h = torch.nn.functional.silu(gate_up[:, :inter]) * gate_up[:, inter:]
-    y = grouped_gemm(h, w2, rows, block_expert, n * k, 1, block_m, scale=weights.reshape(-1).to(torch.float32))
+    flat_ids = ids.reshape(-1)
+    if b13 is not None:
+        gate_up = gate_up + b13[flat_ids]
+    if activation is None or activation.is_silu:
+        inter = w2.shape[2]
+        h = torch.nn.functional.silu(gate_up[:, :inter]) * gate_up[:, inter:]
+    else:
+        h = activation(gate_up)
+    scale = weights.reshape(-1).to(torch.float32)
+    if b2 is None:
+        y = grouped_gemm(h, w2, rows, block_expert, n * k, 1, block_m, scale=scale)
+    else:  # the bias joins before the routing weight
+        y = (grouped_gemm(h, w2, rows, block_expert, n * k, 1, block_m) + b2[flat_ids]) * scale[:, None].to(h.dtype)
     return y.view(n, k, -1).sum(dim=1)

@@ -1,4 +1,4 @@
-"""Quantized weights behind one seam: GGUF blocks, FP8 blocks (and later MXFP4).
+"""Quantized weights behind one seam: GGUF blocks, FP8 blocks, MXFP4 expert blocks (gpt-oss).
 
 A quantized weight is an object a linear layer keeps in `quant` instead of a dense `weight` (which becomes
 a meta tensor).  Every kind answers the same calls:
@@ -12,9 +12,12 @@ Kinds:
     gguf        roofline/cpu/gguf_quant.QuantizedTensor (llama.cpp's blocks; the CPU's native kernels)
     fp8 blocks  fp8.Fp8BlockTensor (DeepSeek-V3's e4m3 weights with [128, 128] block scales; the CPU's native
                 kernels, Triton on CUDA)
+    mxfp4       mxfp4.Mxfp4Tensor (gpt-oss's expert stacks: e2m1 pairs a byte, an e8m0 exponent per 32 values);
+                no native route yet: dequantized at load to the model dtype, HF's values, whatever the switch
 One switch decides native vs dequantize-at-load for every kind: EngineConfig.quantized_weights
 (--quantized-weights native|dequantize).  `checkpoint_quantization(hf_config)` reads and checks a checkpoint's
-`quantization_config`, failing at start-up with the field named.
+`quantization_config`, failing at start-up with the field named; each kind's checkpoint reader (fp8.py's
+fp8_checkpoint_weights, mxfp4.py's mxfp4_checkpoint_weights) joins the stored tensors with their scales.
 """
 
 from __future__ import annotations
@@ -25,7 +28,7 @@ from typing import Any, Optional
 
 import torch
 
-SUPPORTED_METHODS = ("fp8",)
+SUPPORTED_METHODS = ("fp8", "mxfp4")
 
 
 @dataclass(frozen=True)
@@ -42,11 +45,20 @@ class Fp8BlockConfig:
         return 4.0 / (self.block_n * self.block_k)
 
 
+@dataclass(frozen=True)
+class Mxfp4Config:
+    """OpenAI's MXFP4 release format (gpt-oss): expert projections stored as `<name>_blocks` (uint8, two e2m1
+    values a byte, 32 values a block) and `<name>_scales` (uint8 e8m0 exponents, bias 127); everything else in
+    high precision (`modules_to_not_convert`)."""
+
+    ignored: tuple[str, ...] = ()
+
+
 def _field(q: Any, name: str, default=None):
     return q.get(name, default) if isinstance(q, dict) else getattr(q, name, default)
 
 
-def checkpoint_quantization(hf_config) -> Optional[Fp8BlockConfig]:
+def checkpoint_quantization(hf_config) -> Optional[Fp8BlockConfig | Mxfp4Config]:
     """The checkpoint's quantization (None: plain weights), or ValueError naming the field we cannot honour."""
     q = getattr(hf_config, "quantization_config", None)
     if q is None:
@@ -55,8 +67,10 @@ def checkpoint_quantization(hf_config) -> Optional[Fp8BlockConfig]:
         q = q.to_dict()
     method = _field(q, "quant_method")
     if method not in SUPPORTED_METHODS:
-        raise ValueError(f"quantization_config.quant_method {method!r} is not supported (supported: "
-                         f"{', '.join(SUPPORTED_METHODS)}: DeepSeek-style FP8 blocks)")
+        raise ValueError(f"quantization_config.quant_method {method!r} is not supported (supported: fp8: "
+                         "DeepSeek-style FP8 blocks; mxfp4: gpt-oss's MXFP4 experts)")
+    if method == "mxfp4":
+        return _mxfp4_config(q)
     fmt = _field(q, "fmt", "e4m3")
     if fmt != "e4m3":
         raise ValueError(f"quantization_config.fmt {fmt!r} is not supported (only e4m3)")
@@ -77,6 +91,16 @@ def checkpoint_quantization(hf_config) -> Optional[Fp8BlockConfig]:
                          "multiple of 16")
     ignored = tuple(_field(q, "modules_to_not_convert", None) or ()) + tuple(_field(q, "ignored_layers", None) or ())
     return Fp8BlockConfig(int(block[0]), int(block[1]), ignored)
+
+
+def _mxfp4_config(q: Any) -> Mxfp4Config:
+    ignored = _field(q, "modules_to_not_convert", None)
+    if ignored is not None and (not isinstance(ignored, (list, tuple)) or not all(isinstance(m, str) for m in ignored)):
+        raise ValueError(f"quantization_config.modules_to_not_convert must be a list of module names, got {ignored!r}")
+    dequantize = _field(q, "dequantize", False)
+    if not isinstance(dequantize, bool):
+        raise ValueError(f"quantization_config.dequantize must be true or false, got {dequantize!r}")
+    return Mxfp4Config(tuple(ignored or ()))
 
 
 def blocks(n: int, b: int) -> int:
