@@ -235,6 +235,12 @@ class EngineCore:
                 + (f" plus the draft model's {lookahead} lookahead slots" if lookahead else "")
                 + f" exceeds the KV cache capacity ({self.kv_capacity_tokens} tokens)"
             )
+        kv = self.scheduler.kv if hasattr(self.scheduler, "kv") else None
+        if kv is not None and kv.grouped and not self.config.scheduler_config.enable_chunked_prefill:
+            whole = kv.num_groups * -(-n // self.config.cache_config.block_size)  # one chunk: every group's blocks
+            if whole > kv.pool.num_blocks:
+                raise ValueError(f"the prompt ({n} tokens) needs {whole} KV blocks in one prefill (chunked prefill is "
+                                 f"off) and the pool has {kv.pool.num_blocks}")
         if params.use_beam_search and self.config.speculative_config is not None:
             raise ValueError("use_beam_search does not run with speculative decoding")
         if params.use_beam_search and 2 * params.n > self.vocab_size:

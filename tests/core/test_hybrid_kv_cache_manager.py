@@ -168,3 +168,21 @@ def test_capacity_counts_the_windows():
     t = kv.capacity_tokens()
     assert kv.blocks_for_tokens(t) <= 100 < kv.blocks_for_tokens(t + 1)
     assert t > 100 * 4 // 4  # more than a plain pool of the same blocks over 4 groups would give
+
+
+def test_without_chunked_prefill_a_prompt_the_pool_cannot_prefill_at_once_is_refused(tmp_path):
+    """Sliding groups hold a whole prefill's blocks while it runs: with chunked prefill off, a prompt needing more
+    than the pool in one chunk is an error at once, not a request that waits forever."""
+    from roofline import LLM
+    from tests.reference.hf_models import build_tiny_model
+
+    build_tiny_model("gemma3", str(tmp_path), seed=1)
+    llm = LLM(str(tmp_path), dtype="float32", device="cpu", show_progress=False, num_kv_blocks=4, block_size=8,
+              enable_chunked_prefill=False, max_num_batched_tokens=512)
+    try:
+        with pytest.raises(ValueError, match="in one prefill"):
+            llm.generate([{"prompt_token_ids": list(range(3, 60))}], SamplingParams(max_tokens=2))
+        out = llm.generate([{"prompt_token_ids": list(range(3, 12))}], SamplingParams(max_tokens=2, ignore_eos=True))
+        assert len(out[0].outputs[0].token_ids) == 2
+    finally:
+        llm.llm_engine.shutdown()
