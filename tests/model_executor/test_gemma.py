@@ -54,6 +54,8 @@ def test_greedy_matches_hf(models, arch, variant):
         assert inner.cpu_stack is None  # the fp32 layer stack runs plain Llama layers only
         assert [layer.self_attn.attn_options.sliding_window for layer in inner.layers] == [
             6 if t == "sliding_attention" else None for t in hf.config.layer_types]
+        tables = {layer.self_attn.rotary.cos_cache.data_ptr() for layer in inner.layers}
+        assert len(tables) == {"gemma2": 1, "gemma3": 2}[arch]  # one rope table per distinct rope, shared by layers
         kv = llm.llm_engine.scheduler.kv  # sliding layers in their own block tables (gemma2: 2 groups of 2 layers)
         assert sorted(kv.group_windows) == {"gemma2": [0, 6], "gemma3": [0, 6, 6, 6]}[arch]
 

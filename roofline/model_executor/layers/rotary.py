@@ -25,6 +25,7 @@ model gets the long factors where HF would use the short ones.
 from __future__ import annotations
 
 import math
+import weakref
 from typing import Optional
 
 import torch
@@ -145,17 +146,33 @@ def _inv_freq(params: dict, dim: int, max_position: int) -> tuple[torch.Tensor, 
     return inv_freq, attention_factor
 
 
+# (rope parameters, rotary dim, positions, device) -> the (cos, sin) tables layers with those share: a model's
+# layers hold one copy, not one each (a 32-layer model at 128k positions: 4 GiB of fp32 tables otherwise)
+_TABLES: "weakref.WeakValueDictionary[tuple, torch.Tensor]" = weakref.WeakValueDictionary()
+
+
+def _tables(params: dict, rotary_dim: int, max_position: int) -> tuple[torch.Tensor, torch.Tensor]:
+    key = (repr(sorted(params.items(), key=lambda kv: kv[0])), rotary_dim, max_position,
+           str(torch.get_default_device()) if hasattr(torch, "get_default_device") else "")
+    cos, sin = _TABLES.get(key + ("cos",)), _TABLES.get(key + ("sin",))
+    if cos is None or sin is None:
+        inv_freq, attention_factor = _inv_freq(params, rotary_dim, max_position)
+        t = torch.arange(max_position, dtype=torch.int64).float()
+        freqs = torch.outer(t, inv_freq)  # [P, rot/2]
+        emb = torch.cat((freqs, freqs), dim=-1)
+        cos, sin = emb.cos() * attention_factor, emb.sin() * attention_factor
+        _TABLES[key + ("cos",)], _TABLES[key + ("sin",)] = cos, sin
+    return cos, sin
+
+
 class RotaryEmbedding(nn.Module):
     def __init__(self, head_dim: int, max_position: int, params: dict, rotary_dim: Optional[int] = None):
         super().__init__()
         self.head_dim = head_dim
         self.rotary_dim = rotary_dim or head_dim
-        inv_freq, attention_factor = _inv_freq(params, self.rotary_dim, max_position)
-        t = torch.arange(max_position, dtype=torch.int64).float()
-        freqs = torch.outer(t, inv_freq)  # [P, rot/2]
-        emb = torch.cat((freqs, freqs), dim=-1)
-        self.register_buffer("cos_cache", emb.cos() * attention_factor, persistent=False)
-        self.register_buffer("sin_cache", emb.sin() * attention_factor, persistent=False)
+        cos, sin = _tables(params, self.rotary_dim, max_position)  # shared with the model's other layers
+        self.register_buffer("cos_cache", cos, persistent=False)
+        self.register_buffer("sin_cache", sin, persistent=False)
 
     @staticmethod
     def _rotate_half(x: torch.Tensor) -> torch.Tensor:
