@@ -4,8 +4,9 @@
 RowParallelLinear.forward call `lora.apply(x, y)` after their own product, before any all-reduce).  It
 holds the layer's adapter weights in fixed slots, one per adapter that may run in a step (max_loras):
 
-    a [max_loras, S, max_rank, in]   each slice's lora_A (S: the layer's output slices, mapping.py)
-    b [max_loras, out, max_rank]     lora_B of each slice in the slice's output rows, scaling folded in
+    a  [max_loras, S, max_rank, in]   each slice's lora_A (S: the layer's output slices, mapping.py)
+    bt [max_loras, max_rank, out]     lora_B of each slice, transposed, in the slice's output columns, scaling
+                                      folded in (an expand row is a contiguous run of outputs)
 
 and a slot holding an adapter of rank r uses its first r rank columns.  The step's rows are described by
 `StepBatch` (the model runner builds it once per step): segments of consecutive rows under one slot.
@@ -102,19 +103,23 @@ class LoRALayer:
         nslices = len(target.slices)
         self.slices = [(s.offset, s.size) for s in target.slices]
         self.a = torch.zeros((max_loras, nslices, max_rank, target.in_local), dtype=dtype, device=device)
-        self.b = torch.zeros((max_loras, target.out_local, max_rank), dtype=dtype, device=device)
+        self.bt = torch.zeros((max_loras, max_rank, target.out_local), dtype=dtype, device=device)
         self.slice_on = [[False] * nslices for _ in range(max_loras)]  # which slices the slot's adapter has
+        # the same, and the slices' columns, as the native kernel reads them (CPU tensors)
+        self.slice_on_t = torch.zeros((max_loras, nslices), dtype=torch.uint8)
+        self.slice_off_t = torch.tensor([off for off, _ in self.slices], dtype=torch.int64)
+        self.slice_size_t = torch.tensor([n for _, n in self.slices], dtype=torch.int64)
 
     def load_slot(self, slot: int, weights: Optional[tuple[torch.Tensor, torch.Tensor, list[bool]]]) -> None:
         """weights: (a [S, r, in], b [out, r], slices present) of this rank, or None (no weights here)."""
-        if weights is None:
-            self.slice_on[slot] = [False] * len(self.slices)
-            return
-        a, b, on = weights
-        r = a.shape[1]
-        self.a[slot, :, :r].copy_(a)
-        self.b[slot, :, :r].copy_(b)
-        self.slice_on[slot] = list(on)
+        on = [False] * len(self.slices) if weights is None else list(weights[2])
+        if weights is not None:
+            a, b, _ = weights
+            r = a.shape[1]
+            self.a[slot, :, :r].copy_(a)
+            self.bt[slot, :r].copy_(b.t())
+        self.slice_on[slot] = on
+        self.slice_on_t[slot] = torch.tensor(on, dtype=torch.uint8)
 
     def groups(self, rows: int) -> list[tuple[int, int, int, int]]:
         """This step's (slot, rank, start, end) segments with weights here."""

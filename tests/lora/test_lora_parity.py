@@ -1,6 +1,6 @@
 """Mixed batches of two adapters (ranks 8 and 4, rsLoRA on one) and the base model give PEFT's greedy tokens
 (fp32, CPU) on a tiny Llama, a tiny Qwen3 and a tiny Phi-3 (fused projections in HF too): plain, under chunked prefill, under preemption, at tp=2 and with
-one adapter slot; every KV block comes back."""
+one adapter slot, with the native shrink/expand kernel and with torch's; every KV block comes back."""
 
 from __future__ import annotations
 
@@ -18,6 +18,7 @@ VARIANTS = {
     "preempt_recompute": dict(num_kv_blocks=12, block_size=8, preemption_mode="recompute"),
     "one_slot": dict(num_kv_blocks=128, max_loras=1),
     "tp2": dict(num_kv_blocks=64, tensor_parallel_size=2),
+    "torch_ops": dict(num_kv_blocks=128, cpu_kernels=False),  # the torch shrink/expand (lora/ops.py)
 }
 CASES = ([("llama", v) for v in VARIANTS] + [("qwen3", v) for v in ("default", "budget_16", "preempt_recompute")]
          + [("phi3", "default")])  # Phi-3: adapters on HF's fused qkv_proj / gate_up_proj
