@@ -88,7 +88,17 @@ class LoRAStepState:
 
     def __init__(self, max_loras: int) -> None:
         self.ranks = [0] * max_loras
-        self.batch: Optional[StepBatch] = None
+        self._batch: Optional[StepBatch] = None
+        self.step_cache: dict = {}  # what kernels derive from the step's groups (emptied with every batch)
+
+    @property
+    def batch(self) -> Optional[StepBatch]:
+        return self._batch
+
+    @batch.setter
+    def batch(self, batch: Optional[StepBatch]) -> None:
+        self._batch = batch
+        self.step_cache = {}
 
     @property
     def active(self) -> bool:
@@ -109,6 +119,7 @@ class LoRALayer:
         self.slice_on_t = torch.zeros((max_loras, nslices), dtype=torch.uint8)
         self.slice_off_t = torch.tensor([off for off, _ in self.slices], dtype=torch.int64)
         self.slice_size_t = torch.tensor([n for _, n in self.slices], dtype=torch.int64)
+        self._device_tables = None  # (slice_on, offsets, sizes) on the weights' device (Triton), when asked
 
     def load_slot(self, slot: int, weights: Optional[tuple[torch.Tensor, torch.Tensor, list[bool]]]) -> None:
         """weights: (a [S, r, in], b [out, r], slices present) of this rank, or None (no weights here)."""
@@ -120,6 +131,14 @@ class LoRALayer:
             self.bt[slot, :r].copy_(b.t())
         self.slice_on[slot] = on
         self.slice_on_t[slot] = torch.tensor(on, dtype=torch.uint8)
+        self._device_tables = None
+
+    def device_tables(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """slice_on, the slices' offsets and sizes, on the weights' device."""
+        if self._device_tables is None:
+            dev = self.a.device
+            self._device_tables = (self.slice_on_t.to(dev), self.slice_off_t.to(dev), self.slice_size_t.to(dev))
+        return self._device_tables
 
     def groups(self, rows: int) -> list[tuple[int, int, int, int]]:
         """This step's (slot, rank, start, end) segments with weights here."""

@@ -54,9 +54,26 @@ def add_lora_native(x: torch.Tensor, y: torch.Tensor, layer, groups, lib=None) -
         raise RuntimeError(f"lora_shrink_expand_f32 refused its arguments ({len(layer.slices)} slices, groups {groups})")
 
 
+def _on_cuda(x: torch.Tensor) -> bool:
+    return x.is_cuda
+
+
+def _triton():
+    """lora/triton_ops, or None where Triton is not installed."""
+    try:
+        from roofline.lora import triton_ops
+    except ImportError:
+        return None
+    return triton_ops
+
+
 def add_lora(x: torch.Tensor, y: torch.Tensor, layer, groups) -> None:
     """y += the groups' LoRA deltas, by the fastest route this batch has."""
     if native_takes(x, y):
         add_lora_native(x, y, layer, groups)
+        return
+    kernels = _triton() if _on_cuda(x) and y.stride(1) == 1 else None
+    if kernels is not None:
+        kernels.add_lora(x, y, layer, groups)
     else:
         add_lora_torch(x, y, layer, groups)

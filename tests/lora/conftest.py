@@ -1,11 +1,16 @@
 """Tiny checkpoints with two PEFT adapters of different ranks, and PEFT's greedy tokens for them (built once
-per session, for every LoRA test module)."""
+per session, for every LoRA test module).  Without a CUDA device the Triton kernels run through Triton's
+interpreter: TRITON_INTERPRET must be set before triton is first imported (tests/triton_interpreter.py)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 import pytest
+
+from tests.triton_interpreter import interpret_without_gpu
+
+interpret_without_gpu("roofline.lora.triton_ops", "_shrink_kernel")
 
 from roofline import LoRARequest
 from tests.engine.test_feature_invariance import shared_prefix_prompts
