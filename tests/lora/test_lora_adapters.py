@@ -165,3 +165,17 @@ def test_read_adapter_scaling(family):
     assert (a1.rank, a1.scaling) == (8, 2.0)  # alpha / r
     assert (a2.rank, a2.scaling) == (4, 4.0)  # rsLoRA: alpha / sqrt(r)
     assert "model.layers.0.self_attn.q_proj" in a1.modules
+
+
+def test_forks_run_under_their_adapter(llm, family):
+    """n > 1 completions and beam search fork their request: every fork keeps its adapter."""
+    params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True, n=2)
+    out = llm.generate([{"prompt_token_ids": family.prompts[1]}], params, use_tqdm=False,
+                       lora_request=family.loras[1])[0]
+    assert [c.token_ids for c in out.outputs] == [family.expected[1]] * 2
+    from roofline import BeamSearchParams
+
+    beams = llm.beam_search([{"prompt_token_ids": family.prompts[2]}], BeamSearchParams(beam_width=2, max_tokens=4),
+                            lora_request=family.loras[2])
+    base = llm.beam_search([{"prompt_token_ids": family.prompts[2]}], BeamSearchParams(beam_width=2, max_tokens=4))
+    assert beams[0].sequences[0].tokens != base[0].sequences[0].tokens

@@ -1,6 +1,7 @@
 """Mixed batches of two adapters (ranks 8 and 4, rsLoRA on one) and the base model give PEFT's greedy tokens
-(fp32, CPU) on a tiny Llama, a tiny Qwen3 and a tiny Phi-3 (fused projections in HF too): plain, under chunked prefill, under preemption, at tp=2 and with
-one adapter slot, with the native shrink/expand kernel and with torch's; every KV block comes back."""
+(fp32, CPU) on a tiny Llama and a tiny Qwen3 -- plain, under chunked prefill, under preemption, at tp=2 and with
+one adapter slot, with the native shrink/expand kernel and with torch's -- and on tiny Phi-3 (fused projections in
+HF too), Gemma 2 and OLMo 2; every KV block comes back."""
 
 from __future__ import annotations
 
@@ -21,7 +22,8 @@ VARIANTS = {
     "torch_ops": dict(num_kv_blocks=128, cpu_kernels=False),  # the torch shrink/expand (lora/ops.py)
 }
 CASES = ([("llama", v) for v in VARIANTS] + [("qwen3", v) for v in ("default", "budget_16", "preempt_recompute")]
-         + [("phi3", "default")])  # Phi-3: adapters on HF's fused qkv_proj / gate_up_proj
+         + [("phi3", "default")]  # Phi-3: adapters on HF's fused qkv_proj / gate_up_proj
+         + [("gemma2", "default"), ("olmo2", "default")])
 
 
 @pytest.mark.parametrize("arch,variant", CASES)
@@ -30,7 +32,7 @@ def test_mixed_batch_matches_peft(lora_family, arch, variant):
     seen = {}
 
     def inspect(llm):
-        if variant == "default":  # the CPU layer stack is there and steps aside for adapter rows
+        if variant == "default" and arch in ("llama", "qwen3"):  # the CPU layer stack is there and steps aside
             seen["stack"] = inner_model(llm).cpu_stack is not None
 
     outs, stats = generate(fam.path, fam.prompts, GREEDY, inspect=inspect, lora_request=fam.lora_requests(),
@@ -38,7 +40,7 @@ def test_mixed_batch_matches_peft(lora_family, arch, variant):
     assert tokens(outs) == fam.expected
     if variant == "preempt_recompute":
         assert stats.num_preemptions > 0
-    if variant == "default":
+    if variant == "default" and arch in ("llama", "qwen3"):
         assert seen["stack"]
 
 
