@@ -1,5 +1,6 @@
 """roofline: an LLM inference-serving engine (paged KV cache, continuous batching, chunked prefill)."""
 
+from roofline.lora.request import LoRARequest
 from roofline.outputs import BeamSearchOutput, BeamSearchSequence, CompletionOutput, RequestOutput
 from roofline.sampling_params import BeamSearchParams, RequestOutputKind, SamplingParams
 
@@ -19,4 +20,4 @@ def __getattr__(name):  # LLM pulls in torch and transformers: import it lazily
 
 
 __all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput", "RequestOutputKind", "EngineArgs",
-           "BeamSearchParams", "BeamSearchOutput", "BeamSearchSequence"]
+           "BeamSearchParams", "BeamSearchOutput", "BeamSearchSequence", "LoRARequest"]

@@ -216,6 +216,16 @@ def _is_int(v: Any) -> bool:
 
 
 @dataclass
+class LoRAConfig:
+    """Serving LoRA adapters (roofline/lora; vLLM's flags): how many run in one step, the largest rank
+    and how many stay loaded."""
+
+    max_loras: int = 1  # adapters in one step (each a slot in every LoRA layer)
+    max_lora_rank: int = 16  # the slots' rank; an adapter of higher rank is refused
+    max_cpu_loras: int = 1  # adapters kept loaded on the CPU (an LRU); at least max_loras
+
+
+@dataclass
 class EngineConfig:
     model_config: ModelConfig
     cache_config: CacheConfig
@@ -225,6 +235,7 @@ class EngineConfig:
     observability_config: ObservabilityConfig = field(default_factory=ObservabilityConfig)
     speculative_config: Optional[SpeculativeConfig] = None
     kv_transfer_config: Optional[KVTransferConfig] = None  # a KV connector (kv_transfer/), if any
+    lora_config: Optional[LoRAConfig] = None  # LoRA adapters (enable_lora), if served
     # the server runs EngineCore in a process of its own (engine/core_process.py), apart from HTTP and
     # tokenization; offline LLM(...) always runs it in-process.  On by default: W2 at saturation on
     # the default model (CPU) gave 1.8x the output tokens/s of the engine thread sharing the server's GIL
@@ -306,6 +317,11 @@ class EngineArgs:
     speculative_config: Optional[dict] = None
     # KV transfer (prefill/decode disaggregation): vLLM's --kv-transfer-config JSON (or a dict)
     kv_transfer_config: Optional[str] = None
+    # LoRA adapters (roofline/lora)
+    enable_lora: bool = False
+    max_loras: int = 1
+    max_lora_rank: int = 16
+    max_cpu_loras: Optional[int] = None  # default: max_loras
     # server
     engine_core_process: bool = True
 
@@ -418,6 +434,7 @@ class EngineArgs:
                     or self.nnodes > 1):
                 errors.append("kv_transfer_config needs tensor_parallel_size, pipeline_parallel_size and "
                               "data_parallel_size 1 (a KV connector serves one pool)")
+        lora = self._lora_config(errors)
         if errors:
             raise ValueError("invalid engine arguments: " + "; ".join(errors))
         device = self.device or _default_device()
@@ -479,8 +496,31 @@ class EngineArgs:
         )
         observability = ObservabilityConfig(step_roofline=self.step_roofline, roofline_hardware=self.roofline_hardware)
         return EngineConfig(model_config, cache_config, scheduler_config, parallel_config, device_config, observability,
-                            speculative, kv_transfer,
+                            speculative, kv_transfer, lora,
                             engine_core_process=self.engine_core_process)
+
+
+    def _lora_config(self, errors: list[str]) -> Optional[LoRAConfig]:
+        """The LoRA settings (None unless enable_lora), their errors appended to errors."""
+        if not self.enable_lora:
+            return None
+        cpu = self.max_cpu_loras if self.max_cpu_loras is not None else self.max_loras
+        for name, value in (("max_loras", self.max_loras), ("max_lora_rank", self.max_lora_rank),
+                            ("max_cpu_loras", cpu)):
+            if not _is_int(value) or value < 1:
+                errors.append(f"{name} must be a positive integer, got {value!r}")
+        if _is_int(cpu) and _is_int(self.max_loras) and cpu < self.max_loras:
+            errors.append(f"max_cpu_loras ({cpu}) must be at least max_loras ({self.max_loras})")
+        for name, value, why in (
+                ("pipeline_parallel_size", self.pipeline_parallel_size, "1"),
+                ("data_parallel_size", self.data_parallel_size, "1")):
+            if value != 1:
+                errors.append(f"enable_lora needs {name} {why} (not supported yet), got {value}")
+        if self.speculative_config is not None:
+            errors.append("enable_lora does not run with speculative_config yet")
+        if self.kv_transfer_config is not None:
+            errors.append("enable_lora does not run with kv_transfer_config yet")
+        return LoRAConfig(max_loras=self.max_loras, max_lora_rank=self.max_lora_rank, max_cpu_loras=cpu)
 
 
 def finalize_lengths(config: EngineConfig, model_max_len: int) -> None:

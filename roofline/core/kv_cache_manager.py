@@ -3,7 +3,9 @@ copy-on-write, truncation, and swapping to the CPU pool.
 
 Block hash of logical block i of a request:
     H_i = xxh3_128(H_{i-1} || token ids of block i || extra keys)     (H_{-1} = empty)
-so equal hashes mean equal content *and* equal prefix.  Extra keys (cache salt) enter every hash.
+so equal hashes mean equal content *and* equal prefix.  Extra keys enter every hash: the LoRA adapter a
+request runs under (its K/V differ from the base model's and from every other adapter's, so a prompt under
+adapter A never reuses blocks computed under B or the base model) and the cache salt.
 Only full blocks are hashed and shared; the partial last block is private unless forked, and a
 write into a shared partial block first copies it (copy-on-write).
 """
@@ -19,11 +21,17 @@ from roofline.core.block_pool import BlockPool, KVBlock, SwapPool
 from roofline.core.request import Request
 
 
-def hash_block(parent: Optional[bytes], token_ids: Sequence[int], extra: Optional[str]) -> bytes:
+def hash_block(parent: Optional[bytes], token_ids: Sequence[int], extra: Optional[str],
+               lora: Optional[str] = None) -> bytes:
+    """extra: the cache salt; lora: the adapter's key (LoRARequest.cache_key), length-prefixed so that no
+    salt can spell it."""
     h = xxhash.xxh3_128()
     if parent is not None:
         h.update(parent)
     h.update(array("q", token_ids).tobytes())
+    if lora:
+        key = lora.encode()
+        h.update(b"\x00lora:" + len(key).to_bytes(8, "little") + key)
     if extra:
         h.update(b"\x00salt:" + extra.encode())
     return h.digest()
@@ -62,7 +70,8 @@ class KVCacheManager:
         while len(hashes) < request.num_tokens // bs:
             i = len(hashes)
             parent = hashes[-1] if hashes else None
-            hashes.append(hash_block(parent, request.all_token_ids[i * bs : (i + 1) * bs], request.cache_salt))
+            hashes.append(hash_block(parent, request.all_token_ids[i * bs : (i + 1) * bs], request.cache_salt,
+                                     request.lora_key))
 
     # ---- lookup / allocation ---------------------------------------------------------------
     def get_computed_blocks(self, request: Request) -> tuple[list[KVBlock], int]:

@@ -43,6 +43,7 @@ class Request:
         cache_salt: Optional[str] = None,
         group_id: Optional[str] = None,
         index: int = 0,
+        lora_request=None,
     ) -> None:
         self.request_id = request_id
         self.group_id = group_id or request_id  # the user's request id (n>1 shares one)
@@ -53,6 +54,7 @@ class Request:
         self.arrival_time = time.monotonic() if arrival_time is None else arrival_time
         self.priority = priority
         self.cache_salt = cache_salt
+        self.lora_request = lora_request  # lora/request.LoRARequest: the adapter it runs under (None: base)
         self.all_token_ids: list[int] = list(prompt_token_ids)
         self.output_token_ids: list[int] = []
         self.num_computed_tokens = 0
@@ -73,6 +75,16 @@ class Request:
         self.kv_transfer = None
         self.num_loading_tokens = 0
         self.kv_load_failed = False
+
+    @property
+    def lora_key(self) -> Optional[str]:
+        """The adapter's identity in the prefix cache's block hashes (None: the base model)."""
+        return self.lora_request.cache_key if self.lora_request is not None else None
+
+    @property
+    def lora_int_id(self) -> int:
+        """The adapter's id (0: the base model)."""
+        return self.lora_request.lora_int_id if self.lora_request is not None else 0
 
     @property
     def num_tokens(self) -> int:

@@ -32,6 +32,10 @@ child shares every block, the partial last one copy-on-write) or ends it.  Conti
 queue at the front of `waiting` holding their blocks, so each step of a beam feeds one new token.  Under
 memory pressure a parked beam, like a waiting one, gives its blocks up and recomputes later (from the
 prefix cache).  Parked beams hold no place in the running batch, so beams never wait on each other for one.
+
+LoRA adapters (roofline/lora): the running requests use at most max_loras distinct adapters (the slots the
+workers hold), so every step fits.  A waiting or swapped request under another adapter waits while that
+many are running; requests behind it under a running adapter or the base model go ahead.
 """
 
 from __future__ import annotations
@@ -119,10 +123,12 @@ class Scheduler:
         num_lookahead_slots: int = 0,
         kv_connector: Optional[KVConnectorScheduler] = None,
         kv_group_windows: Sequence[int] = (),
+        max_loras: Optional[int] = None,
     ) -> None:
         """kv_group_windows: the block-table groups of a hybrid KV layout (their sliding windows, 0: full);
         empty: one table per request (KVCacheManager)."""
         self.config = scheduler_config
+        self.max_loras = max_loras  # distinct LoRA adapters among the running requests (None: no LoRA)
         self.block_size = cache_config.block_size
         if kv_group_windows:
             self.kv = HybridKVCacheManager(num_blocks, cache_config.block_size, kv_group_windows,
@@ -225,6 +231,13 @@ class Scheduler:
         return bool(self.requests) or (self.kv_transfer is not None and self.kv_transfer.busy)
 
     # ---- the step -----------------------------------------------------------------------------
+    def _lora_blocked(self, req: Request) -> bool:
+        """Whether req's adapter would make more than max_loras adapters run at once."""
+        if req.lora_request is None or self.max_loras is None:
+            return False
+        running = {r.lora_int_id for r in self.running if r.lora_request is not None}
+        return req.lora_int_id not in running and len(running) >= self.max_loras
+
     def _victim(self) -> Optional[Request]:
         """The running request to preempt; None when every one is in a step still in flight."""
         candidates = [r for r in self.running if r.request_id not in self.in_flight]
@@ -364,6 +377,8 @@ class Scheduler:
         while (self.swapped and not preempted_any and budget > 0 and len(self.running) < self.config.max_num_seqs
                and len(scheduled) < cap):
             req = self.swapped[0]
+            if self._lora_blocked(req):
+                break
             n = self._num_new_tokens(req, budget)
             if self.kv.blocks_needed(req, self._slots(req, n)) > self.kv.pool.num_free_blocks:  # swapped incl.
                 if self._release_waiting_holder(req):  # a forked sibling that never ran holds blocks: it yields
@@ -382,7 +397,9 @@ class Scheduler:
             budget -= n
 
         # 3. waiting requests (those whose structured-output grammar still compiles stay in line)
-        compiling: list[Request] = []
+        # set aside, in order, and back at the front after: those whose grammar still compiles, and those under
+        # an adapter that cannot run beside the running requests' adapters yet (max_loras)
+        set_aside: list[Request] = []
         while (
             self.waiting
             and not preempted_any
@@ -392,8 +409,8 @@ class Scheduler:
             and len(scheduled) < cap
         ):
             req = self.waiting[0]
-            if req.grammar is not None and req.grammar.pending:
-                compiling.append(self.waiting.pop(0))
+            if (req.grammar is not None and req.grammar.pending) or self._lora_blocked(req):
+                set_aside.append(self.waiting.pop(0))
                 continue
             hits, num_hit = self.kv.get_computed_blocks(req) if req.num_computed_tokens == 0 else ([], 0)
             if self.kv_transfer is not None and req.num_computed_tokens == 0:
@@ -428,7 +445,7 @@ class Scheduler:
             scheduled[req.request_id] = n
             order.append(req)
             budget -= n
-        self.waiting[:0] = compiling
+        self.waiting[:0] = set_aside
 
         return self._build_output(order, scheduled, swap_out, swap_in)
 
@@ -450,6 +467,7 @@ class Scheduler:
                         output_token_ids=list(req.output_token_ids),
                         sampling=sampling_spec(req),
                         generator_seed=gen_seed,
+                        lora=req.lora_request,
                     )
                 )
             start = req.num_computed_tokens
@@ -616,7 +634,8 @@ class Scheduler:
         while rid in self.requests:  # a user's request may carry such an id
             rid = group.next_beam_id()
         child = Request(rid, parent.prompt_token_ids, parent.sampling_params, parent.eos_token_id,
-                        parent.arrival_time, parent.priority, parent.cache_salt, group_id=parent.group_id)
+                        parent.arrival_time, parent.priority, parent.cache_salt, group_id=parent.group_id,
+                        lora_request=parent.lora_request)
         child.output_token_ids = list(parent.output_token_ids)
         child.all_token_ids = list(parent.all_token_ids)
         if parent.num_computed_tokens == parent.num_tokens:

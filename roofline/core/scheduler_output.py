@@ -9,6 +9,7 @@ from typing import Optional
 import msgspec
 
 from roofline.kv_transfer.metadata import KVConnectorMetadata, KVConnectorOutput, merge_connector_outputs
+from roofline.lora.request import LoRARequest
 
 
 class SamplingSpec(msgspec.Struct, array_like=True):
@@ -35,6 +36,7 @@ class NewRequestData(msgspec.Struct, array_like=True):
     output_token_ids: list[int]
     sampling: SamplingSpec
     generator_seed: int  # seeds the request's own RNG stream
+    lora: Optional[LoRARequest] = None  # the LoRA adapter it runs under (roofline/lora); None: the base model
 
 
 class ScheduledRequest(msgspec.Struct, array_like=True):

@@ -88,8 +88,10 @@ def gate_up_silu(x: torch.Tensor, gate_up) -> Optional[torch.Tensor]:
     """silu(gate(x)) * up(x) for a MergedColumnParallelLinear [gate; up] layer in one native pass: over its
     quantized blocks where it keeps them (their linear_silu_mul), else over its packed weight
     (cpu_ops.gemm_packed_silu_mul); None where that does not apply (the caller runs the projection and
-    SiluAndMul): a bias, or (fp32 weights) not a packed fp32 CPU batch of 2+ rows or halves not 16-aligned."""
-    if gate_up.bias is not None:
+    SiluAndMul): a bias, a LoRA delta to add before the SiLU this step, or (fp32 weights) not a packed fp32 CPU
+    batch of 2+ rows or halves not 16-aligned."""
+    lora = getattr(gate_up, "lora", None)
+    if gate_up.bias is not None or (lora is not None and lora.state.active):
         return None
     if gate_up.quant is not None:
         return gate_up.quant.linear_silu_mul(x)

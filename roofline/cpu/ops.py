@@ -6,7 +6,8 @@ not a matmul, because the torch path must gather K/V through the block tables be
 kernels do each of those in one call and read K/V straight from the paged cache.
 
 The C files (cpu_kernels.c, quant_kernels.c for GGUF block-quantized weights: gguf_quant.py,
-fp8_kernels.c for FP8 block weights: fp8_quant.py, and dsa_kernels.c for DSA's indexer: dsa.py)
+fp8_kernels.c for FP8 block weights: fp8_quant.py, dsa_kernels.c for DSA's indexer: dsa.py, and
+lora_kernels.c for LoRA adapters' grouped shrink/expand: lora/ops.py)
 are compiled together, into one library, on first use with the system C compiler (`cc`, or $CC) into
 $XDG_CACHE_HOME/roofline (default ~/.cache/roofline), one build per instruction set (ISA_BUILDS: the
 best this CPU runs, or --cpu-isa's), keyed by the sources' hash and the build; that takes about a
@@ -51,7 +52,7 @@ logger = logging.getLogger(__name__)
 SOURCE = Path(__file__).with_name("cpu_kernels.c")
 # one library: the quantized linears (GGUF blocks, FP8 blocks) use the packed GEMM
 SOURCES = (SOURCE, Path(__file__).with_name("quant_kernels.c"), Path(__file__).with_name("fp8_kernels.c"),
-           Path(__file__).with_name("dsa_kernels.c"))
+           Path(__file__).with_name("dsa_kernels.c"), Path(__file__).with_name("lora_kernels.c"))
 
 SWITCH = Switch("cpu_kernels")
 PANEL = 16  # output columns per packed panel (GEMM_NR in cpu_kernels.c); head sizes prefill takes

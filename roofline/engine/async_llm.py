@@ -59,6 +59,7 @@ class _Add:
     priority: int
     arrival_time: float
     stream: "RequestStream"
+    lora_request: Any = None  # lora/request.LoRARequest: the adapter it runs under
 
 
 @dataclass
@@ -184,6 +185,12 @@ class AsyncLLM:
         return self.core.model_config
 
     @property
+    def lora_config(self) -> Any:
+        """The engine's LoRAConfig (None: it serves no adapters)."""
+        config = getattr(self.core, "config", None)
+        return getattr(config, "lora_config", None)
+
+    @property
     def is_healthy(self) -> bool:
         return self._dead is None and self._thread.is_alive()
 
@@ -204,6 +211,7 @@ class AsyncLLM:
         prompt: Optional[str] = None,
         priority: int = 0,
         arrival_time: Optional[float] = None,
+        lora_request: Any = None,
     ) -> RequestStream:
         """Submit a request; returns once the engine accepted it.
 
@@ -213,7 +221,7 @@ class AsyncLLM:
         loop = asyncio.get_running_loop()
         stream = RequestStream(self, request_id, loop)
         cmd = _Add(request_id, list(prompt_token_ids), params, prompt, priority,
-                   arrival_time if arrival_time is not None else time.monotonic(), stream)
+                   arrival_time if arrival_time is not None else time.monotonic(), stream, lora_request)
         self._submit(cmd)
         try:
             await stream._accepted
@@ -232,10 +240,11 @@ class AsyncLLM:
         request_id: str,
         prompt: Optional[str] = None,
         priority: int = 0,
+        lora_request: Any = None,
     ) -> AsyncIterator[RequestOutput]:
         """Yield RequestOutputs until the request finishes; stopping early aborts it."""
         stream = await self.add_request(request_id, prompt_token_ids, params, prompt=prompt,
-                                        priority=priority)
+                                        priority=priority, lora_request=lora_request)
         try:
             async for out in stream:
                 yield out
@@ -420,7 +429,8 @@ class AsyncLLM:
                 try:
                     self.core.add_request(cmd.request_id, cmd.prompt_token_ids, cmd.params,
                                           prompt=cmd.prompt, arrival_time=cmd.arrival_time,
-                                          priority=cmd.priority)
+                                          priority=cmd.priority,
+                                          **({"lora_request": cmd.lora_request} if cmd.lora_request else {}))
                 except (ValueError, TypeError) as e:
                     error = ValueError(str(e))
                 except Exception as e:

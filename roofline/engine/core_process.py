@@ -32,6 +32,7 @@ import msgspec
 from roofline.config import EngineConfig, ModelConfig
 from roofline.engine.errors import RequestInvalidError
 from roofline.executor.base import ExecutorDeadError
+from roofline.lora.request import LoRARequest
 from roofline.outputs import RequestOutput
 from roofline.sampling_params import SamplingParams
 from roofline.structured_output.manager import StructuredOutputManager
@@ -61,6 +62,7 @@ class AddRequest(msgspec.Struct, tag="add", array_like=True):
     arrival_time: Optional[float]  # time.monotonic() (one clock for every process of the machine)
     priority: int
     cache_salt: Optional[str]
+    lora_request: Optional[LoRARequest] = None
 
 
 class AbortRequests(msgspec.Struct, tag="abort", array_like=True):
@@ -144,9 +146,10 @@ class CoreProcess:
             return True
         try:
             self.core.add_request(msg.request_id, msg.prompt_token_ids, msg.params, prompt=msg.prompt,
-                                  arrival_time=msg.arrival_time, priority=msg.priority, cache_salt=msg.cache_salt)
-        except Exception as e:  # the request alone is refused
-            self.send(Added(msg.request_id, type(e).__name__, str(e)))
+                                  arrival_time=msg.arrival_time, priority=msg.priority, cache_salt=msg.cache_salt,
+                                  lora_request=msg.lora_request)
+        except Exception as e:  # the request alone is refused (ValueError's kinds, a bad LoRA adapter's, as ValueError)
+            self.send(Added(msg.request_id, "ValueError" if isinstance(e, ValueError) else type(e).__name__, str(e)))
         else:
             self.send(Added(msg.request_id))
         return True
@@ -333,11 +336,12 @@ class EngineCoreClient:
     # ---- what AsyncLLM calls -------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, *,
                     prompt: Optional[str] = None, arrival_time: Optional[float] = None, priority: int = 0,
-                    cache_salt: Optional[str] = None) -> None:
+                    cache_salt: Optional[str] = None, lora_request: Optional[LoRARequest] = None) -> None:
         from roofline.engine.engine_core import EngineOverloadedError
 
         msg = AddRequest(request_id, list(prompt_token_ids), params, prompt,
-                         time.monotonic() if arrival_time is None else arrival_time, priority, cache_salt)
+                         time.monotonic() if arrival_time is None else arrival_time, priority, cache_salt,
+                         lora_request)
         try:  # a value msgpack cannot carry (an integer past 64 bits, in a schema say) rejects the request
             data = encoder.encode(msg)
         except (OverflowError, TypeError, msgspec.EncodeError) as e:

@@ -21,6 +21,11 @@ ignore_eos=...) through add_request (BeamSearchParams.sampling_params() builds i
 request whose id is the user's; the scheduler forks and ends the beams (core/beam_search.py), and the
 request's single RequestOutput, when the search ends, carries the W best hypotheses best first
 (CompletionOutput.score, cumulative_logprob).  abort_requests([request_id]) ends every live beam.
+
+LoRA adapters (enable_lora, roofline/lora): add_request(..., lora_request=LoRARequest(...)) runs a request
+under an adapter.  The adapter is checked here before the request is queued (lora/mapping.AdapterValidator:
+its files, every tensor mapped onto the model, its rank), so a bad adapter is a ValueError naming it, never
+the base model's output.
 """
 
 from __future__ import annotations
@@ -118,6 +123,11 @@ class EngineCore:
         self.vocab_size = int(mc.hf_config.vocab_size)
         self.eos_token_id = self._eos_token_id()
         self._check_draft_model()
+        self.lora_validator = None
+        if config.lora_config is not None:  # LoRA adapters: checked against the model before they are used
+            from roofline.lora.mapping import AdapterValidator
+
+            self.lora_validator = AdapterValidator(mc.hf_config, config.lora_config.max_lora_rank)
         self.executor = create_executor(config, self.source, show_progress)
         self.weight_bytes = self.executor.weight_bytes()
         num_blocks = self.executor.determine_num_blocks()
@@ -138,9 +148,10 @@ class EngineCore:
                 self.step_roofline.use_weight_bytes(sum(self.weight_bytes.values()))
         policy, lookahead = self._speculation()
         dp = config.parallel_config.data_parallel_size
+        max_loras = config.lora_config.max_loras if config.lora_config is not None else None
         schedulers = [Scheduler(sc, cc, num_blocks, num_swap, seed=mc.seed, draft_length_policy=policy,
                                 num_lookahead_slots=lookahead, kv_connector=create_scheduler_connector(config),
-                                kv_group_windows=kv_groups)
+                                kv_group_windows=kv_groups, max_loras=max_loras)
                       for _ in range(dp)]  # data-parallel attention: a scheduler and KV pool per DP rank
         self.scheduler = schedulers[0] if dp == 1 else DataParallelScheduler(schedulers)
         self.kv_capacity_tokens = schedulers[0].kv.capacity_tokens()  # sliding layers' windows counted
@@ -209,8 +220,9 @@ class EngineCore:
         return eos
 
     # ---- intake -------------------------------------------------------------------------------
-    def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> SamplingParams:
+    def validate(self, prompt_token_ids: list[int], params: SamplingParams, lora_request=None) -> SamplingParams:
         """Raise ValueError naming the offending values; returns params with max_tokens resolved."""
+        self.check_lora(lora_request)
         n = len(prompt_token_ids)
         max_len = self.model_config.max_model_len
         if n == 0:
@@ -255,18 +267,28 @@ class EngineCore:
             raise ValueError(f"stop_token_ids {bad_stop} out of range for a vocabulary of {self.vocab_size}")
         return params
 
+    def check_lora(self, lora_request) -> None:
+        """A request's adapter: None, or one this engine can apply (ValueError naming it otherwise)."""
+        if lora_request is None:
+            return
+        if self.lora_validator is None:
+            raise ValueError(f"LoRA adapter {getattr(lora_request, 'lora_name', lora_request)!r} asked for, but "
+                             "LoRA is not enabled (enable_lora / --enable-lora)")
+        self.lora_validator.check(lora_request)
+
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, *,
                     prompt: Optional[str] = None, arrival_time: Optional[float] = None,
-                    priority: int = 0, cache_salt: Optional[str] = None) -> None:
+                    priority: int = 0, cache_salt: Optional[str] = None, lora_request=None) -> None:
         if request_id in self.group_children:
             raise ValueError(f"request id {request_id!r} is already in use")
-        params = self.validate(list(prompt_token_ids), params)
+        params = self.validate(list(prompt_token_ids), params, lora_request)
         limit = self.config.scheduler_config.max_waiting_requests
         if limit is not None and self.scheduler.get_stats().num_waiting >= limit:
             raise EngineOverloadedError(f"the waiting queue is full ({limit} requests)")
         arrival = time.monotonic() if arrival_time is None else arrival_time
         if params.use_beam_search:  # the first beam, under the user's id; the scheduler forks the others
-            root = Request(request_id, prompt_token_ids, params, self.eos_token_id, arrival, priority, cache_salt)
+            root = Request(request_id, prompt_token_ids, params, self.eos_token_id, arrival, priority, cache_salt,
+                           lora_request=lora_request)
             self.output_processor.add_group(request_id, prompt, prompt_token_ids, params, [None] * params.n, arrival)
             self.group_children[request_id] = [request_id]  # finish_requests takes a beam search's id
             self.scheduler.add_request(root)
@@ -274,7 +296,7 @@ class EngineCore:
         child_ids = [request_id] if params.n == 1 else [f"{request_id}#{i}" for i in range(params.n)]
         reqs = [
             Request(cid, prompt_token_ids, params, self.eos_token_id, arrival, priority, cache_salt,
-                    group_id=request_id, index=i)
+                    group_id=request_id, index=i, lora_request=lora_request)
             for i, cid in enumerate(child_ids)
         ]
         if params.structured_outputs is not None:  # the compile starts now (or is cached); the request waits

@@ -1,4 +1,9 @@
-"""LLM: the offline API, vLLM-compatible (`from roofline import LLM, SamplingParams`)."""
+"""LLM: the offline API, vLLM-compatible (`from roofline import LLM, SamplingParams`).
+
+LoRA adapters: `LLM(model, enable_lora=True, max_loras=..., max_lora_rank=...)`, then
+`generate(prompts, params, lora_request=LoRARequest(name, id, path))` -- one for every prompt, or a list
+with one (or None: the base model) per prompt.
+"""
 
 from __future__ import annotations
 
@@ -45,10 +50,17 @@ class LLM:
         sampling_params: Union[SamplingParams, Sequence[SamplingParams], None] = None,
         use_tqdm: bool = True,
         priority: Optional[Sequence[int]] = None,
+        lora_request=None,
     ) -> list[RequestOutput]:
         if isinstance(prompts, (str, dict)):
             prompts = [prompts]
         prompts = list(prompts)
+        if isinstance(lora_request, (list, tuple)):
+            loras = list(lora_request)
+            if len(loras) != len(prompts):
+                raise ValueError(f"got {len(loras)} lora requests for {len(prompts)} prompts")
+        else:
+            loras = [lora_request] * len(prompts)
         if sampling_params is None:
             sampling_params = SamplingParams()
         if isinstance(sampling_params, SamplingParams):
@@ -60,20 +72,20 @@ class LLM:
         # Validate everything before anything is scheduled.
         engine = self.llm_engine
         staged = []
-        for i, (prompt, params) in enumerate(zip(prompts, params_list)):
+        for i, (prompt, params, lora) in enumerate(zip(prompts, params_list, loras)):
             text, ids = self._to_token_ids(prompt)
             try:
-                engine.validate(ids, params)
+                engine.validate(ids, params, lora)
             except ValueError as e:
                 raise ValueError(f"prompt {i}: {e}") from None
             p = params.clone()
             p.output_kind = RequestOutputKind.FINAL_ONLY
-            staged.append((text, ids, p))
+            staged.append((text, ids, p, lora))
         order = {}
-        for i, (text, ids, p) in enumerate(staged):
+        for i, (text, ids, p, lora) in enumerate(staged):
             rid = f"llm-{next(self._counter)}"
             order[rid] = i
-            engine.add_request(rid, ids, p, prompt=text, priority=priority[i] if priority else 0)
+            engine.add_request(rid, ids, p, prompt=text, priority=priority[i] if priority else 0, lora_request=lora)
         results: list[Optional[RequestOutput]] = [None] * len(staged)
         bar = tqdm(total=len(staged), desc="Processed prompts", disable=not use_tqdm)
         try:
@@ -95,12 +107,13 @@ class LLM:
         prompts: Union[PromptType, Sequence[PromptType]],
         params: BeamSearchParams,
         use_tqdm: bool = False,
+        lora_request=None,
     ) -> list[BeamSearchOutput]:
         """Beam search on each prompt, all in one batch (each prompt is one engine request: see
         EngineCore); raises RuntimeError when a prompt's search failed in the engine."""
         if isinstance(prompts, (str, dict)):
             prompts = [prompts]
-        outs = self.generate(prompts, params.sampling_params(), use_tqdm=use_tqdm)
+        outs = self.generate(prompts, params.sampling_params(), use_tqdm=use_tqdm, lora_request=lora_request)
         results = []
         for i, out in enumerate(outs):
             if out.error:
@@ -122,6 +135,7 @@ class LLM:
         chat_template_kwargs: Optional[dict] = None,
         continue_final_message: bool = False,
         tools: Optional[list[dict]] = None,
+        lora_request=None,
     ) -> list[RequestOutput]:
         """Render each conversation with the model's chat template (or chat_template: a Jinja file's path or
         the template itself) and generate.  Message content may be a string or a list of text parts."""
@@ -140,4 +154,4 @@ class LLM:
                                            **(chat_template_kwargs or {}))
             ids = tok.encode(text, add_special_tokens=False)
             prompts.append({"prompt": text, "prompt_token_ids": ids})
-        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm, lora_request=lora_request)

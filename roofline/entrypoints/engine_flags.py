@@ -79,6 +79,13 @@ _HELP = {
                            "--no-engine-core-process runs it in a thread of the server process",
     "roofline_hardware": "bandwidth/peak for the live roofline: a `roofline plan` preset (h100-sxm, h200, "
                          "a100-80gb, l4) or 'measure'; unset: the matching GPU preset, else measured at start-up",
+    "enable_lora": "serve LoRA adapters (PEFT directories): a request picks one by name (the server's "
+                   "\"model\", --lora-modules) or with a LoRARequest (offline); one step mixes rows of several "
+                   "adapters and of the base model",
+    "max_loras": "with --enable-lora, adapters in one step (each a slot in every adapted layer)",
+    "max_lora_rank": "with --enable-lora, the largest adapter rank (the slots' width); higher ranks are refused",
+    "max_cpu_loras": "with --enable-lora, adapters kept loaded on the CPU (least recently used leaves first; "
+                     "at least --max-loras; default: --max-loras)",
     "kv_transfer_config": "prefill/decode disaggregation, as JSON: {\"kv_connector\": \"SharedStorageConnector\" | "
                           "\"P2pConnector\", \"kv_role\": \"kv_producer\" | \"kv_consumer\" | \"kv_both\", "
                           "\"kv_ip\", \"kv_port\", \"kv_load_failure_policy\": \"recompute\" | \"fail\", "

@@ -8,6 +8,7 @@ import sys
 
 from roofline.config import env_flag
 from roofline.entrypoints.engine_flags import add_engine_args, engine_args_from
+from roofline.entrypoints.openai.serving_models import parse_lora_module
 from roofline.entrypoints.openai.serving_engine import (
     DEFAULT_BODY_TIMEOUT_S,
     DEFAULT_HEAD_TIMEOUT_S,
@@ -72,6 +73,15 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
                        help="Retry-After seconds in 503 answers when the queue is full (default: 1)")
     group.add_argument("--log-stats-interval", type=float, default=10.0,
                        help="seconds between throughput log lines while busy; 0 disables (default: 10)")
+    lora = parser.add_argument_group("LoRA adapters (with --enable-lora)")
+    lora.add_argument("--lora-modules", nargs="+", default=[], metavar="NAME=PATH",
+                      help="LoRA adapters (PEFT directories) a request selects with \"model\": NAME; each "
+                           "name=path, or a JSON object {\"name\": ..., \"path\": ..., \"base_model_name\": ...} "
+                           "(/v1/models lists base_model_name as the adapter's parent); checked at start-up")
+    lora.add_argument("--allow-runtime-lora-updating", action="store_true",
+                      help="add POST /v1/load_lora_adapter {\"lora_name\", \"lora_path\"} and "
+                           "/v1/unload_lora_adapter {\"lora_name\"} (under --api-key like every route but "
+                           "/health); off by default")
     group.add_argument("--uvicorn-log-level", default="info",
                        choices=["critical", "error", "warning", "info", "debug", "trace"])
     group.add_argument("--disable-access-log", action="store_true", help="do not log each HTTP request")
@@ -86,6 +96,12 @@ def run(args: argparse.Namespace) -> int:
             raise SystemExit(f"roofline serve: MODEL {args.model_tag!r} and --model {args.model!r} disagree")
         args.model = args.model_tag
     engine_args = engine_args_from(args)
+    try:
+        lora_modules = tuple(parse_lora_module(m) for m in args.lora_modules)
+    except ValueError as e:
+        raise SystemExit(f"roofline serve: {e}") from None
+    if (lora_modules or args.allow_runtime_lora_updating) and not engine_args.enable_lora:
+        raise SystemExit("roofline serve: --lora-modules and --allow-runtime-lora-updating need --enable-lora")
     api_key = args.api_key if args.api_key is not None else (env_flag("ROOFLINE_API_KEY") or None)
     config = ServerConfig(
         host=args.host,
@@ -109,6 +125,8 @@ def run(args: argparse.Namespace) -> int:
         log_stats_interval=args.log_stats_interval,
         uvicorn_log_level=args.uvicorn_log_level,
         access_log=not args.disable_access_log,
+        lora_modules=lora_modules,
+        allow_runtime_lora_updating=args.allow_runtime_lora_updating,
     )
     try:
         return run_server(engine_args, config)

@@ -15,6 +15,10 @@ computes its experts for the tokens the others send).
 Speculative decoding: a request verifying k drafts feeds 1 + k tokens and samples at all 1 + k rows;
 the RejectionSampler keeps the accepted drafts and adds the target's own token.  After sampling, the
 proposer (roofline/spec_decode) guesses the next step's drafts of every sampled request.
+
+LoRA adapters (roofline/lora): a new request's adapter is loaded when it arrives (a bad one fails that
+request alone); each step the requests are grouped by adapter (decodes still first) and the slot manager
+gets the step's rows by adapter once, before the forward pass.
 """
 
 from __future__ import annotations
@@ -72,6 +76,8 @@ class ModelRunner:
         self.proposer: Optional[Proposer] = None  # speculative decoding, set by the Worker
         self.rejection_sampler = RejectionSampler()
         self.draft_probs: dict[str, torch.Tensor] = {}  # q of a request's pending drafts (sampled proposers)
+        self.lora = None  # lora/manager.LoRAModelSlots when serving LoRA adapters, set by the Worker
+        self.req_lora: dict = {}  # req_id -> its LoRARequest (requests under an adapter)
         pp = get_pp_group()
         # pipeline stages: all but the first receive (hidden, residual), all but the last send them on
         self.receives_hidden, self.samples = not pp.is_first_rank, pp.is_last_rank
@@ -108,7 +114,18 @@ class ModelRunner:
         for rid in out.finished_req_ids:
             self.states.pop(rid, None)
             self.draft_probs.pop(rid, None)
+            self.req_lora.pop(rid, None)
         for new in out.new_requests:
+            if new.lora is not None:
+                try:
+                    if self.lora is None:
+                        raise ValueError("LoRA is not enabled on this engine")
+                    self.lora.load(new.lora)
+                except Exception as e:  # its adapter cannot be applied: it fails, never runs on the base model
+                    logger.warning("request %s: LoRA adapter %r failed: %s", new.req_id, new.lora.lora_name, e)
+                    failed[new.req_id] = f"LoRA adapter {new.lora.lora_name!r} could not be loaded: {e}"
+                    continue
+                self.req_lora[new.req_id] = new.lora
             try:
                 gen = torch.Generator(device=self.device)
                 gen.manual_seed(new.generator_seed)
@@ -122,6 +139,10 @@ class ModelRunner:
                 logger.warning("request %s: sampling state failed: %s", new.req_id, e)
                 failed[new.req_id] = f"could not set up sampling: {type(e).__name__}: {e}"
         return failed
+
+    def _lora_id(self, req_id: str) -> int:
+        lora = self.req_lora.get(req_id)
+        return lora.lora_int_id if lora is not None else 0
 
     # ---- the step ----------------------------------------------------------------------------
     def _prepare(self, items: list[ScheduledRequest]):
@@ -285,8 +306,11 @@ class ModelRunner:
             if join_exchanges_when_idle:
                 join_expert_exchanges(self.model)
             return result
-        # decodes first (stable order otherwise)
-        items.sort(key=lambda s: len(s.token_ids) != 1)
+        # decodes first (stable order otherwise); with LoRA adapters, each adapter's requests together
+        if self.lora is not None:
+            items.sort(key=lambda s: (len(s.token_ids) != 1, self._lora_id(s.req_id)))
+        else:
+            items.sort(key=lambda s: len(s.token_ids) != 1)
         qsl = np.cumsum([0] + [len(s.token_ids) for s in items]).tolist()
         sample_rows, sample_reqs, sample_drafts = [], [], []  # rows: per request its 1 + k sampling rows
         prompt_lp_jobs = []  # (req_id, first row, rows, next tokens, k)
@@ -322,14 +346,22 @@ class ModelRunner:
                 stage_input["intermediate"] = pipeline.recv_from_prev_stage(
                     qsl[-1], self.model.config.hidden_size, self.model_dtype, self.device)
                 self.stage_wait_s += time.perf_counter() - t0
-            if len(wanted) < qsl[-1] and not (self.proposer is not None and self.proposer.needs_target_hidden):
-                at = {row: i for i, row in enumerate(wanted)}
-                sample_rows = [[at[row] for row in rows] for rows in sample_rows]
-                prompt_lp_jobs = [(rid, at[row0], n, nxt, k) for rid, row0, n, nxt, k in prompt_lp_jobs]
-                hidden = self.model(input_ids, positions, self.kv_caches, meta,
-                                    torch.tensor(wanted, dtype=torch.int64, device=self.device), **stage_input)
-            else:
-                hidden = self.model(input_ids, positions, self.kv_caches, meta, **stage_input)  # [N, d]
+            kept = len(wanted) < qsl[-1] and not (self.proposer is not None and self.proposer.needs_target_hidden)
+            if self.lora is not None:  # the step's rows by adapter, for every LoRA layer
+                self.lora.begin_step([(self.req_lora.get(s.req_id), len(s.token_ids)) for s in items],
+                                     wanted if kept else None)
+            try:
+                if kept:
+                    at = {row: i for i, row in enumerate(wanted)}
+                    sample_rows = [[at[row] for row in rows] for rows in sample_rows]
+                    prompt_lp_jobs = [(rid, at[row0], n, nxt, k) for rid, row0, n, nxt, k in prompt_lp_jobs]
+                    hidden = self.model(input_ids, positions, self.kv_caches, meta,
+                                        torch.tensor(wanted, dtype=torch.int64, device=self.device), **stage_input)
+                else:
+                    hidden = self.model(input_ids, positions, self.kv_caches, meta, **stage_input)  # [N, d]
+            finally:
+                if self.lora is not None:
+                    self.lora.end_step()
             if not self.samples:  # a pipeline stage before the last: hand on (hidden, residual), done
                 pipeline.send_to_next_stage(*hidden)
                 return result

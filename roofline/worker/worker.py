@@ -126,6 +126,7 @@ class Worker:
         t0 = time.monotonic()
         self.model = self._load_model(source, show_progress and rank == 0)
         self.draft_model = self._load_draft_model(source, show_progress and rank == 0)
+        self.lora = self._lora_slots()
         self.load_time = time.monotonic() - t0
         self.num_blocks = 0
         self.runner: Optional[ModelRunner] = None
@@ -138,6 +139,18 @@ class Worker:
             self.eplb = EplbState(self.model, pc.eplb, get_ep_group(), num_nodes=pc.nnodes)
         self._collectives_seen: dict[str, list[int]] = {}
         self.kv_connector = None  # the worker half of a KV connector (kv_transfer/), set with the pool
+
+    def _lora_slots(self):
+        """LoRA adapters (enable_lora): the slot manager, its slots in every adapted layer of the target."""
+        lc = self.config.lora_config
+        if lc is None:
+            return None
+        from roofline.lora.manager import LoRAModelSlots
+
+        slots = LoRAModelSlots(self.model, lc.max_loras, lc.max_lora_rank, lc.max_cpu_loras, self.dtype, self.device)
+        logger.info("LoRA: %d adapted layers, %d slots of rank %d, %d adapters kept loaded", len(slots.layers),
+                    lc.max_loras, lc.max_lora_rank, lc.max_cpu_loras)
+        return slots
 
     def _load_draft_model(self, source: ModelSource, show_progress: bool) -> Optional[torch.nn.Module]:
         """Speculative decoding with a draft model: load it like the target (any format we load); with MTP
@@ -368,10 +381,13 @@ class Worker:
                                                                         pin_memory=pin))]
         self.num_blocks = num_blocks
         self.runner = ModelRunner(self.model, caches, bs, self.device, swap, block_caches=slots, kv_layout=layout)
+        self.runner.lora = self.lora
         from roofline.worker.cuda_graph import create_graph_runner
 
-        # CUDA, not enforce_eager, triton attention, tp=1: decode steps replay captured graphs
-        self.runner.graph_runner = create_graph_runner(self.model, caches, self.config, self.device)
+        # CUDA, not enforce_eager, triton attention, tp=1: decode steps replay captured graphs (not with LoRA
+        # adapters: a graph would replay without their deltas)
+        if self.lora is None:
+            self.runner.graph_runner = create_graph_runner(self.model, caches, self.config, self.device)
         if self.config.speculative_config is not None:
             from roofline.spec_decode.factory import create_proposer
 

@@ -25,13 +25,14 @@ def tiny_family(tmp_path_factory, arch: str, seed: int = 5, **overrides):
     return path, prompts, [hf_greedy(hf, p, GREEDY.max_tokens) for p in prompts], hf
 
 
-def generate(path, prompts, sampling=GREEDY, inspect: Optional[Callable] = None, **engine_args):
+def generate(path, prompts, sampling=GREEDY, inspect: Optional[Callable] = None, lora_request=None, **engine_args):
     """(outputs, stats) of the engine on the prompts' token ids, fp32 on the CPU, after checking that every
     KV block is back in the pool; inspect(llm) runs before the engine shuts down (a one-rank engine's worker
-    and model are in-process)."""
+    and model are in-process).  lora_request: as LLM.generate takes it (LoRA adapters)."""
     llm = LLM(path, dtype="float32", device="cpu", show_progress=False, **engine_args)
     try:
-        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], sampling, use_tqdm=False)
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], sampling, use_tqdm=False,
+                            lora_request=lora_request)
         stats = llm.llm_engine.get_stats()
         assert stats.num_free_blocks == stats.num_total_blocks
         if inspect is not None:

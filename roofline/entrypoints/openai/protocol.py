@@ -286,6 +286,7 @@ class ModelCard(BaseModel):
     created: int = Field(default_factory=lambda: int(time.time()))
     owned_by: str = "roofline"
     root: Optional[str] = None
+    parent: Optional[str] = None  # a LoRA adapter's base model
     max_model_len: Optional[int] = None
     vocab_size: Optional[int] = None
 
@@ -296,6 +297,17 @@ class ModelList(BaseModel):
 
 
 # --------------------------------------------------------------------------- tokenizer endpoints
+# --------------------------------------------------------------------------- LoRA adapters at runtime
+class LoadLoRAAdapterRequest(OpenAIModel):
+    lora_name: str
+    lora_path: str
+
+
+class UnloadLoRAAdapterRequest(OpenAIModel):
+    lora_name: str
+    lora_int_id: Optional[Int64] = None  # vLLM's field; the name decides
+
+
 class TokenizeRequest(OpenAIModel):
     model: Optional[str] = None
     prompt: Optional[str] = None

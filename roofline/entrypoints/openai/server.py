@@ -8,6 +8,10 @@ Shutdown (SIGINT/SIGTERM, or ServerThread.stop): the server drains first.  New r
 (access.py) while the listening socket stays open, requests in flight get up to `shutdown_timeout`
 seconds to finish, and any still running then are aborted: a stream ends with an error event and
 `[DONE]`, a plain request gets a 503.  Only then do the connections close.
+
+LoRA adapters (--enable-lora): a request picks an adapter by its `"model"` (serving_models.py: the names,
+/v1/models with each adapter's parent, 404 for a name not served), --lora-modules registers adapters at
+start-up, and --allow-runtime-lora-updating adds POST /v1/load_lora_adapter and /v1/unload_lora_adapter.
 """
 
 from __future__ import annotations
@@ -37,15 +41,17 @@ from roofline.entrypoints.openai.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     DetokenizeRequest,
-    ModelCard,
+    LoadLoRAAdapterRequest,
     ModelList,
     TokenizeRequest,
+    UnloadLoRAAdapterRequest,
 )
 from roofline.entrypoints.openai.http_protocol import head_deadline_protocol
 from roofline.entrypoints.openai.openapi import install_openapi
 from roofline.engine.chat_template import load_chat_template, resolve_content_format
 from roofline.entrypoints.openai.serving_chat import ChatOptions, OpenAIServingChat, apply_chat_template
 from roofline.entrypoints.openai.serving_completion import OpenAIServingCompletion
+from roofline.entrypoints.openai.serving_models import ServingModels
 from roofline.entrypoints.openai.serving_responses import OpenAIServingResponses, ResponsesRequest
 from roofline.entrypoints.openai.serving_engine import (
     DEFAULT_BODY_TIMEOUT_S,
@@ -102,6 +108,8 @@ class ServerConfig:
     log_stats_interval: float = 10.0  # 0 disables the periodic log line
     uvicorn_log_level: str = "info"
     access_log: bool = True
+    lora_modules: tuple = ()  # serving_models.LoRAModulePath of each --lora-modules adapter (needs --enable-lora)
+    allow_runtime_lora_updating: bool = False  # POST /v1/load_lora_adapter and /v1/unload_lora_adapter
 
 
 def model_names(model_config: Any, override: Optional[str] = None) -> list[str]:
@@ -182,13 +190,13 @@ def build_app(engine: AsyncLLM, config: Optional[ServerConfig] = None, *, shutdo
                                  chat_template=chat_template)
                  if engine.tokenizer is not None else None)
     vocab_size = _vocab_size(engine, tokenizer.loop if tokenizer is not None else None)
+    models = serving_models(engine, names, max_model_len, vocab_size, config)
     metrics = PrometheusStatLogger(model_name)
     engine.stat_loggers.append(metrics)
-    completions = OpenAIServingCompletion(engine, tokenizer, model_name, max_model_len,
-                                          config.max_completions_per_request)
-    chat = OpenAIServingChat(engine, tokenizer, model_name, max_model_len, config.max_completions_per_request,
+    completions = OpenAIServingCompletion(engine, tokenizer, models, max_model_len, config.max_completions_per_request)
+    chat = OpenAIServingChat(engine, tokenizer, models, max_model_len, config.max_completions_per_request,
                              chat_options)
-    responses = OpenAIServingResponses(chat, model_name)
+    responses = OpenAIServingResponses(chat)
     limit = config.max_request_body_bytes
 
     async def parse(request: Request, cls: Any) -> Any:
@@ -217,6 +225,7 @@ def build_app(engine: AsyncLLM, config: Optional[ServerConfig] = None, *, shutdo
     app.state.metrics = metrics
     app.state.config = config
     app.state.model_names = names
+    app.state.models = models
     app.state.draining = False
     app.add_middleware(AccessMiddleware, api_key=config.api_key, metrics_require_key=config.metrics_require_key,
                        draining=lambda: app.state.draining)
@@ -247,10 +256,7 @@ def build_app(engine: AsyncLLM, config: Optional[ServerConfig] = None, *, shutdo
         return error_response(APIError(500, f"internal error: {type(e).__name__}: {e}", "internal_server_error"))
 
     # ------------------------------------------------------------------ helpers
-    def check_model(model: Optional[str]) -> None:
-        if model is not None and model not in names:
-            raise APIError(404, f"The model `{model}` does not exist. Available: {model_name}",
-                           "invalid_request_error", "model", "model_not_found")
+    check_model = models.check  # 404 for a name that is neither the base model nor an adapter served
 
     def respond(result: Any) -> Response:
         if isinstance(result, Response):
@@ -264,14 +270,25 @@ def build_app(engine: AsyncLLM, config: Optional[ServerConfig] = None, *, shutdo
 
     @v1.get("/models")
     async def list_models() -> Any:
-        return ModelList(data=[ModelCard(id=model_name, root=str(engine.model_config.model or model_name),
-                                         max_model_len=max_model_len, vocab_size=vocab_size)]).model_dump()
+        return ModelList(data=models.cards()).model_dump()
 
     @v1.get("/models/{model_id:path}")
     async def get_model(model_id: str) -> Any:
-        check_model(model_id)
-        return ModelCard(id=model_name, root=str(engine.model_config.model or model_name),
-                         max_model_len=max_model_len, vocab_size=vocab_size).model_dump()
+        return models.card(model_id).model_dump()
+
+    if config.allow_runtime_lora_updating:  # off by default; under --api-key like every route but /health
+        @v1.post("/load_lora_adapter")
+        async def load_lora_adapter(request: Request) -> Response:
+            req = await parse(request, LoadLoRAAdapterRequest)
+            await asyncio.to_thread(models.load, req.lora_name, req.lora_path)
+            return Response(f"Success: LoRA adapter '{req.lora_name}' added successfully.", media_type="text/plain")
+
+        @v1.post("/unload_lora_adapter")
+        async def unload_lora_adapter(request: Request) -> Response:
+            req = await parse(request, UnloadLoRAAdapterRequest)
+            models.unload(req.lora_name)
+            return Response(f"Success: LoRA adapter '{req.lora_name}' removed successfully.",
+                            media_type="text/plain")
 
     async def generate(request: Request, cls: Any, create: Any, per_client: bool = False) -> Response:
         """A generation route: parse and check the body, then a stream answers at once and a whole answer is
@@ -352,8 +369,27 @@ def build_app(engine: AsyncLLM, config: Optional[ServerConfig] = None, *, shutdo
 
     install_openapi(app, {"/v1/completions": CompletionRequest, "/v1/chat/completions": ChatCompletionRequest,
                           "/v1/responses": ResponsesRequest, "/tokenize": TokenizeRequest,
-                          "/detokenize": DetokenizeRequest})
+                          "/detokenize": DetokenizeRequest,
+                          **({"/v1/load_lora_adapter": LoadLoRAAdapterRequest,
+                              "/v1/unload_lora_adapter": UnloadLoRAAdapterRequest}
+                             if config.allow_runtime_lora_updating else {})})
     return app
+
+
+def serving_models(engine: AsyncLLM, names: list[str], max_model_len: int, vocab_size: Optional[int],
+                   config: ServerConfig) -> ServingModels:
+    """The base model's names and the LoRA adapters served: --lora-modules checked against the model now
+    (a ValueError naming a bad one)."""
+    lora = engine.lora_config
+    validator = None
+    if lora is not None:
+        from roofline.lora.mapping import AdapterValidator
+
+        validator = AdapterValidator(engine.model_config.hf_config, lora.max_lora_rank)
+    elif config.allow_runtime_lora_updating:
+        raise ValueError("--allow-runtime-lora-updating needs --enable-lora")
+    return ServingModels(names, str(engine.model_config.model or names[0]), max_model_len, vocab_size, validator,
+                         tuple(config.lora_modules))
 
 
 JSON_SLICE = 8192  # list items serialized per call: the GIL changes hands between slices
@@ -471,7 +507,12 @@ def run_server(engine_args: Any, config: ServerConfig) -> int:
     engine = AsyncLLM.from_engine_args(engine_args, retry_after=config.retry_after)
     if config.log_stats_interval > 0:
         engine.stat_loggers.append(LoggingStatLogger(config.log_stats_interval))
-    app = build_app(engine, config)
+    try:
+        app = build_app(engine, config)
+    except BaseException:  # a bad --lora-modules adapter: said, and the engine stopped
+        engine.shutdown()
+        sock.close()
+        raise
     host, port = sock.getsockname()[:2]
     logger.info("engine ready in %.1f s; serving model %r on http://%s:%d (OpenAI API under /v1)",
                 time.monotonic() - t0, app.state.model_names[0], host, port)

@@ -31,6 +31,7 @@ from roofline.entrypoints.openai.structured_outputs import (
 )
 from roofline.entrypoints.openai.tool_calls import ChoiceParser, ToolRequest
 from roofline.entrypoints.openai.tool_parsers import get_tool_parser
+from roofline.entrypoints.openai.serving_models import ServingModels
 from roofline.entrypoints.openai.tokenization import ServerTokenizer
 from roofline.entrypoints.openai.serving_engine import (
     SSE_DONE,
@@ -140,19 +141,20 @@ class ChatOptions:
 
 
 class OpenAIServingChat:
-    def __init__(self, engine: AsyncLLM, tokenizer: Optional[ServerTokenizer], model_name: str,
+    def __init__(self, engine: AsyncLLM, tokenizer: Optional[ServerTokenizer], models: ServingModels,
                  max_model_len: int, max_completions: int = DEFAULT_MAX_COMPLETIONS_PER_REQUEST,
                  options: Optional[ChatOptions] = None) -> None:
         self.max_completions = max_completions
         self.engine = engine
         self.tokenizer = tokenizer
         self.text_tokenizer = tokenizer.loop if tokenizer is not None else None  # short decodes, on the loop
-        self.model_name = model_name
+        self.models = models  # the base model's names and the LoRA adapters served (serving_models.py)
         self.max_model_len = max_model_len
         self.options = options or ChatOptions()
 
     async def create(self, req: ChatCompletionRequest, client: str = "") -> Any:
         """client: the sender's address (the cap on request chat templates in flight is per client)."""
+        self.models.check(req.model)  # 404 for a name not served (never the base model in its place)
         tools = ToolRequest.from_request(req, self.options.enable_auto_tool_choice)
         check_request_work(1, req.n, self.max_completions)
         text, ids = await apply_chat_template(
@@ -182,7 +184,8 @@ class OpenAIServingChat:
             await attach_structured_outputs(self.engine, req, params)
         self._gate_constraint_on_reasoning(params, req, text)
         request_id = random_id("chatcmpl")
-        streams = await submit_all(self.engine, request_id, [(text, ids)], params, req.priority, "messages")
+        streams = await submit_all(self.engine, request_id, [(text, ids)], params, req.priority, "messages",
+                                   lora_request=self.models.lora_for(req.model))
         parsers = [self._choice_parser(req, tools, text) for _ in range(req.n)]
         echo = self._echo(req)
         if req.stream:
@@ -273,12 +276,12 @@ class OpenAIServingChat:
             out.append(ChatCompletionResponseChoice(index=idx, message=message, logprobs=lp, finish_reason=finish,
                                                     stop_reason=stop_reason_value(st.stop_reason)))
         usage = make_usage([prompt_len], sum(len(c.token_ids) for c in choices), cached)
-        return ChatCompletionResponse(id=request_id, model=self.model_name, choices=out, usage=usage,
-                                      kv_transfer_params=kv_transfer_params)
+        return ChatCompletionResponse(id=request_id, model=self.models.name_for(req.model), choices=out,
+                                      usage=usage, kv_transfer_params=kv_transfer_params)
 
     async def _stream(self, req: ChatCompletionRequest, request_id: str, prompt_len: int, streams: list,
                       parsers: list[ChoiceParser], echo: str) -> AsyncIterator[str]:
-        created = int(time.time())
+        created, model = int(time.time()), self.models.name_for(req.model)
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
         continuous = bool(req.stream_options and req.stream_options.continuous_usage_stats)
         num_tokens = [0] * req.n
@@ -288,7 +291,7 @@ class OpenAIServingChat:
                   stop_reason: Any = None) -> str:
             d: dict[str, Any] = {
                 "id": request_id, "object": "chat.completion.chunk", "created": created,
-                "model": self.model_name,
+                "model": model,
                 "choices": [{"index": idx, "delta": delta,
                              "logprobs": logprobs.model_dump(mode="json") if logprobs is not None else None,
                              "finish_reason": finish, "stop_reason": stop_reason_value(stop_reason)}],
@@ -333,7 +336,7 @@ class OpenAIServingChat:
             if include_usage:
                 usage = make_usage([prompt_len], sum(num_tokens), cached)
                 yield sse({"id": request_id, "object": "chat.completion.chunk", "created": created,
-                           "model": self.model_name, "choices": [], "usage": usage.model_dump(mode="json")})
+                           "model": model, "choices": [], "usage": usage.model_dump(mode="json")})
         except APIError as e:
             yield sse_error(e)
         except Exception as e:

@@ -15,6 +15,7 @@ from roofline.entrypoints.openai.protocol import (
     random_id,
 )
 from roofline.entrypoints.openai.structured_outputs import attach_structured_outputs
+from roofline.entrypoints.openai.serving_models import ServingModels
 from roofline.entrypoints.openai.tokenization import ServerTokenizer
 from roofline.entrypoints.openai.serving_engine import (
     SSE_DONE,
@@ -43,13 +44,13 @@ from roofline.outputs import CompletionOutput
 
 
 class OpenAIServingCompletion:
-    def __init__(self, engine: AsyncLLM, tokenizer: Optional[ServerTokenizer], model_name: str,
+    def __init__(self, engine: AsyncLLM, tokenizer: Optional[ServerTokenizer], models: ServingModels,
                  max_model_len: int, max_completions: int = DEFAULT_MAX_COMPLETIONS_PER_REQUEST) -> None:
         self.max_completions = max_completions
         self.engine = engine
         self.tokenizer = tokenizer
         self.text_tokenizer = tokenizer.loop if tokenizer is not None else None  # short decodes, on the loop
-        self.model_name = model_name
+        self.models = models  # the base model's names and the LoRA adapters served (serving_models.py)
         self.max_model_len = max_model_len
 
     async def _prompts(self, req: CompletionRequest) -> list[tuple[Optional[str], list[int]]]:
@@ -84,6 +85,7 @@ class OpenAIServingCompletion:
             raise bad_request("suffix is not supported", param="suffix")
         if req.best_of is not None and req.best_of != req.n:
             raise bad_request("best_of is not supported (only best_of == n)", param="best_of")
+        self.models.check(req.model)  # 404 for a name not served (never the base model in its place)
         prompts = await self._prompts(req)
         if req.kv_transfer_params is not None and len(prompts) != 1:
             raise bad_request("kv_transfer_params needs a single prompt", param="kv_transfer_params")
@@ -103,7 +105,8 @@ class OpenAIServingCompletion:
                                        prompt_logprobs=req.logprobs if want_prompt_lp else None)
         await attach_structured_outputs(self.engine, req, params)
         request_id = random_id("cmpl")
-        streams = await submit_all(self.engine, request_id, prompts, params, req.priority)
+        streams = await submit_all(self.engine, request_id, prompts, params, req.priority,
+                                   lora_request=self.models.lora_for(req.model))
         if req.stream:
             return SSEStream(self._stream(req, request_id, prompts, streams, prompt_only), streams)
         return await self._full(req, request_id, prompts, streams, prompt_only)
@@ -187,8 +190,8 @@ class OpenAIServingCompletion:
                 index=idx, text=prefix + text, logprobs=logprobs, finish_reason=st.finish_reason,
                 stop_reason=stop_reason_value(st.stop_reason)))
         usage = make_usage([len(ids) for _, ids in prompts], sum(len(c.token_ids) for c in choices), sum(cached))
-        return CompletionResponse(id=request_id, model=self.model_name, choices=out_choices, usage=usage,
-                                  kv_transfer_params=kv_transfer_params)
+        return CompletionResponse(id=request_id, model=self.models.name_for(req.model), choices=out_choices,
+                                  usage=usage, kv_transfer_params=kv_transfer_params)
 
     @staticmethod
     def _accumulate(st: ChoiceState, comp: CompletionOutput) -> None:
@@ -205,7 +208,7 @@ class OpenAIServingCompletion:
     async def _stream(self, req: CompletionRequest, request_id: str, prompts: list, streams: list,
                       prompt_only: bool = False) -> AsyncIterator[str]:
         n = req.n
-        created = int(time.time())
+        created, model = int(time.time()), self.models.name_for(req.model)
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
         continuous = bool(req.stream_options and req.stream_options.continuous_usage_stats)
         num_choices = len(prompts) * n
@@ -217,7 +220,7 @@ class OpenAIServingCompletion:
         def chunk(idx: int, text: str, logprobs: Any, finish: Optional[str], stop_reason: Any) -> str:
             # The CompletionStreamResponse shape, built as a dict: this is the hot path under load.
             d: dict[str, Any] = {
-                "id": request_id, "object": "text_completion", "created": created, "model": self.model_name,
+                "id": request_id, "object": "text_completion", "created": created, "model": model,
                 "choices": [{"index": idx, "text": text,
                              "logprobs": logprobs.model_dump(mode="json") if logprobs is not None else None,
                              "finish_reason": finish, "stop_reason": stop_reason_value(stop_reason)}],
@@ -265,7 +268,7 @@ class OpenAIServingCompletion:
             if include_usage:
                 usage = make_usage([len(ids) for _, ids in prompts], sum(num_tokens), sum(cached))
                 yield sse({"id": request_id, "object": "text_completion", "created": created,
-                           "model": self.model_name, "choices": [], "usage": usage.model_dump(mode="json")})
+                           "model": model, "choices": [], "usage": usage.model_dump(mode="json")})
         except APIError as e:
             yield sse_error(e)
         except Exception as e:

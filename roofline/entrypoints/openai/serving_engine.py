@@ -383,17 +383,21 @@ def stop_reason_value(v: Any) -> Any:
 
 # --------------------------------------------------------------------------- submitting and merging
 async def submit_all(engine: AsyncLLM, base_id: str, prompts: Sequence[tuple[Optional[str], list[int]]],
-                     params: SamplingParams, priority: int, prompt_field: str = "prompt") -> list[RequestStream]:
-    """Submit one engine request per prompt; if any is rejected, abort the others and raise."""
+                     params: SamplingParams, priority: int, prompt_field: str = "prompt",
+                     lora_request: Any = None) -> list[RequestStream]:
+    """Submit one engine request per prompt (under the LoRA adapter lora_request, if any); if any is
+    rejected, abort the others and raise."""
     streams: list[RequestStream] = []
     try:
         for i, (text, ids) in enumerate(prompts):
             rid = base_id if len(prompts) == 1 else f"{base_id}-{i}"
             streams.append(await engine.add_request(rid, ids, params.clone() if i else params,
-                                                    prompt=text, priority=priority))
+                                                    prompt=text, priority=priority, lora_request=lora_request))
     except BaseException as e:
         for s in streams:
             s.close()
+        if isinstance(e, ValueError) and lora_request is not None and str(e).startswith("LoRA adapter"):
+            raise bad_request(str(e), param="model") from e  # the adapter the request names cannot run
         if isinstance(e, Exception):
             raise engine_error(engine, e, prompt_field, base_id) from e
         raise

@@ -170,9 +170,8 @@ def response_format(req: ResponsesRequest) -> Optional[dict[str, Any]]:
 
 # ------------------------------------------------------------------------------------ the endpoint
 class OpenAIServingResponses:
-    def __init__(self, chat: OpenAIServingChat, model_name: str) -> None:
+    def __init__(self, chat: OpenAIServingChat) -> None:
         self.chat = chat
-        self.model_name = model_name
         self.store = ResponseStore()
 
     async def create(self, req: ResponsesRequest, client: str = "") -> Any:
@@ -208,7 +207,7 @@ class OpenAIServingResponses:
 
     def _skeleton(self, req: ResponsesRequest, response_id: str) -> dict[str, Any]:
         return {"id": response_id, "object": "response", "created_at": int(time.time()), "status": "in_progress",
-                "model": self.model_name, "output": [], "instructions": req.instructions,
+                "model": self.chat.models.name_for(req.model), "output": [], "instructions": req.instructions,
                 "max_output_tokens": req.max_output_tokens, "temperature": req.temperature, "top_p": req.top_p,
                 "tools": req.tools or [], "tool_choice": req.tool_choice or "auto",
                 "parallel_tool_calls": req.parallel_tool_calls is not False,

@@ -11,6 +11,10 @@ of one rank; FP8 blocks (quantization/fp8.Fp8BlockTensor) on a CPU fp32 layer wi
 CUDA layer, at any tensor-parallel size: the bytes and their scales are sliced like the rows and columns of a
 dense weight (per-row scales while assembling), and a shard of the input dimension must not cut a block.
 A layer marked `dense_only` (MLA's kv_b_proj, transformed at load) dequantizes whatever it is given.
+
+LoRA (roofline/lora): a layer may carry `lora` (lora/layers.LoRALayer), which adds the step's adapter rows'
+deltas to the layer's own product -- the one place adapters enter the model; a row-parallel layer adds its
+partial delta before the all-reduce.
 """
 
 from __future__ import annotations
@@ -42,9 +46,11 @@ class LinearBase(nn.Module):
         self.quant = None  # the weight kept quantized (load_weight): GGUF or FP8 blocks
         self._dense_loaded = False  # a dense shard went into `weight`: blocks are no longer kept
         self.dense_only = False  # always dequantize (a weight transformed after loading: MLA's kv_b_proj)
+        self.lora = None  # lora/layers.LoRALayer when the engine serves LoRA adapters
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return cpu_gemm.linear(x, self.weight, self.cpu_packed, self.bias, self.quant)
+        y = cpu_gemm.linear(x, self.weight, self.cpu_packed, self.bias, self.quant)
+        return y if self.lora is None else self.lora.apply(x, y)
 
     def takes_quantized(self) -> bool:
         """Whether GGUF blocks can stay here: a CPU layer of one rank (a shard of the input dimension
@@ -198,6 +204,8 @@ class RowParallelLinear(LinearBase):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = cpu_gemm.linear(x, self.weight, self.cpu_packed, quant=self.quant)
+        if self.lora is not None:  # this rank's partial delta joins its partial product
+            y = self.lora.apply(x, y)
         if self.reduce_results:
             y = tp_all_reduce(y)
         if self.bias is not None:

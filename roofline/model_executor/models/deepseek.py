@@ -279,6 +279,7 @@ class DeepseekV2ForCausalLM(LlamaForCausalLM):
     """DeepSeek-V2 (and V2-Lite / Coder-V2); load_weights, logits and the KV specs are Llama's."""
 
     is_v3 = False
+    supports_lora = False  # MLA's projections are transformed at load; experts are not linear layers
     keeps_quantized_weights = False  # expert stacks load dense tensors: GGUF blocks are dequantized (FP8 blocks stay)
     # checkpoint name fragment -> (our parameter fragment, shard id); experts are mapped in load_weights
     stacked_params = [(".gate_proj", ".gate_up_proj", 0), (".up_proj", ".gate_up_proj", 1)]

@@ -127,7 +127,8 @@ class Gemma2ForCausalLM(LlamaForCausalLM):
         if inner.is_last_stage:
             inner.norm = GemmaRMSNorm(config.hidden_size, config.rms_norm_eps)
         # HF multiplies by sqrt(hidden) rounded to the activations' dtype (the parameters' dtype here)
-        inner.embedding_multiplier = float(torch.tensor(config.hidden_size ** 0.5, dtype=torch.get_default_dtype()))
+        inner.embedding_multiplier = float(torch.tensor(config.hidden_size ** 0.5, dtype=torch.get_default_dtype(),
+                                                        device="cpu"))  # (a value, also when built on the meta device)
         self.final_logit_softcap = getattr(config, "final_logit_softcapping", None)
         layers = inner.stage_layers
         if layers:

@@ -251,6 +251,7 @@ class LlamaForCausalLM(nn.Module):
     qk_norm = False
     qkv_bias_default = False
     o_bias_follows_qkv = True  # Llama/Qwen3: o_proj has a bias iff attention_bias; Qwen2: never
+    supports_lora = True  # roofline/lora: PEFT adapters on the projections (mapped through stacked_params)
 
     # checkpoint name fragment -> (our parameter fragment, shard id)
     stacked_params = [

@@ -16,6 +16,8 @@ modules), a gate/up
 projection without bias whose halves are 16-aligned and a head size that is a multiple of 16; and
 per step (`takes`) to batches of 2 or more rows and to single rows (one stream decoding), which go
 through the native GEMV over the dense [in x out]-major weights there as in the modules.
+A step with LoRA adapter rows (roofline/lora: `lora_state`, set by the worker's slot manager) runs the
+modules, which add the adapters' deltas; the stack computes the base model only.
 Anywhere else the modules run, and they stay the reference.  Switch: --cpu-layer-stack
 (on by default; `SWITCH.forced(False)` for A/B runs).
 """
@@ -112,6 +114,7 @@ class CpuLayerStack:
                     self._keep.append(t)
                 self.table[i, slot] = _addr(t)
         self._cache_ptrs: tuple = ()
+        self.lora_state = None  # lora/layers.LoRAStepState of a model serving adapters
 
     @staticmethod
     def supports(model) -> Optional[str]:
@@ -173,7 +176,8 @@ class CpuLayerStack:
         """Whether this step's batch goes through the stack."""
         rows = x.shape[0]
         return (SWITCH.on() and x.dtype == torch.float32 and x.is_cpu and cpu_ops.available()
-                and (rows >= 2 or rows == 1 and self.single_rows))
+                and (rows >= 2 or rows == 1 and self.single_rows)
+                and not (self.lora_state is not None and self.lora_state.active))
 
     def _bind_caches(self, kv_caches: list[torch.Tensor]) -> None:
         ptrs = tuple(c.data_ptr() for c in kv_caches)

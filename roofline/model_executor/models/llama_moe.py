@@ -50,6 +50,7 @@ class SparseMoeBlock(nn.Module):
 
 
 class LlamaMoeForCausalLM(LlamaForCausalLM):
+    supports_lora = False  # experts are not linear layers an adapter's tensors could land on (roofline/lora)
     keeps_quantized_weights = False  # expert stacks load dense tensors: GGUF blocks are dequantized
     # checkpoint name fragment -> ours, applied before anything else (Mixtral's "block_sparse_moe")
     renamed_modules: dict[str, str] = {}
