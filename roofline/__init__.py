@@ -1,6 +1,6 @@
 """roofline: an LLM inference-serving engine (paged KV cache, continuous batching, chunked prefill)."""
 
-from roofline.lora.request import LoRARequest
+from roofline.lora_request import LoRARequest
 from roofline.outputs import BeamSearchOutput, BeamSearchSequence, CompletionOutput, RequestOutput
 from roofline.sampling_params import BeamSearchParams, RequestOutputKind, SamplingParams
 

@@ -9,7 +9,7 @@ from typing import Optional
 import msgspec
 
 from roofline.kv_transfer.metadata import KVConnectorMetadata, KVConnectorOutput, merge_connector_outputs
-from roofline.lora.request import LoRARequest
+from roofline.lora_request import LoRARequest
 
 
 class SamplingSpec(msgspec.Struct, array_like=True):

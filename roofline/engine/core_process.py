@@ -32,7 +32,7 @@ import msgspec
 from roofline.config import EngineConfig, ModelConfig
 from roofline.engine.errors import RequestInvalidError
 from roofline.executor.base import ExecutorDeadError
-from roofline.lora.request import LoRARequest
+from roofline.lora_request import LoRARequest
 from roofline.outputs import RequestOutput
 from roofline.sampling_params import SamplingParams
 from roofline.structured_output.manager import StructuredOutputManager

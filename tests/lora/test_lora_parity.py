@@ -53,3 +53,20 @@ def test_adapters_change_the_output(lora_family):
     runs = {tuple(hf_greedy(ref, p, MAX_TOKENS)) for ref in fam.refs}
     assert len(runs) == 3
     assert len({MIX[i] for i in range(len(MIX))}) == 3
+
+
+def test_the_reference_is_peft(lora_family):
+    """The references above against the real thing: peft's PeftModel loading the same adapter directories gives
+    the same greedy tokens (a1: rank 8 on every projection; a2: rank 4 with rsLoRA)."""
+    import copy
+
+    from peft import PeftModel
+
+    from tests.reference.hf_models import hf_greedy
+
+    fam = lora_family("llama")
+    for k in (1, 2):
+        model = PeftModel.from_pretrained(copy.deepcopy(fam.refs[0]), fam.loras[k].lora_path).eval()
+        for p, m, want in zip(fam.prompts, MIX, fam.expected):
+            if m == k:
+                assert hf_greedy(model, p, MAX_TOKENS) == want

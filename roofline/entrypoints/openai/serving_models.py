@@ -23,7 +23,7 @@ from typing import Any, Optional
 
 from roofline.entrypoints.openai.protocol import ModelCard
 from roofline.entrypoints.openai.serving_engine import APIError, bad_request
-from roofline.lora.request import LoRARequest
+from roofline.lora_request import LoRARequest
 
 
 @dataclass(frozen=True)
