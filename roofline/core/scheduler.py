@@ -475,15 +475,16 @@ class Scheduler:
             drafts = req.spec_token_ids[: n - known]
             if self.kv_transfer is not None:
                 self.kv_transfer.on_scheduled(req, start, n)
+            groups = self.kv.get_group_block_ids(req.request_id) if self.kv.grouped else []  # built once a step
             items.append(
                 ScheduledRequest(
                     req_id=req.request_id,
                     num_computed_tokens=start,
                     token_ids=req.all_token_ids[start : start + known] + drafts,
-                    block_ids=self.kv.get_block_ids(req.request_id),
+                    block_ids=groups[0] if groups else self.kv.get_block_ids(req.request_id),
                     sample=start + known == req.num_tokens,
                     num_draft_tokens=len(drafts),
-                    group_block_ids=self.kv.get_group_block_ids(req.request_id) if self.kv.grouped else [],
+                    group_block_ids=groups,
                 )
             )
         finished, self.finished_req_ids = self.finished_req_ids, []

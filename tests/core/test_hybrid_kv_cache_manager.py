@@ -184,5 +184,7 @@ def test_without_chunked_prefill_a_prompt_the_pool_cannot_prefill_at_once_is_ref
             llm.generate([{"prompt_token_ids": list(range(3, 60))}], SamplingParams(max_tokens=2))
         out = llm.generate([{"prompt_token_ids": list(range(3, 12))}], SamplingParams(max_tokens=2, ignore_eos=True))
         assert len(out[0].outputs[0].token_ids) == 2
+        stats = llm.llm_engine.get_stats()
+        assert stats.num_free_blocks == stats.num_total_blocks  # the refused prompt held none, the served one gave all back
     finally:
         llm.llm_engine.shutdown()
