@@ -60,3 +60,15 @@ def assert_logprobs_close_to_hf(path, prompts, hf, atol: float = 1e-4, **engine_
         want = hf_logprobs(hf, p + toks)[len(p) - 1:-1]  # [T, V] log-softmax at each generated position
         got = torch.tensor([d[t].logprob for d, t in zip(o.outputs[0].logprobs, toks)])
         torch.testing.assert_close(got, want[torch.arange(len(toks)), torch.tensor(toks)], atol=atol, rtol=atol)
+
+
+def assert_greedy_matches_hf(path, prompts, reference, variant: str, engine_args: dict,
+                             inspect: Optional[Callable] = None) -> None:
+    """One engine setting of a family's parity test: HF's greedy tokens (and every block back, via generate);
+    the default setting also hits the prefix cache and runs inspect(llm), a preemption setting preempts."""
+    outs, stats = generate(path, prompts, inspect=inspect if variant == "default" else None, **engine_args)
+    assert tokens(outs) == reference
+    if variant == "default":
+        assert stats.prefix_cache_hits > 0
+    if variant.startswith("preempt"):
+        assert stats.num_preemptions > 0

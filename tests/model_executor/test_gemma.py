@@ -14,12 +14,11 @@ import pytest
 from roofline import LLM
 from tests.engine.test_feature_invariance import shared_prefix_prompts
 from tests.model_executor.family_parity import (
+    assert_greedy_matches_hf,
     ENGINE_VARIANTS,
     assert_logprobs_close_to_hf,
-    generate,
     inner_model,
     tiny_family,
-    tokens,
 )
 from tests.reference.hf_models import build_tiny_model, hf_greedy
 
@@ -59,12 +58,7 @@ def test_greedy_matches_hf(models, arch, variant):
         kv = llm.llm_engine.scheduler.kv  # sliding layers in their own block tables (gemma2: 2 groups of 2 layers)
         assert sorted(kv.group_windows) == {"gemma2": [0, 6], "gemma3": [0, 6, 6, 6]}[arch]
 
-    outs, stats = generate(path, prompts, inspect=check if variant == "default" else None, **VARIANTS[variant])
-    assert tokens(outs) == reference
-    if variant == "default":
-        assert stats.prefix_cache_hits > 0
-    if variant.startswith("preempt"):
-        assert stats.num_preemptions > 0
+    assert_greedy_matches_hf(path, prompts, reference, variant, VARIANTS[variant], inspect=check)
 
 
 @pytest.mark.parametrize("arch", ARCHS)

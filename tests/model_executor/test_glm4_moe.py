@@ -20,6 +20,7 @@ from roofline import LLM
 from roofline.eplb.algorithm import initial_placement
 from tests.engine.test_feature_invariance import shared_prefix_prompts
 from tests.model_executor.family_parity import (
+    assert_greedy_matches_hf,
     GREEDY,
     assert_logprobs_close_to_hf,
     generate,
@@ -52,12 +53,7 @@ def _check_default_model(llm):
 def test_greedy_matches_hf(glm, variant):
     path, prompts, reference, _ = glm
     args = dict(num_kv_blocks=64, tensor_parallel_size=2) if variant == "tp2" else VARIANTS[variant]
-    outs, stats = generate(path, prompts, inspect=_check_default_model if variant == "default" else None, **args)
-    assert [o.outputs[0].token_ids for o in outs] == reference
-    if variant == "default":
-        assert stats.prefix_cache_hits > 0
-    if variant.startswith("preempt"):
-        assert stats.num_preemptions > 0
+    assert_greedy_matches_hf(path, prompts, reference, variant, args, inspect=_check_default_model)
 
 
 def test_expert_parallel_with_eplb_matches_hf(glm):

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import copy
 import json
-import os
 
 import pytest
 import torch
@@ -23,6 +22,7 @@ from roofline.model_executor.layers.quantization import Mxfp4Config, checkpoint_
 from roofline.model_executor.layers.quantization.mxfp4 import Mxfp4Tensor, mxfp4_checkpoint_weights
 from roofline.model_executor.models import llama_cpu_stack
 from tests.model_executor.family_parity import (
+    assert_greedy_matches_hf,
     ENGINE_VARIANTS,
     GREEDY,
     assert_logprobs_close_to_hf,
@@ -63,13 +63,7 @@ def _check_default_model(hf):
 @pytest.mark.parametrize("variant", list(VARIANTS))
 def test_greedy_matches_hf(oss, variant):
     path, prompts, reference, hf = oss
-    outs, stats = generate(path, prompts, inspect=_check_default_model(hf) if variant == "default" else None,
-                           **VARIANTS[variant])
-    assert tokens(outs) == reference
-    if variant == "default":
-        assert stats.prefix_cache_hits > 0
-    if variant.startswith("preempt"):
-        assert stats.num_preemptions > 0
+    assert_greedy_matches_hf(path, prompts, reference, variant, VARIANTS[variant], inspect=_check_default_model(hf))
 
 
 def test_expert_parallel_with_eplb_matches_hf(oss):

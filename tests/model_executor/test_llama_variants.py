@@ -12,6 +12,7 @@ import pytest
 from roofline import LLM
 from tests.engine.test_feature_invariance import shared_prefix_prompts
 from tests.model_executor.family_parity import (
+    assert_greedy_matches_hf,
     ENGINE_VARIANTS,
     GREEDY,
     assert_logprobs_close_to_hf,
@@ -48,12 +49,7 @@ def test_greedy_matches_hf(models, arch, variant):
         if arch == "smollm3":
             assert [layer.self_attn.use_rope for layer in inner.layers] == [True, True, True, False]
 
-    outs, stats = generate(path, prompts, inspect=check if variant == "default" else None, **ENGINE_VARIANTS[variant])
-    assert tokens(outs) == reference
-    if variant == "default":
-        assert stats.prefix_cache_hits > 0
-    if variant.startswith("preempt"):
-        assert stats.num_preemptions > 0
+    assert_greedy_matches_hf(path, prompts, reference, variant, ENGINE_VARIANTS[variant], inspect=check)
 
 
 @pytest.mark.parametrize("arch", ARCHS)

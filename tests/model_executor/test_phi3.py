@@ -16,6 +16,7 @@ import torch
 
 from tests.engine.test_feature_invariance import shared_prefix_prompts
 from tests.model_executor.family_parity import (
+    assert_greedy_matches_hf,
     ENGINE_VARIANTS,
     GREEDY,
     assert_logprobs_close_to_hf,
@@ -52,12 +53,7 @@ def test_greedy_matches_hf(phi3, variant):
         assert [layer.self_attn.rotary.rotary_dim for layer in inner.layers] == [12, 12]  # 16 x 0.75
         assert (inner.cpu_stack is not None) == cpu_ops.available()  # a plain Llama layer: the stack runs it
 
-    outs, stats = generate(path, prompts, inspect=check if variant == "default" else None, **ENGINE_VARIANTS[variant])
-    assert tokens(outs) == reference
-    if variant == "default":
-        assert stats.prefix_cache_hits > 0
-    if variant.startswith("preempt"):
-        assert stats.num_preemptions > 0
+    assert_greedy_matches_hf(path, prompts, reference, variant, ENGINE_VARIANTS[variant], inspect=check)
 
 
 def test_logprobs_close_to_hf(phi3):
