@@ -9,9 +9,8 @@ the Llama modules (and on the CPU the fp32 layer stack) run it unchanged.  What 
     rank takes its own heads and its own slice of gate and up;
   * the config's reading: LongRoPE (`rope_type` 'longrope', layers/rotary.py: the factors are chosen once
     from the config, see there) with `partial_rotary_factor` (Phi-4-mini), and `sliding_window`, one
-    window for every layer as HF masks it (Phi-3-mini-4k: 2047): LlamaAttention's attn_options carry it; a
-    start-up error names the field if the layers do not (a window no shorter than max_position_embeddings
-    masks nothing and is ignored).
+    window for every layer as HF masks it (Phi-3-mini-4k: 2047), read by llama.layer_sliding_window like every
+    Llama-family window (one no shorter than max_position_embeddings masks nothing and is ignored).
 """
 
 from __future__ import annotations
@@ -49,13 +48,7 @@ def split_rows(tensor, sizes: list[int]) -> list:
 
 class Phi3ForCausalLM(LlamaForCausalLM):
     def __init__(self, config, backend: AttentionBackend):
-        super().__init__(config, backend)
-        window = getattr(config, "sliding_window", None)
-        if window is not None and window < config.max_position_embeddings:
-            for layer in self.model.stage_layers:  # every layer attends within the window (HF's one mask)
-                if getattr(getattr(layer.self_attn, "attn_options", None), "sliding_window", None) != window:
-                    raise ValueError(f"sliding_window ({window}) is shorter than max_position_embeddings "
-                                     f"({config.max_position_embeddings}) and the attention does not honour it")
+        super().__init__(config, backend)  # sliding_window: LlamaAttention's (llama.layer_sliding_window)
         heads = config.num_attention_heads
         kv = getattr(config, "num_key_value_heads", None) or heads
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
