@@ -1586,12 +1586,28 @@ int64_t greedy_head_f32(const float *h, int64_t ldh, int64_t R, int64_t K, int64
  *   dims: d, H, H_kv, D, I (intermediate), rot (rotary dims), block_size
  *   cos/sin [N x rot];  slots [N] (int64);  requests: the first nd are decodes (one row each), the
  *   rest prefill chunks (query_start_loc qsl [R+1], seq_lens [R], block tables [R x bt_stride]).
- * Scratch (residual, normed rows, qkv, attention output, MLP rows) is allocated here per call. */
+ *   LoRA adapters (roofline/lora), in a step with adapter rows: lora [nlayers x 4 x STACK_LORA_FIELDS] int64,
+ *   per projection (qkv, o, gate/up, down) its LoRALayer's slot tensors (a, bt, slice count, slice offsets,
+ *   sizes, slice_on; a = 0: no adapter weights there), lora_rank the slots' rank, groups [ngroups x 4] the
+ *   step's (slot, rank, first row, end row) and kept_groups the same over the kept rows (the last layer's
+ *   O projection and MLP).  Each delta is added right after its projection by lora_shrink_expand_f32, as
+ *   LoRALayer.apply does after LinearBase's product, and a gate/up projection with an adapter runs unfused
+ *   (projection, delta, silu_and_mul_f32) as the modules run it in such a step.  lora = NULL: no adapters.
+ * Scratch (residual, normed rows, qkv, attention output, MLP rows) is allocated here per call.
+ * Returns 0, or -1 when the LoRA kernel refuses its arguments. */
 enum { L_IN_NORM, L_QKV, L_QKV_BIAS, L_Q_NORM, L_K_NORM, L_O, L_O_BIAS, L_POST_NORM, L_GATE_UP, L_DOWN,
        L_DOWN_BIAS, L_QKV_DENSE, L_O_DENSE, L_GATE_UP_DENSE, L_DOWN_DENSE, L_K_CACHE, L_V_CACHE,
        L_QKV_QUANT, L_O_QUANT, L_GATE_UP_QUANT, L_DOWN_QUANT, L_QUANT_TYPES, STACK_FIELDS };
 /* L_*_QUANT: a projection kept in GGUF blocks (quant_kernels.c; its packed/dense slots are then 0);
  * L_QUANT_TYPES: not an address but their ggml types, 8 bits each: qkv | o << 8 | gate_up << 16 | down << 24 */
+
+enum { LORA_A, LORA_BT, LORA_SLICES, LORA_OFF, LORA_SIZE, LORA_ON, STACK_LORA_FIELDS };
+
+/* lora_kernels.c (the same library) */
+int lora_shrink_expand_f32(const float *x, int64_t ldx, float *y, int64_t ldy, int64_t in, int64_t out,
+                           const float *a, const float *bt, int64_t nslices, int64_t max_rank,
+                           const int64_t *slice_off, const int64_t *slice_size, const uint8_t *slice_on,
+                           const int64_t *groups, int64_t ngroups, int nthreads);
 
 /* quant_kernels.c (the same library): the GGUF block formats */
 int64_t quant_block_elems(int qt);
@@ -1716,12 +1732,25 @@ static void keep_rows(float *m, int64_t w, const int32_t *keep, int64_t nkeep) {
 }
 
 int64_t llama_stack_fields(void) { return STACK_FIELDS; }
+int64_t llama_stack_lora_fields(void) { return STACK_LORA_FIELDS; }
 
-void llama_stack_f32(const float *x, float *out, int64_t N, const int64_t *layers, int64_t nlayers,
-                     const int64_t *dims, float eps, float scale, const float *final_norm, const float *cos,
-                     const float *sin, const int64_t *slots, int64_t nd, int64_t nreq, const int32_t *qsl,
-                     const int32_t *seq_lens, const int32_t *tables, int64_t bt_stride, const int32_t *keep,
-                     int64_t nkeep, int nthreads) {
+/* y [rows x out] += the groups' LoRA deltas of x [rows x in] through one projection's slots lo (0 or lo[LORA_A]
+ * == 0: none); returns the kernel's status */
+static int stack_lora(const int64_t *lo, const float *x, int64_t ldx, float *y, int64_t ldy, int64_t in, int64_t out,
+                      int64_t rank, const int64_t *groups, int64_t ngroups, int nthreads) {
+    if (!lo || !lo[LORA_A] || ngroups == 0) return 0;
+    return lora_shrink_expand_f32(x, ldx, y, ldy, in, out, (const float *)(intptr_t)lo[LORA_A],
+                                  (const float *)(intptr_t)lo[LORA_BT], lo[LORA_SLICES], rank,
+                                  (const int64_t *)(intptr_t)lo[LORA_OFF], (const int64_t *)(intptr_t)lo[LORA_SIZE],
+                                  (const uint8_t *)(intptr_t)lo[LORA_ON], groups, ngroups, nthreads);
+}
+
+int llama_stack_f32(const float *x, float *out, int64_t N, const int64_t *layers, int64_t nlayers,
+                    const int64_t *dims, float eps, float scale, const float *final_norm, const float *cos,
+                    const float *sin, const int64_t *slots, int64_t nd, int64_t nreq, const int32_t *qsl,
+                    const int32_t *seq_lens, const int32_t *tables, int64_t bt_stride, const int32_t *keep,
+                    int64_t nkeep, const int64_t *lora, int64_t lora_rank, const int64_t *groups, int64_t ngroups,
+                    const int64_t *kept_groups, int64_t nkept_groups, int nthreads) {
     const int64_t d = dims[0], H = dims[1], Hk = dims[2], D = dims[3], I = dims[4], rot = dims[5], bs = dims[6];
     const int64_t W = (H + 2 * Hk) * D, QD = H * D, KD = Hk * D;
     float *res = (float *)kernel_scratch((size_t)(N * d) * sizeof(float));   /* the residual stream */
@@ -1730,7 +1759,10 @@ void llama_stack_f32(const float *x, float *out, int64_t N, const int64_t *layer
     float *qkv = (float *)kernel_scratch((size_t)(N * W) * sizeof(float));
     float *att = (float *)kernel_scratch((size_t)(N * QD) * sizeof(float));
     float *mid = (float *)kernel_scratch((size_t)(N * I) * sizeof(float));
-    float *gate_up = (float *)kernel_scratch((size_t)(2 * I) * sizeof(float));  /* [gate; up] of a lone row */
+    /* [gate; up] of a lone row, or of every row in a step with LoRA adapter rows */
+    if (!lora || ngroups == 0) lora = 0;
+    float *gate_up = (float *)kernel_scratch((size_t)((lora ? N : 1) * 2 * I) * sizeof(float));
+    int rc = 0;
     memcpy(res, x, (size_t)(N * d) * sizeof(float));
     if (keep && nlayers == 0) {
         keep_rows(res, d, keep, nkeep);
@@ -1739,7 +1771,8 @@ void llama_stack_f32(const float *x, float *out, int64_t N, const int64_t *layer
 #define F(l, f) ((const float *)(intptr_t)layers[(l) * STACK_FIELDS + (f)])
 #define Q(l, f) ((const uint8_t *)(intptr_t)layers[(l) * STACK_FIELDS + (f)])
 #define QT(l, i) ((int)((layers[(l) * STACK_FIELDS + L_QUANT_TYPES] >> (8 * (i))) & 0xff))
-    for (int64_t l = 0; l < nlayers; l++) {
+#define LO(l, i) (lora ? lora + ((l) * 4 + (i)) * STACK_LORA_FIELDS : 0)
+    for (int64_t l = 0; l < nlayers && rc == 0; l++) {
         float *kc = (float *)(intptr_t)layers[l * STACK_FIELDS + L_K_CACHE];
         float *vc = (float *)(intptr_t)layers[l * STACK_FIELDS + L_V_CACHE];
         /* h = norm(res + y), res = res + y  (layer 0: h = norm(x), res = x) */
@@ -1748,6 +1781,7 @@ void llama_stack_f32(const float *x, float *out, int64_t N, const int64_t *layer
         /* attention: qkv = h W_qkv^T (+ b);  q, k normed per head (Qwen3);  rope;  cache write */
         project(h, d, F(l, L_QKV), F(l, L_QKV_DENSE), F(l, L_QKV_BIAS), qkv, W, N, d, W, Q(l, L_QKV_QUANT), QT(l, 0),
                 nthreads);
+        rc |= stack_lora(LO(l, 0), h, d, qkv, W, d, W, lora_rank, groups, ngroups, nthreads);
         if (F(l, L_Q_NORM)) {
             qk_head_norm(qkv, W, N, H, D, F(l, L_Q_NORM), eps, nthreads);
             qk_head_norm(qkv + QD, W, N, Hk, D, F(l, L_K_NORM), eps, nthreads);
@@ -1764,12 +1798,20 @@ void llama_stack_f32(const float *x, float *out, int64_t N, const int64_t *layer
             keep_rows(att, QD, keep, nkeep);
             keep_rows(res, d, keep, nkeep);
             N = nkeep;
+            groups = kept_groups;
+            ngroups = nkept_groups;
         }
         project(att, QD, F(l, L_O), F(l, L_O_DENSE), F(l, L_O_BIAS), y, d, N, QD, d, Q(l, L_O_QUANT), QT(l, 1),
                 nthreads);
+        rc |= stack_lora(LO(l, 1), att, QD, y, d, QD, d, lora_rank, groups, ngroups, nthreads);
         /* MLP: h = norm(res + y), res += y;  y = down(silu(gate h) * up h) */
         rms_norm_f32(y, res, F(l, L_POST_NORM), h, res, N, d, d, eps, nthreads);
-        if (Q(l, L_GATE_UP_QUANT)) {
+        if (LO(l, 2) && LO(l, 2)[LORA_A]) {  /* an adapter's delta joins before the SiLU: unfused */
+            project(h, d, F(l, L_GATE_UP), F(l, L_GATE_UP_DENSE), 0, gate_up, 2 * I, N, d, 2 * I,
+                    Q(l, L_GATE_UP_QUANT), QT(l, 2), nthreads);
+            rc |= stack_lora(LO(l, 2), h, d, gate_up, 2 * I, d, 2 * I, lora_rank, groups, ngroups, nthreads);
+            silu_and_mul_f32(gate_up, mid, N, I, nthreads);
+        } else if (Q(l, L_GATE_UP_QUANT)) {
             quant_linear_silu_mul_f32(QT(l, 2), h, d, Q(l, L_GATE_UP_QUANT), d / quant_block_elems(QT(l, 2) & 0x7f)
                                       * quant_block_bytes(QT(l, 2) & 0x7f), mid, I, N, d, I, nthreads);
         } else if (N == 1 && F(l, L_GATE_UP_DENSE)) {
@@ -1780,7 +1822,9 @@ void llama_stack_f32(const float *x, float *out, int64_t N, const int64_t *layer
         }
         project(mid, I, F(l, L_DOWN), F(l, L_DOWN_DENSE), F(l, L_DOWN_BIAS), y, d, N, I, d, Q(l, L_DOWN_QUANT),
                 QT(l, 3), nthreads);
+        rc |= stack_lora(LO(l, 3), mid, I, y, d, I, d, lora_rank, groups, ngroups, nthreads);
     }
+#undef LO
 #undef F
 #undef Q
 #undef QT
@@ -1793,6 +1837,7 @@ void llama_stack_f32(const float *x, float *out, int64_t N, const int64_t *layer
     free(att);
     free(mid);
     free(gate_up);
+    return rc ? -1 : 0;
 }
 
 /* ==== MLA latent decode (DeepSeek multi-head latent attention) ===================================

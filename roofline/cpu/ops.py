@@ -86,10 +86,12 @@ _SIGNATURES = {
                         ctypes.c_int],
     "route_logits_f32": [_P, _I, _P, _I, _P, _P, _I, _I, _P],
     "llama_stack_fields": [],
+    "llama_stack_lora_fields": [],
     "llama_stack_f32": [_P, _P, _I, _P, _I, _P, _F, _F, _P, _P, _P, _P, _I, _I, _P, _P, _P, _I, _P, _I,
-                        ctypes.c_int],
+                        _P, _I, _P, _I, _P, _I, ctypes.c_int],
 }
-_RESTYPES = {"llama_stack_fields": _I, "greedy_head_f32": _I}  # the rest return nothing
+_RESTYPES = {"llama_stack_fields": _I, "llama_stack_lora_fields": _I, "greedy_head_f32": _I,
+             "llama_stack_f32": ctypes.c_int}  # the rest return nothing
 
 
 def _cpu_flags() -> str:
@@ -553,26 +555,39 @@ def llama_stack_fields() -> int:
     return int(_need().llama_stack_fields())
 
 
+def llama_stack_lora_fields() -> int:
+    """How many values llama_stack reads per projection's LoRA slots (the C enum's STACK_LORA_FIELDS)."""
+    return int(_need().llama_stack_lora_fields())
+
+
 def llama_stack(x: torch.Tensor, out: torch.Tensor, layers: torch.Tensor, dims: torch.Tensor, eps: float,
                 scale: float, final_norm: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 slot_mapping: torch.Tensor, num_decodes: int, query_start_loc: torch.Tensor, seq_lens: torch.Tensor,
-                block_tables: torch.Tensor, keep: Optional[torch.Tensor] = None) -> None:
+                block_tables: torch.Tensor, keep: Optional[torch.Tensor] = None, lora=None) -> None:
     """Every decoder layer of one step (cpu_kernels.c llama_stack_f32): x [N, d] embedded tokens ->
     out [N, d] final-normed hidden states, or out [K, d] for rows `keep` (K strictly increasing row
     indices) alone.  layers: int64 [L, fields] addresses (0 = absent), dims: int64 (d, H, H_kv, D, I, rot,
-    block_size); cos/sin [N, rot]; the rest as in AttentionMetadata.  The caller keeps every addressed
-    tensor alive and checks shapes and that keep is increasing (llama_cpu_stack.CpuLayerStack)."""
+    block_size); cos/sin [N, rot]; the rest as in AttentionMetadata.  lora: None, or (table int64
+    [L, 4, lora fields], the slots' rank, groups int64 [G, 4], kept groups int64 [G', 4]) -- LoRA adapter
+    rows' deltas (cpu_kernels.c's doc).  The caller keeps every addressed tensor alive and checks shapes
+    and that keep is increasing (llama_cpu_stack.CpuLayerStack)."""
     n = x.shape[0]
     kept = _int32(keep) if keep is not None else None
     if out.shape[0] != (n if kept is None else kept.shape[0]):
         raise ValueError(f"llama_stack: out has {out.shape[0]} rows")
     tables = _int32_rows(block_tables)
     slots, qsl, lens = slot_mapping.to(torch.int64).contiguous(), _int32(query_start_loc), _int32(seq_lens)
-    _need().llama_stack_f32(x.data_ptr(), out.data_ptr(), n, layers.data_ptr(), layers.shape[0], dims.data_ptr(),
-                            eps, scale, final_norm.data_ptr(), cos.data_ptr(), sin.data_ptr(), slots.data_ptr(),
-                            num_decodes, seq_lens.shape[0], qsl.data_ptr(), lens.data_ptr(), tables.data_ptr(),
-                            tables.stride(0), 0 if kept is None else kept.data_ptr(),
-                            0 if kept is None else kept.shape[0], torch.get_num_threads())
+    table, rank, groups, kept_groups = lora if lora is not None else (None, 0, None, None)
+    rc = _need().llama_stack_f32(
+        x.data_ptr(), out.data_ptr(), n, layers.data_ptr(), layers.shape[0], dims.data_ptr(), eps, scale,
+        final_norm.data_ptr(), cos.data_ptr(), sin.data_ptr(), slots.data_ptr(), num_decodes, seq_lens.shape[0],
+        qsl.data_ptr(), lens.data_ptr(), tables.data_ptr(), tables.stride(0), 0 if kept is None else kept.data_ptr(),
+        0 if kept is None else kept.shape[0], 0 if table is None else table.data_ptr(), rank,
+        0 if groups is None else groups.data_ptr(), 0 if groups is None else groups.shape[0],
+        0 if kept_groups is None else kept_groups.data_ptr(), 0 if kept_groups is None else kept_groups.shape[0],
+        torch.get_num_threads())
+    if rc != 0:
+        raise RuntimeError("llama_stack: the LoRA kernel refused its arguments")
 
 
 # ---- MLA latent decode (cpu_kernels.c's section of the same name; self-contained) -----------------

@@ -7,8 +7,8 @@ from, and the step's batch.
   * Slots: max_loras per layer (layers.py).  `begin_step` puts the step's adapters into slots -- those
     already there stay, the others take a free slot or the one used longest ago -- and hands the layers
     the step's batch.  The scheduler never puts more than max_loras adapters in one step.
-  * The CPU layer stack (llama_cpu_stack.py) computes the base model only: it is told to step aside in
-    steps with adapter rows.
+  * The CPU layer stack (llama_cpu_stack.py) reads the same slots and the step's batch (`lora_state`) and
+    adds the deltas in its native pass.
 """
 
 from __future__ import annotations
@@ -74,7 +74,7 @@ class LoRAModelSlots:
         self.steps = 0
         stack = getattr(getattr(model, "model", None), "cpu_stack", None)
         if stack is not None:
-            stack.lora_state = self.state  # it steps aside in steps with adapter rows
+            stack.lora_state = self.state  # it adds the step's adapter deltas from the same slots
 
     # ---- loaded adapters ------------------------------------------------------------------------
     def load(self, request: LoRARequest) -> LoadedAdapter:

@@ -32,7 +32,7 @@ def test_mixed_batch_matches_peft(lora_family, arch, variant):
     seen = {}
 
     def inspect(llm):
-        if variant == "default" and arch in ("llama", "qwen3"):  # the CPU layer stack is there and steps aside
+        if variant == "default" and arch in ("llama", "qwen3"):  # the CPU layer stack is there (adapter steps run in it)
             seen["stack"] = inner_model(llm).cpu_stack is not None
 
     outs, stats = generate(fam.path, fam.prompts, GREEDY, inspect=inspect, lora_request=fam.lora_requests(),

@@ -42,6 +42,17 @@ def _run(llm, prompts, stack_on: bool):
         return llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
 
 
+def _assert_same_bits(hidden_stack, hidden_modules, with_stack, modules):
+    """Every step's hidden states, every token and every logprob of the two runs are equal."""
+    assert len(hidden_modules) == len(hidden_stack) > 10
+    for a, b in zip(hidden_stack, hidden_modules):
+        assert torch.equal(a, b)
+    for a, b in zip(with_stack, modules):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+        assert [{t: e.logprob for t, e in lp.items()} for lp in a.outputs[0].logprobs] == \
+               [{t: e.logprob for t, e in lp.items()} for lp in b.outputs[0].logprobs]
+
+
 def _pair(path, **kwargs):
     """Two engines on one checkpoint (each run starts from an empty prefix cache)."""
     return [LLM(path, dtype="float32", device="cpu", show_progress=False, **kwargs) for _ in range(2)]
@@ -68,13 +79,49 @@ def test_hidden_states_are_the_module_paths_bits(arch, block_size, tiny_models, 
     n_calls = len(calls)
     modules = _run(ref, prompts, False)
     assert len(calls) == n_calls, "switched off, the modules ran"
-    assert len(seen) == len(hidden_stack) > 10
-    for a, b in zip(hidden_stack, seen):
-        assert torch.equal(a, b)
-    for a, b in zip(with_stack, modules):
-        assert a.outputs[0].token_ids == b.outputs[0].token_ids
-        assert [{t: e.logprob for t, e in lp.items()} for lp in a.outputs[0].logprobs] == \
-               [{t: e.logprob for t, e in lp.items()} for lp in b.outputs[0].logprobs]
+    _assert_same_bits(hidden_stack, seen, with_stack, modules)
+
+
+def test_lora_steps_run_in_the_stack_with_the_module_paths_bits(tiny_models, tmp_path, monkeypatch):
+    """Steps with LoRA adapter rows (two adapters of different ranks and targets, and base-model rows, in one
+    batch; chunked prefills whose last layer keeps one row; a lone decoding row at the end) go through the stack
+    and give the module path's hidden states, logprobs and tokens bit for bit."""
+    from roofline import LoRARequest
+    from tests.reference.lora_adapters import LLAMA_TARGETS, write_peft_adapter
+
+    path, hf_model = tiny_models["llama"]
+    write_peft_adapter(str(tmp_path / "a1"), hf_model, 8, 16, LLAMA_TARGETS, seed=1)
+    write_peft_adapter(str(tmp_path / "a2"), hf_model, 4, 8, ["q_proj", "v_proj", "down_proj"], seed=2,
+                       use_rslora=True)  # no gate/up weights: that projection still runs unfused in these steps
+    loras = [None, LoRARequest("a1", 1, str(tmp_path / "a1")), LoRARequest("a2", 2, str(tmp_path / "a2"))]
+    llm, ref = _pair(path, num_kv_blocks=600, max_num_batched_tokens=24, enable_lora=True, max_loras=2,
+                     max_lora_rank=8)
+    vocab = hf_model.config.vocab_size
+    prompts = random_prompts(6, vocab, 3, 30, seed=5)
+    mix = [loras[k] for k in (0, 1, 2, 1, 2, 1)]
+    params = [SamplingParams(temperature=0, max_tokens=12 + 6 * i, ignore_eos=True, logprobs=3) for i in range(6)]
+
+    adapter_calls = []
+    real = cpu_ops.llama_stack
+    monkeypatch.setattr(cpu_ops, "llama_stack", lambda *a, **k: (
+        adapter_calls.append(a[0].shape[0]) if a[-1] is not None else None, real(*a, **k))[1])
+    hidden_stack, seen = _record_forwards(llm), _record_forwards(ref)
+
+    def run(engine, stack_on):
+        with llama_cpu_stack.SWITCH.forced(stack_on):
+            return engine.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False,
+                                   lora_request=mix)
+
+    with_stack = run(llm, True)
+    assert adapter_calls and max(adapter_calls) > 1 and 1 in adapter_calls, "adapter steps ran in the stack"
+    n_calls = len(adapter_calls)
+    modules = run(ref, False)
+    assert len(adapter_calls) == n_calls, "switched off, the modules ran"
+    _assert_same_bits(hidden_stack, seen, with_stack, modules)
+    plain = LLM(path, dtype="float32", device="cpu", show_progress=False, num_kv_blocks=600)
+    base = plain.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    assert with_stack[0].outputs[0].token_ids == base[0].outputs[0].token_ids  # the base rows are the base model
+    assert any(a.outputs[0].token_ids != b.outputs[0].token_ids for a, b in zip(with_stack[1:], base[1:]))
 
 
 @pytest.fixture

@@ -16,8 +16,11 @@ modules), a gate/up
 projection without bias whose halves are 16-aligned and a head size that is a multiple of 16; and
 per step (`takes`) to batches of 2 or more rows and to single rows (one stream decoding), which go
 through the native GEMV over the dense [in x out]-major weights there as in the modules.
-A step with LoRA adapter rows (roofline/lora: `lora_state`, set by the worker's slot manager) runs the
-modules, which add the adapters' deltas; the stack computes the base model only.
+A step with LoRA adapter rows (roofline/lora: `lora_state`, set by the worker's slot manager) runs here
+too: the projections' LoRALayer slots go to the kernel in a second table (`_lora_table`) with the step's
+adapter groups, and each delta is added right after its projection by the same kernel LoRALayer.apply
+calls (lora_kernels.c), a gate/up projection with an adapter running unfused as in the modules -- so the
+values stay bit-identical to the module path in these steps as well.
 Anywhere else the modules run, and they stay the reference.  Switch: --cpu-layer-stack
 (on by default; `SWITCH.forced(False)` for A/B runs).
 """
@@ -41,6 +44,7 @@ SWITCH = Switch("cpu_layer_stack")
  QKV_DENSE, O_DENSE, GATE_UP_DENSE, DOWN_DENSE, K_CACHE, V_CACHE,
  QKV_QUANT, O_QUANT, GATE_UP_QUANT, DOWN_QUANT, QUANT_TYPES) = range(22)
 FIELDS = 22
+LORA_FIELDS = 6  # per projection's LoRA slots: a, bt, slice count, slice offsets, sizes, slice_on (C enum)
 
 
 def _gemv_layout(weight: torch.Tensor) -> bool:
@@ -114,7 +118,9 @@ class CpuLayerStack:
                     self._keep.append(t)
                 self.table[i, slot] = _addr(t)
         self._cache_ptrs: tuple = ()
+        self._layers = layers
         self.lora_state = None  # lora/layers.LoRAStepState of a model serving adapters
+        self._lora = None  # (table, rank) of the projections' LoRA slots, built at the first adapter step
 
     @staticmethod
     def supports(model) -> Optional[str]:
@@ -177,7 +183,45 @@ class CpuLayerStack:
         rows = x.shape[0]
         return (SWITCH.on() and x.dtype == torch.float32 and x.is_cpu and cpu_ops.available()
                 and (rows >= 2 or rows == 1 and self.single_rows)
-                and not (self.lora_state is not None and self.lora_state.active))
+                and not (self.lora_state is not None and self.lora_state.active and self._lora_table() is None))
+
+    def _lora_table(self) -> Optional[tuple[torch.Tensor, int]]:
+        """(int64 [layers, 4, fields]: each projection's LoRALayer slot tensors, 0 where it has none; the slots'
+        rank), or None where the kernel cannot read them (not fp32 contiguous CPU tensors)."""
+        if self._lora is None:
+            if cpu_ops.llama_stack_lora_fields() != LORA_FIELDS:
+                self._lora = (None, 0)
+                return None
+            table = torch.zeros((len(self._layers), 4, LORA_FIELDS), dtype=torch.int64)
+            ranks = set()
+            for i, layer in enumerate(self._layers):
+                for j, lin in enumerate(_projections(layer)):
+                    lo = lin.lora
+                    if lo is None:
+                        continue
+                    if not all(t.dtype == torch.float32 and t.is_cpu and t.is_contiguous() for t in (lo.a, lo.bt)):
+                        self._lora = (None, 0)
+                        return None
+                    ranks.add(lo.a.shape[2])
+                    table[i, j] = torch.tensor([lo.a.data_ptr(), lo.bt.data_ptr(), len(lo.slices),
+                                                    lo.slice_off_t.data_ptr(), lo.slice_size_t.data_ptr(),
+                                                    lo.slice_on_t.data_ptr()])
+            self._lora = (table, ranks.pop()) if len(ranks) == 1 else (None, 0)
+        return None if self._lora[0] is None else self._lora
+
+    def _lora_step(self, rows: int, kept_rows: int):
+        """This step's LoRA argument of cpu_ops.llama_stack (None without adapter rows)."""
+        state = self.lora_state
+        if state is None or not state.active:
+            return None
+        table, rank = self._lora_table()
+        batch = state.batch
+
+        def groups(segments):  # int64 [G, 4] (slot, rank, first row, end row)
+            return torch.tensor([(slot, state.ranks[slot], s, e) for slot, s, e in segments],
+                                dtype=torch.int64).reshape(-1, 4)
+
+        return table, rank, groups(batch.segments_for(rows)), groups(batch.segments_for(kept_rows))
 
     def _bind_caches(self, kv_caches: list[torch.Tensor]) -> None:
         ptrs = tuple(c.data_ptr() for c in kv_caches)
@@ -209,7 +253,7 @@ class CpuLayerStack:
         out = torch.empty((rows, self.hidden), dtype=torch.float32)
         cpu_ops.llama_stack(x, out, self.table, self.dims, self.eps, self.scale, self.final_norm, cos, sin,
                             meta.slot_mapping, meta.num_decodes, meta.query_start_loc, meta.seq_lens,
-                            meta.block_tables, output_rows)
+                            meta.block_tables, output_rows, self._lora_step(n, rows))
         return out
 
 
