@@ -13,6 +13,9 @@ W7  input-grounded single stream: median TPOT with and without speculative decod
 W6  MoE + MLA (DeepSeek-V3 shape, small): W1's requests against HF static batches of 16, single-stream
     TPOT against the bytes a token reads (always-on weights + its routed experts + KV), and the KV tokens
     2 GiB holds with MLA against the same model with ordinary MHA (engine and planner)
+W10 many adapters: W1's requests on the default model's architecture (dummy weights, HF format, fp32) with 4
+    random rank-16 PEFT adapters on every projection assigned round robin, against the base model alone in
+    the same engine; runs alternate --rounds times (medians), with the bytes one loaded adapter holds
 """
 
 from __future__ import annotations
@@ -82,8 +85,9 @@ def _spec_summary(after, before) -> dict[str, Any]:
             "num_accepted_tokens": d.num_accepted_tokens}
 
 
-def _run_offline(llm, reqs, constraints: Optional[dict] = None) -> dict[str, Any]:
-    """constraints: request index -> StructuredOutputsParams for the constrained ones."""
+def _run_offline(llm, reqs, constraints: Optional[dict] = None, lora_requests: Optional[list] = None) -> dict[str, Any]:
+    """constraints: request index -> StructuredOutputsParams for the constrained ones; lora_requests: each
+    request's LoRA adapter (None: the base model)."""
     from roofline import SamplingParams
 
     constraints = constraints or {}
@@ -93,7 +97,7 @@ def _run_offline(llm, reqs, constraints: Optional[dict] = None) -> dict[str, Any
     _step_records(llm)
     spec_before = _spec_counts(llm)
     t0 = time.monotonic()
-    outs = llm.generate(prompts, params, use_tqdm=False)
+    outs = llm.generate(prompts, params, use_tqdm=False, lora_request=lora_requests)
     dt = time.monotonic() - t0
     n_out = sum(len(o.outputs[0].token_ids) for o in outs)
     n_in = sum(len(r.prompt) for r in reqs)
@@ -563,7 +567,54 @@ def w7(args) -> dict:
             "tpot_ms_on": ", ".join(f"{1000 * t:.1f}" for t in tpots["on"])}
 
 
-WORKLOADS = {"w1": w1, "w3": w3, "w4": w4, "w5": w5, "w6": w6, "w7": w7}
+# ---- W10 --------------------------------------------------------------------------------------
+W10_ADAPTERS, W10_RANK = 4, 16
+
+
+def w10(args) -> dict:
+    """Many adapters (BENCHMARKS.md W10): output tok/s with 4 adapters assigned round robin / without."""
+    import os
+    import tempfile
+
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from roofline import LoRARequest, SamplingParams
+    from roofline.lora.peft import LLAMA_TARGETS, write_random_adapter
+    from roofline.model_executor.loader.source import load_hf_config, resolve_source
+
+    with tempfile.TemporaryDirectory() as tmp:
+        load_hf_config(resolve_source(None)).save_pretrained(tmp)  # the default model's config, HF format
+        with torch.device("meta"):
+            meta = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(tmp))
+        adapters, adapter_bytes = [], 0
+        for i in range(W10_ADAPTERS):
+            path = os.path.join(tmp, f"adapter{i}")
+            weights = write_random_adapter(path, meta, W10_RANK, 2 * W10_RANK, LLAMA_TARGETS, seed=i, std=0.01)
+            adapter_bytes = sum(a.numel() + b.numel() for a, b in weights.values()) * 4  # fp32 A and B
+            adapters.append(LoRARequest(f"adapter{i}", i + 1, path))
+        llm = _make_llm(args, model=tmp, load_format="dummy", dtype="float32", enable_lora=True,
+                        max_loras=W10_ADAPTERS, max_lora_rank=W10_RANK)
+        reqs = random_requests(args.num_requests, (64, 256), (32, 256), seed=0, vocab_size=_vocab(llm))
+        assigned = [adapters[i % W10_ADAPTERS] for i in range(len(reqs))]
+        llm.generate([{"prompt_token_ids": r.prompt} for r in reqs[:W10_ADAPTERS]],
+                     SamplingParams(temperature=0, max_tokens=4, ignore_eos=True), use_tqdm=False,
+                     lora_request=adapters)  # warm-up: every adapter loaded and in a slot
+        runs: dict[str, list[float]] = {"base": [], "adapters": []}
+        for _ in range(max(1, args.rounds)):
+            for mode in runs:
+                res = _run_offline(llm, reqs, lora_requests=assigned if mode == "adapters" else None)
+                runs[mode].append(res["output_tok_s"])
+        del llm
+        gc.collect()
+    base, lora = statistics.median(runs["base"]), statistics.median(runs["adapters"])
+    return {"workload": "W10", "adapters": W10_ADAPTERS, "rank": W10_RANK, "rounds": max(1, args.rounds),
+            "base_output_tok_s": base, "adapters_output_tok_s": lora, "ratio_output_tok_s": lora / base,
+            "base_runs_tok_s": runs["base"], "adapter_runs_tok_s": runs["adapters"],
+            "bytes_per_adapter": adapter_bytes}
+
+
+WORKLOADS = {"w1": w1, "w3": w3, "w4": w4, "w5": w5, "w6": w6, "w7": w7, "w10": w10}
 
 
 def _fmt(d: dict, indent: int = 0) -> str:
@@ -611,7 +662,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def register(bench_subparsers) -> None:
-    p = bench_subparsers.add_parser("throughput", help="offline workloads W1, W3-W7 (BENCHMARKS.md)")
+    p = bench_subparsers.add_parser("throughput", help="offline workloads W1, W3-W7, W10 (BENCHMARKS.md)")
     p.add_argument("--workload", choices=[*WORKLOADS, "all"], default="w1")
     p.add_argument("--compare-hf", action="store_true", help="W1, W6: also run HF transformers static batches of 16")
     p.add_argument("--structured-fraction", type=float, default=0.0,
@@ -621,8 +672,9 @@ def register(bench_subparsers) -> None:
                    help="W5: also run llama.cpp on the same GGUF file and threads through this interpreter, which "
                         "has llama-cpp-python installed (a benchmark peer, not a dependency)")
     p.add_argument("--num-requests", type=int, default=64,
-                   help="W1: requests (64 in BENCHMARKS.md; fewer for a scaled-down run, same generator)")
-    p.add_argument("--rounds", type=int, default=1, help="W7: passes over the 4 prompts (order flips each pass)")
+                   help="W1, W10: requests (64 in BENCHMARKS.md; fewer for a scaled-down run, same generator)")
+    p.add_argument("--rounds", type=int, default=1,
+                   help="W7: passes over the 4 prompts (order flips each pass); W10: alternating runs of each mode")
     p.add_argument("--json", action="store_true")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
     add_engine_args(p)

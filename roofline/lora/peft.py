@@ -1,4 +1,5 @@
-"""Reading a PEFT LoRA adapter directory: adapter_config.json and adapter_model.safetensors.
+"""Reading a PEFT LoRA adapter directory: adapter_config.json and adapter_model.safetensors (and writing one
+of random weights: the W10 benchmark's adapters and the tests').
 
 What it owns: the file format and the config fields, each honoured or refused with an error naming the
 adapter and the field.  It knows nothing of our model: `PeftAdapter.modules` maps each HF module name the
@@ -151,3 +152,38 @@ def target_names(adapter: PeftAdapter) -> Optional[list[str]]:
     if isinstance(tm, (list, tuple)):
         return [str(x) for x in tm]
     return None
+
+
+LLAMA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+
+
+def write_random_adapter(path: str, hf_model, rank: int, alpha: float, target_modules: list[str], seed: int,
+                         use_rslora: bool = False, std: float = 0.2, layers: Optional[list[int]] = None,
+                         **config_overrides) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    """Random A and B (normal, std `std`, from `seed`) for every nn.Linear of hf_model (a transformers model;
+    the meta device will do) whose name ends in a target module, in `layers` only when given; writes them as a
+    PEFT directory at path and returns {HF module name: (A [r, in], B [out, r])}."""
+    from safetensors.torch import save_file
+
+    gen = torch.Generator().manual_seed(seed)
+    weights, tensors = {}, {}
+    for name, m in hf_model.named_modules():
+        if not isinstance(m, torch.nn.Linear) or name.rpartition(".")[2] not in target_modules:
+            continue
+        if layers is not None and not any(f".layers.{i}." in name for i in layers):
+            continue
+        a = torch.randn(rank, m.in_features, generator=gen) * std
+        b = torch.randn(m.out_features, rank, generator=gen) * std
+        weights[name] = (a, b)
+        tensors[f"{KEY_PREFIX}{name}{_A}"] = a
+        tensors[f"{KEY_PREFIX}{name}{_B}"] = b
+    os.makedirs(path, exist_ok=True)
+    config = {"peft_type": "LORA", "task_type": "CAUSAL_LM", "r": rank, "lora_alpha": alpha,
+              "target_modules": list(target_modules), "lora_dropout": 0.0, "bias": "none", "fan_in_fan_out": False,
+              "use_rslora": use_rslora, "modules_to_save": None, "use_dora": False, "rank_pattern": {},
+              "alpha_pattern": {}, "layers_to_transform": layers, "base_model_name_or_path": "random"}
+    config.update(config_overrides)
+    with open(os.path.join(path, CONFIG_FILE), "w") as f:
+        json.dump(config, f)
+    save_file(tensors, os.path.join(path, WEIGHTS_FILE))
+    return weights

@@ -51,3 +51,18 @@ def test_w5_token_bytes_count_the_blocks_and_the_greedy_screen(default_llm):
     norms = (30 * 2 + 1) * 576 * 4
     screen = 49152 * 576 + 49152 * 18 * 4 + 2 * 49152 * 4
     assert token_bytes(model) == q4_1 + norms + screen
+
+
+def test_w10_runs_both_modes_on_the_default_architecture(capsys):
+    """W10 scaled down (4 requests, one round): both modes ran W1's requests, adapters in a fixed number of
+    bytes (rank 16 A and B of every projection of SmolLM2-135M's 30 layers, fp32)."""
+    from roofline.entrypoints.cli import main
+
+    assert main(["bench", "throughput", "--workload", "w10", "--num-requests", "4", "--json",
+                 "--kv-cache-memory", str(64 << 20)]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["workload"] == "W10" and out["adapters"] == 4 and out["rank"] == 16
+    assert len(out["base_runs_tok_s"]) == len(out["adapter_runs_tok_s"]) == 1
+    assert out["base_output_tok_s"] > 0 and out["adapters_output_tok_s"] > 0
+    per_layer = 16 * ((576 + 576) + 2 * (576 + 192) + (576 + 576) + 2 * (576 + 1536) + (1536 + 576))
+    assert out["bytes_per_adapter"] == 30 * per_layer * 4

@@ -88,6 +88,6 @@ def test_engine_with_the_triton_kernels_matches_peft(lora_family, monkeypatch):
     monkeypatch.setattr(triton_ops, "add_lora", lambda *a: calls.append(1) or real(*a))
     outs, _ = generate(fam.path, fam.prompts, SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True),
                        lora_request=fam.lora_requests(), num_kv_blocks=128, enable_lora=True, max_loras=2,
-                       max_lora_rank=8)
+                       max_lora_rank=8, cpu_layer_stack=False)  # the modules' layers, which call ops.add_lora
     assert tokens(outs) == fam.expected
     assert calls
