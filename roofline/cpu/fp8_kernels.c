@@ -75,6 +75,12 @@ static inline __m512 fp8_chunk(const uint8_t *p, __m512 s256) {
     const __m256i bits = _mm256_and_si256(_mm256_slli_epi16(h, 7), _mm256_set1_epi16((short)0xbfff));
     return _mm512_mul_ps(_mm512_cvtph_ps(bits), s256);
 }
+/* 16 bytes -> e4m3(w) * s through fp32 bits (see fp8_chunk32 below), with sbig = 2^120 s broadcast */
+static inline __m512 fp8_chunk32(const uint8_t *p, __m512 sbig) {
+    const __m512i v = _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)p));
+    const __m512i bits = _mm512_and_si512(_mm512_slli_epi32(v, 20), _mm512_set1_epi32((int)0x87f00000));
+    return _mm512_mul_ps(_mm512_castsi512_ps(bits), sbig);
+}
 typedef __m512 vec_t;
 #define VSET1 _mm512_set1_ps
 #define VZERO _mm512_setzero_ps
@@ -94,6 +100,18 @@ static inline __m256 fp8_chunk(const uint8_t *p, __m256 s256) {
     const __m128i bits = _mm_and_si128(_mm_slli_epi16(h, 7), _mm_set1_epi16((short)0xbfff));
     return _mm256_mul_ps(_mm256_cvtph_ps(bits), s256);
 }
+/* The GEMV's cheaper expansion: the byte sign-extended to 32 bits and shifted left by 20 puts its exponent and
+ * mantissa at fp32's bits 26..20 and its sign at 31 (the mask clears the sign's copies at 30..27): an fp32 of
+ * e4m3(w) * 2^-120 -- a normal number, or for e4m3's subnormals an fp32 denormal, both exact.  Its product with
+ * (2^120 s), exact while |s| < 2^7, is again the real number e4m3(w) * s, rounded once: the same fp32 as above.
+ * Two vector integer ops and the multiply instead of the F16C conversion's four, and the multiply and FMA
+ * alone on the FP multiply ports.  It needs denormal inputs honoured (MXCSR's DAZ off; the GEMV checks) and
+ * takes scale blocks with |s| < 2^7 (DeepSeek's are ~1e-4..1e-2; larger ones take fp8_chunk). */
+static inline __m256 fp8_chunk32(const uint8_t *p, __m256 sbig) {
+    const __m256i v = _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)p));
+    const __m256i bits = _mm256_and_si256(_mm256_slli_epi32(v, 20), _mm256_set1_epi32((int)0x87f00000));
+    return _mm256_mul_ps(_mm256_castsi256_ps(bits), sbig);
+}
 typedef __m256 vec_t;
 #define VSET1 _mm256_set1_ps
 #define VZERO _mm256_setzero_ps
@@ -107,6 +125,16 @@ static inline float vsum(__m256 v) {
     return _mm_cvtss_f32(q);
 }
 #endif
+
+/* whether this thread's MXCSR honours denormal inputs (DAZ, bit 6, off): fp8_chunk32's condition, read by each
+ * GEMV tile on the thread that runs it (torch.set_flush_denormal and OpenMP's pool threads each have their own) */
+static int denormals_honoured(void) {
+#if FP8_LANES > 1
+    return !(_mm_getcsr() & 0x0040);
+#else
+    return 0;
+#endif
+}
 
 /* row n's K values into out (the one expansion every route uses) */
 static void expand_row(const fp8_weight_t *W, int64_t n, float *out) {
@@ -137,22 +165,33 @@ void fp8_dequantize_f32(const uint8_t *w, int64_t N, int64_t K, const float *s, 
  * the row's chunks of FP8_LANES (then the scalar tail), so its bits do not depend on R, M or the threads.
  * One function per (R, M) with arrays of exactly R x M accumulators, which the compiler keeps in registers. ---- */
 #if FP8_LANES > 1
+/* the chunks k0 .. k1 of one scale block, expanded by CHUNK with the rows' scales sc */
+#define BLOCK_CHUNKS(RR, MM, CHUNK)                                                                           \
+    for (k = k0; k < k1; k += FP8_LANES) {                                                                     \
+        vec_t x[MM];                                                                                           \
+        for (int m = 0; m < MM; m++) x[m] = VLOAD(a + m * lda + k);                                            \
+        for (int r = 0; r < RR; r++) {                                                                         \
+            const vec_t wv = CHUNK(w[r] + k, sc[r]);                                                           \
+            for (int m = 0; m < MM; m++) acc[r][m] = VFMA(wv, x[m], acc[r][m]);                                \
+        }                                                                                                      \
+    }
 #define VECTOR_PART(RR, MM)                                                                                   \
     const int64_t kv = K / FP8_LANES * FP8_LANES;                                                              \
     vec_t acc[RR][MM];                                                                                         \
+    const int honoured = denormals_honoured(); /* this thread's MXCSR: fp8_chunk32's condition */             \
     for (int r = 0; r < RR; r++)                                                                               \
         for (int m = 0; m < MM; m++) acc[r][m] = VZERO();                                                      \
     for (int64_t k0 = 0; k0 < kv; k0 += W->bk) { /* one scale block at a time */                              \
         const int64_t k1 = k0 + W->bk < kv ? k0 + W->bk : kv, kb = k0 / W->bk;                                 \
         vec_t sc[RR];                                                                                          \
-        for (int r = 0; r < RR; r++) sc[r] = VSET1(s[r][kb] * 256.f);                                          \
-        for (k = k0; k < k1; k += FP8_LANES) {                                                                 \
-            vec_t x[MM];                                                                                       \
-            for (int m = 0; m < MM; m++) x[m] = VLOAD(a + m * lda + k);                                        \
-            for (int r = 0; r < RR; r++) {                                                                     \
-                const vec_t wv = fp8_chunk(w[r] + k, sc[r]);                                                   \
-                for (int m = 0; m < MM; m++) acc[r][m] = VFMA(wv, x[m], acc[r][m]);                            \
-            }                                                                                                  \
+        int bits32 = honoured;                                                                                 \
+        for (int r = 0; r < RR; r++) bits32 &= fabsf(s[r][kb]) < 0x1p7f;                                      \
+        if (bits32) {                                                                                          \
+            for (int r = 0; r < RR; r++) sc[r] = VSET1(s[r][kb] * 0x1p120f);                                   \
+            BLOCK_CHUNKS(RR, MM, fp8_chunk32)                                                                  \
+        } else {                                                                                               \
+            for (int r = 0; r < RR; r++) sc[r] = VSET1(s[r][kb] * 256.f);                                      \
+            BLOCK_CHUNKS(RR, MM, fp8_chunk)                                                                    \
         }                                                                                                      \
     }                                                                                                          \
     k = kv;                                                                                                    \

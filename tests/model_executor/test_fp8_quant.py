@@ -84,6 +84,49 @@ def test_gate_up_with_silu_is_the_projection_then_silu_and_mul(m):
     assert torch.equal(w.linear_silu_mul(x), want)
 
 
+def _gemv_columns(w: Fp8BlockTensor) -> torch.Tensor:
+    """The GEMV of every one-hot row e_k, as columns: each output is the expanded weight value alone (x 1, + 0)."""
+    k = w.data.shape[1]
+    return torch.cat([w.linear(torch.eye(k)[i:i + 1]) for i in range(k)]).t()
+
+
+@pytest.mark.parametrize("n,k,block", SHAPES)
+def test_gemv_expands_every_byte_exactly(n, k, block):
+    """The GEMV's own expansion (fp32 bits where the scales allow, F16C otherwise) gives torch's dequantized
+    values, subnormal bytes included (row 0 holds every byte)."""
+    w = random_fp8(n, k, block, seed=n + k)
+    assert torch.equal(_gemv_columns(w), w.dequantize())
+
+
+def test_large_scales_take_the_f16c_expansion_with_the_same_bits():
+    """Scale blocks of 2^7 and above cannot use the fp32-bits expansion (2^120 s would overflow): the same weight
+    with every scale times 2^24 gives exactly 2^24 times the outputs (a power of two: no rounding differs)."""
+    w = random_fp8(40, 576, seed=11)
+    big = Fp8BlockTensor(w.data, w.scale * 2.0 ** 24, w.scale_rows, w.block_k, block_n=128)
+    assert float(big.scale.abs().min()) >= 2 ** 7 > float(w.scale.abs().max())
+    x = torch.randn(4, 576, generator=torch.Generator().manual_seed(4))
+    for m in range(1, 5):
+        assert torch.equal(big.linear(x[:m]), w.linear(x[:m]) * 2.0 ** 24), m
+
+
+def test_flushed_denormals_take_the_f16c_expansion():
+    """With denormal inputs flushed (MXCSR's DAZ, torch.set_flush_denormal), the fp32-bits expansion would zero
+    e4m3's subnormals: the GEMV reads the thread's MXCSR and expands through F16C, still exact (one thread: the
+    GEMV runs on this one)."""
+    w = random_fp8(40, 576, seed=12)
+    want = w.dequantize()
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    if not torch.set_flush_denormal(True):
+        pytest.skip("this CPU cannot flush denormals")
+    try:
+        got = _gemv_columns(w)
+    finally:
+        torch.set_flush_denormal(False)
+        torch.set_num_threads(before)
+    assert torch.equal(got, want)
+
+
 def test_every_vector_build_keeps_its_rows_the_one_row_gemv():
     w = random_fp8(45, 576, seed=3)
     x = torch.randn(8, 576, generator=torch.Generator().manual_seed(3))
