@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal, Optional
 
+from roofline.json_config import json_fields
 from roofline.kv_transfer.config import KVTransferConfig
 
 GiB = 1 << 30
@@ -226,6 +227,51 @@ class LoRAConfig:
 
 
 @dataclass
+class KVEventsConfig:
+    """KV-cache events for a router's prefix-aware scoring (`--kv-events-config`, vLLM's JSON shape and
+    defaults): core/kv_events.py's events, published over ZMQ by engine/kv_event_publisher.py -- a PUB socket at
+    `endpoint` (multipart: topic, 8-byte big-endian sequence number, msgpack KVEventBatch) and, when
+    `replay_endpoint` is set, a ROUTER socket answering a sequence number with the batches from it on (the
+    last `buffer_steps`), then an empty frame."""
+
+    enable_kv_cache_events: bool = False
+    publisher: Optional[str] = None  # "zmq" | "null"; default: "zmq" when events are enabled
+    endpoint: str = "tcp://*:5557"
+    replay_endpoint: Optional[str] = None
+    buffer_steps: int = 10_000
+    hwm: int = 100_000
+    max_queue_size: int = 100_000
+    topic: str = ""
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.enable_kv_cache_events, bool):
+            raise ValueError(f"kv_events_config.enable_kv_cache_events must be true or false, "
+                             f"got {self.enable_kv_cache_events!r}")
+        if self.publisher is None:
+            self.publisher = "zmq" if self.enable_kv_cache_events else "null"
+        if self.publisher not in ("zmq", "null"):
+            raise ValueError(f"kv_events_config.publisher must be 'zmq' or 'null', got {self.publisher!r}")
+        for name in ("buffer_steps", "hwm", "max_queue_size"):
+            value = getattr(self, name)
+            if not _is_int(value) or value < 1:
+                raise ValueError(f"kv_events_config.{name} must be an integer >= 1, got {value!r}")
+        for name in ("endpoint", "topic"):
+            if not isinstance(getattr(self, name), str):
+                raise ValueError(f"kv_events_config.{name} must be a string")
+
+    @property
+    def publishes(self) -> bool:
+        return self.enable_kv_cache_events and self.publisher == "zmq"
+
+    @classmethod
+    def parse(cls, value) -> "KVEventsConfig":
+        """From vLLM's JSON text or a dict; an unknown field is an error naming it."""
+        return cls(**json_fields(value, "kv_events_config", {f.name for f in dataclasses.fields(cls)}))
+
+
+
+
+@dataclass
 class EngineConfig:
     model_config: ModelConfig
     cache_config: CacheConfig
@@ -236,6 +282,7 @@ class EngineConfig:
     speculative_config: Optional[SpeculativeConfig] = None
     kv_transfer_config: Optional[KVTransferConfig] = None  # a KV connector (kv_transfer/), if any
     lora_config: Optional[LoRAConfig] = None  # LoRA adapters (enable_lora), if served
+    kv_events_config: Optional[KVEventsConfig] = None  # KV-cache events for a router, if published
     # the server runs EngineCore in a process of its own (engine/core_process.py), apart from HTTP and
     # tokenization; offline LLM(...) always runs it in-process.  On by default: W2 at saturation on
     # the default model (CPU) gave 1.8x the output tokens/s of the engine thread sharing the server's GIL
@@ -317,6 +364,8 @@ class EngineArgs:
     speculative_config: Optional[dict] = None
     # KV transfer (prefill/decode disaggregation): vLLM's --kv-transfer-config JSON (or a dict)
     kv_transfer_config: Optional[str] = None
+    # KV-cache events for a router's prefix-aware scoring: vLLM's --kv-events-config JSON (or a dict)
+    kv_events_config: Optional[str] = None
     # LoRA adapters (roofline/lora)
     enable_lora: bool = False
     max_loras: int = 1
@@ -435,6 +484,12 @@ class EngineArgs:
                 errors.append("kv_transfer_config needs tensor_parallel_size, pipeline_parallel_size and "
                               "data_parallel_size 1 (a KV connector serves one pool)")
         lora = self._lora_config(errors)
+        kv_events = None
+        if self.kv_events_config is not None:
+            try:
+                kv_events = KVEventsConfig.parse(self.kv_events_config)
+            except (TypeError, ValueError) as e:
+                errors.append(str(e))
         if errors:
             raise ValueError("invalid engine arguments: " + "; ".join(errors))
         device = self.device or _default_device()
@@ -496,7 +551,7 @@ class EngineArgs:
         )
         observability = ObservabilityConfig(step_roofline=self.step_roofline, roofline_hardware=self.roofline_hardware)
         return EngineConfig(model_config, cache_config, scheduler_config, parallel_config, device_config, observability,
-                            speculative, kv_transfer, lora,
+                            speculative, kv_transfer, lora, kv_events,
                             engine_core_process=self.engine_core_process)
 
 

@@ -4,12 +4,16 @@ A block with ref_cnt 0 sits in the free queue but keeps its content and hash: a 
 takes it back (touch), and only when it is handed out as a new block is its hash evicted.
 Blocks are taken from the front of the free queue (least recently freed first); a freed block that
 holds no reusable content (no hash) goes to the front so cached blocks live longer.
+With `events` set (core/kv_events.KVEventRecorder, --kv-events-config), every hash that enters or leaves the
+prefix-cache map, and every reset, is reported there.
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
-from typing import Iterable, Optional
+from typing import Iterable, Optional, Sequence
+
+from roofline.core.kv_events import KVEventRecorder
 
 
 class KVBlock:
@@ -33,6 +37,7 @@ class BlockPool:
         self.blocks = [KVBlock(i) for i in range(num_blocks)]
         self.free_queue: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
         self.cached: dict[bytes, KVBlock] = {}
+        self.events: Optional[KVEventRecorder] = None
 
     @property
     def num_free_blocks(self) -> int:
@@ -63,6 +68,8 @@ class BlockPool:
         if block.block_hash is not None:
             if self.cached.get(block.block_hash) is block:
                 del self.cached[block.block_hash]
+                if self.events is not None:
+                    self.events.removed(block.block_hash)
             block.block_hash = None
 
     def touch(self, blocks: Iterable[KVBlock]) -> None:
@@ -86,18 +93,24 @@ class BlockPool:
     def get_cached_block(self, block_hash: bytes) -> Optional[KVBlock]:
         return self.cached.get(block_hash)
 
-    def cache_block(self, block: KVBlock, block_hash: bytes) -> None:
+    def cache_block(self, block: KVBlock, block_hash: bytes, parent: Optional[bytes] = None,
+                    token_ids: Sequence[int] = (), lora_id: Optional[int] = None) -> None:
+        """parent, token_ids, lora_id: what a BlockStored event reports (only read when events are on)."""
         if not self.enable_caching or block.block_hash is not None:
             return
         if block_hash in self.cached:
             return  # same content already cached in another block; keep that one
         block.block_hash = block_hash
         self.cached[block_hash] = block
+        if self.events is not None:
+            self.events.stored(block_hash, parent, token_ids, lora_id)
 
     def reset_prefix_cache(self) -> None:
         for block in self.cached.values():
             block.block_hash = None
         self.cached.clear()
+        if self.events is not None:
+            self.events.cleared()
 
 
 class SwapPool:

@@ -182,12 +182,13 @@ class HybridKVCacheManager(KVCacheManager):
             self._cache_full_blocks(request, min(start + num_new_tokens, request.num_tokens))
         return new_blocks
 
-    def _register_blocks(self, rid: str, hashes: list[bytes], start: int, end: int) -> None:
+    def _register_blocks(self, request: Request, hashes: list[bytes], start: int, end: int) -> None:
         """Every group's live blocks start .. end-1, each under (its hash, its group)."""
-        for g, table in enumerate(self.req_blocks[rid]):
+        for g, table in enumerate(self.req_blocks[request.request_id]):
+            keys = {i: self._key(hashes[i], g) for i in range(max(start - 1, 0), end)}  # parent of start too
             for i in range(start, end):
                 if table[i] is not None:
-                    self.pool.cache_block(table[i], self._key(hashes[i], g))
+                    self.pool.cache_block(table[i], keys[i], **self._event_meta(request, keys, i))
 
     def free(self, request: Request) -> None:
         rid = request.request_id

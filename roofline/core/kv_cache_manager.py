@@ -159,14 +159,24 @@ class KVCacheManager:
         if num_full <= start:
             return
         self._update_hashes(request)
-        self._register_blocks(rid, request.block_hashes, start, num_full)
+        self._register_blocks(request, request.block_hashes, start, num_full)
         self.num_cached_blocks[rid] = num_full
 
-    def _register_blocks(self, rid: str, hashes: list[bytes], start: int, end: int) -> None:
+    def _event_meta(self, request: Request, keys, i: int) -> dict:
+        """What block i's BlockStored event reports (keys: the cache keys of the request's blocks); nothing
+        when KV events are off."""
+        if self.pool.events is None:
+            return {}
+        bs = self.block_size
+        lora = request.lora_int_id
+        return dict(parent=keys[i - 1] if i else None, token_ids=request.all_token_ids[i * bs:(i + 1) * bs],
+                    lora_id=lora or None)
+
+    def _register_blocks(self, request: Request, hashes: list[bytes], start: int, end: int) -> None:
         """Offer the request's blocks start .. end-1 to the prefix cache under their hashes."""
-        blocks = self.req_blocks[rid]
+        blocks = self.req_blocks[request.request_id]
         for i in range(start, end):
-            self.pool.cache_block(blocks[i], hashes[i])
+            self.pool.cache_block(blocks[i], hashes[i], **self._event_meta(request, hashes, i))
 
     def free(self, request: Request) -> None:
         """Release every block of the request (tail first, so the tail is evicted first)."""

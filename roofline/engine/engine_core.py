@@ -99,6 +99,15 @@ class EngineStats:
     data_parallel_running: list[int] = field(default_factory=list)
     data_parallel_waiting: list[int] = field(default_factory=list)
     data_parallel_requests: list[int] = field(default_factory=list)
+    # LoRA adapters (enable_lora): adapters per step (0: LoRA off), names of those running / waiting now
+    max_lora: int = 0
+    running_lora_adapters: list[str] = field(default_factory=list)
+    waiting_lora_adapters: list[str] = field(default_factory=list)
+
+
+def _adapter_names(requests) -> list[str]:
+    """The LoRA adapters of these requests, each once, sorted."""
+    return sorted({r.lora_request.lora_name for r in requests if r.lora_request is not None})
 
 
 # steps kept for the next get_stats() (a caller that never asks keeps only the latest ones)
@@ -154,6 +163,7 @@ class EngineCore:
                                 kv_group_windows=kv_groups, max_loras=max_loras)
                       for _ in range(dp)]  # data-parallel attention: a scheduler and KV pool per DP rank
         self.scheduler = schedulers[0] if dp == 1 else DataParallelScheduler(schedulers)
+        self.kv_events, self.kv_event_publisher = self._kv_events(config, schedulers)
         self.kv_capacity_tokens = schedulers[0].kv.capacity_tokens()  # sliding layers' windows counted
         self.output_processor = OutputProcessor(self.tokenizer)
         self.structured_output = StructuredOutputManager(self.tokenizer, self.vocab_size)
@@ -361,7 +371,33 @@ class EngineCore:
         if so.pending and not sched.running and not sched.swapped and len(sched.waiting) == len(so.pending):
             so.wait_for_compile(timeout=0.05)
 
+    def _kv_events(self, config: EngineConfig, schedulers) -> tuple:
+        """(the recorder the KV pool reports to, the ZMQ publisher), or (None, None): --kv-events-config."""
+        ev = config.kv_events_config
+        if ev is None or not ev.publishes:
+            return None, None
+        if len(schedulers) > 1:
+            raise ValueError("kv_events_config with data_parallel_size > 1 is not supported yet (one event stream "
+                             "per engine: run one engine per data-parallel rank)")
+        from roofline.core.kv_events import KVEventRecorder
+        from roofline.engine.kv_event_publisher import ZmqEventPublisher
+
+        medium = "GPU" if config.device_config.device.startswith("cuda") else "CPU"
+        recorder = KVEventRecorder(config.cache_config.block_size, medium)
+        schedulers[0].kv.pool.events = recorder
+        return recorder, ZmqEventPublisher(ev)
+
     def step(self) -> list[RequestOutput]:
+        outputs = self._step()
+        if self.kv_events is not None:
+            events = self.kv_events.drain()
+            if events:
+                from roofline.core.kv_events import KVEventBatch
+
+                self.kv_event_publisher.publish(KVEventBatch(time.time(), events))
+        return outputs
+
+    def _step(self) -> list[RequestOutput]:
         if self.structured_output.pending:
             self._structured_output_intake()
         if self.executor.max_batches_in_flight > 1:
@@ -541,7 +577,16 @@ class EngineCore:
             eplb_rebalances=self.last_parallel.eplb_rebalances if self.last_parallel else 0,
             expert_balancedness_before=(list(self.last_parallel.expert_balancedness_before)
                                         if self.last_parallel else []),
+            **self._lora_stats(),
         )
+
+    def _lora_stats(self) -> dict:
+        """EngineStats' LoRA fields (LoRA runs on one scheduler: data parallelism is refused with it)."""
+        if self.config.lora_config is None:
+            return {}
+        sched = self.scheduler
+        return dict(max_lora=self.config.lora_config.max_loras, running_lora_adapters=_adapter_names(sched.running),
+                    waiting_lora_adapters=_adapter_names(list(sched.waiting) + list(sched.swapped)))
 
     def _drain_step_records(self) -> list[StepRoofline]:
         records = list(self._step_records)
@@ -552,5 +597,7 @@ class EngineCore:
         self.executor.check_health()
 
     def shutdown(self) -> None:
+        if self.kv_event_publisher is not None:
+            self.kv_event_publisher.shutdown()
         self.structured_output.shutdown()
         self.executor.shutdown()

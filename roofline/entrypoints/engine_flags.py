@@ -86,6 +86,10 @@ _HELP = {
     "max_lora_rank": "with --enable-lora, the largest adapter rank (the slots' width); higher ranks are refused",
     "max_cpu_loras": "with --enable-lora, adapters kept loaded on the CPU (least recently used leaves first; "
                      "at least --max-loras; default: --max-loras)",
+    "kv_events_config": "KV-cache events for a router's prefix-aware scoring, vLLM's JSON: "
+                        "{\"enable_kv_cache_events\": true, \"publisher\": \"zmq\", \"endpoint\": \"tcp://*:5557\", "
+                        "\"replay_endpoint\": null, \"buffer_steps\": 10000, \"hwm\": 100000, \"topic\": \"\"}; "
+                        "BlockStored / BlockRemoved / AllBlocksCleared batches as vLLM publishes them",
     "kv_transfer_config": "prefill/decode disaggregation, as JSON: {\"kv_connector\": \"SharedStorageConnector\" | "
                           "\"P2pConnector\", \"kv_role\": \"kv_producer\" | \"kv_consumer\" | \"kv_both\", "
                           "\"kv_ip\", \"kv_port\", \"kv_load_failure_policy\": \"recompute\" | \"fail\", "

@@ -11,10 +11,11 @@ Roles: kv_producer computes prompts and hands their KV on (a prefill engine), kv
 
 from __future__ import annotations
 
-import json
 import uuid
 from dataclasses import dataclass, field
 from typing import Any, Optional
+
+from roofline.json_config import json_fields
 
 CONNECTORS = ("SharedStorageConnector", "P2pConnector")
 ROLES = ("kv_producer", "kv_consumer", "kv_both")
@@ -58,16 +59,7 @@ class KVTransferConfig:
 
     @classmethod
     def from_json(cls, text: str) -> "KVTransferConfig":
-        try:
-            obj = json.loads(text)
-        except ValueError as e:
-            raise ValueError(f"kv_transfer_config is not valid JSON: {e}") from None
-        if not isinstance(obj, dict):
-            raise ValueError("kv_transfer_config must be a JSON object")
-        known = set(cls.__dataclass_fields__)
-        unknown = set(obj) - known
-        if unknown:
-            raise ValueError(f"kv_transfer_config: unknown field(s) {sorted(unknown)}; known: {sorted(known)}")
+        obj = json_fields(text, "kv_transfer_config", set(cls.__dataclass_fields__))
         missing = {"kv_connector", "kv_role"} - set(obj)
         if missing:
             raise ValueError(f"kv_transfer_config needs {sorted(missing)}")

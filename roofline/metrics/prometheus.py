@@ -1,8 +1,15 @@
-"""Prometheus export of serving metrics, all named `roofline:<name>`.
+"""Prometheus export of serving metrics, all named `roofline:<name>`, and vLLM's names beside them.
 
 Each server gets its own `CollectorRegistry` (never the process-global one), so several servers or
 tests in one process do not clash. `PrometheusStatLogger.record` is called from the engine thread;
 prometheus_client metrics are thread-safe, and `/metrics` renders the registry from the event loop.
+
+What a gateway reads (the Gateway API Inference Extension / llm-d endpoint picker, KEDA or an HPA through
+prometheus-adapter) is vLLM's: `VLLM_MIRRORED` lists the metrics whose `roofline:` name is vLLM's name with
+our prefix; `VllmMirror` renders each of them again as `vllm:<name>` at scrape time, from the same metric
+objects (so the two names cannot disagree).  `lora_requests_info` (LoRA on) is vLLM's adapter gauge: labels
+`max_lora`, `running_lora_adapters`, `waiting_lora_adapters` (comma-separated names), value the time of the
+last update; one series at a time.
 """
 
 from __future__ import annotations
@@ -32,25 +39,70 @@ STEP_BOUND_BUCKETS = (1e-5, 2e-5, 5e-5, 1e-4, 2e-4, 5e-4, 0.001, 0.002, 0.004, 0
 RATIO_BUCKETS = (0.25, 0.5, 0.75, 0.9, 1.0, 1.1, 1.25, 1.5, 1.75, 2.0, 2.5, 3.0, 3.5, 4.0, 5.0, 6.0, 7.0, 8.0, 10.0, 12.5, 15.0, 20.0,
                  25.0, 30.0, 40.0, 50.0, 75.0, 100.0, 150.0, 200.0, 300.0, 500.0, 1000.0)
 
+# metrics exported a second time under vLLM's name (vllm:<name>): the ones vLLM's V1 engine exports
+VLLM_MIRRORED = ("num_requests_running", "num_requests_waiting", "kv_cache_usage_perc", "prefix_cache_queries",
+                 "prefix_cache_hits", "num_preemptions", "prompt_tokens", "generation_tokens", "request_success",
+                 "time_to_first_token_seconds", "inter_token_latency_seconds", "e2e_request_latency_seconds",
+                 "request_time_per_output_token_seconds", "request_queue_time_seconds", "spec_decode_num_drafts",
+                 "spec_decode_num_draft_tokens", "spec_decode_num_accepted_tokens",
+                 "spec_decode_num_accepted_tokens_per_pos", "lora_requests_info")
+VLLM_PREFIX = "vllm:"
+
+
+class VllmMirror:
+    """A collector rendering the given metrics (prometheus_client collectors named roofline:<name>) again as
+    vllm:<name>, with the same samples."""
+
+    def __init__(self, families: dict) -> None:
+        self.families = families  # name (no prefix) -> the collector
+
+    def describe(self) -> list:
+        return []  # registered without a collect() at registration: the names are known to be distinct
+
+    def collect(self):
+        from prometheus_client.metrics_core import Metric
+
+        for family in self.families.values():
+            for metric in family.collect():
+                mirror = Metric(VLLM_PREFIX + metric.name[len(PREFIX):], metric.documentation, metric.type)
+                for sample in metric.samples:
+                    mirror.add_sample(VLLM_PREFIX + sample.name[len(PREFIX):], sample.labels, sample.value,
+                                      sample.timestamp, sample.exemplar)
+                yield mirror
+
+
 FINISH_REASONS = ("stop", "length", "abort", "error")
 ROOFS = ("memory", "compute")
 
 
 class PrometheusStatLogger:
-    def __init__(self, model_name: str, registry: Optional[CollectorRegistry] = None) -> None:
+    def __init__(self, model_name: str, registry: Optional[CollectorRegistry] = None, lora: bool = False) -> None:
+        """lora: the engine serves LoRA adapters (lora_requests_info is exported)."""
         self.registry = registry if registry is not None else CollectorRegistry()
         self.model_name = model_name
         labels = ["model_name"]
         reg = self.registry
+        self._families: dict[str, Any] = {}  # name (no prefix) -> the collector, for VllmMirror
+
+        def family(kind, name: str, doc: str, names=labels, **kwargs) -> Any:
+            self._families[name] = kind(PREFIX + name, doc, names, registry=reg, **kwargs)
+            return self._families[name]
 
         def hist(name: str, doc: str, buckets) -> Any:
-            return Histogram(PREFIX + name, doc, labels, registry=reg, buckets=buckets).labels(model_name)
+            return family(Histogram, name, doc, buckets=buckets).labels(model_name)
 
         def gauge(name: str, doc: str) -> Any:
-            return Gauge(PREFIX + name, doc, labels, registry=reg).labels(model_name)
+            return family(Gauge, name, doc).labels(model_name)
 
         def counter(name: str, doc: str) -> Any:
-            return Counter(PREFIX + name, doc, labels, registry=reg).labels(model_name)
+            return family(Counter, name, doc).labels(model_name)
+
+        self._family = family
+        self.lora_info = None
+        if lora:
+            self.lora_info = family(Gauge, "lora_requests_info", "LoRA adapters running and waiting (names, "
+                                    "comma-separated); the value is the time of the update.",
+                                    ["max_lora", "running_lora_adapters", "waiting_lora_adapters"])
 
         self.ttft = hist("time_to_first_token_seconds", "Time to first token, seconds.", TTFT_BUCKETS)
         self.itl = hist("inter_token_latency_seconds", "Time between consecutive output tokens, seconds.",
@@ -80,8 +132,8 @@ class PrometheusStatLogger:
         self.generation_tokens = counter("generation_tokens", "Tokens generated.")
         self.kv_received = counter("kv_transfer_received_bytes", "KV bytes loaded by the KV connector.")
         self.kv_sent = counter("kv_transfer_sent_bytes", "KV bytes the KV connector sent or stored.")
-        success = Counter(PREFIX + "request_success", "Requests that left the engine, by finish reason.",
-                          ["model_name", "finish_reason"], registry=reg)
+        success = family(Counter, "request_success", "Requests that left the engine, by finish reason.",
+                         ["model_name", "finish_reason"])
         self.request_success = {r: success.labels(model_name, r) for r in FINISH_REASONS}
         self._success = success
         # Cumulative engine counters already exported, so each record() adds only the difference.
@@ -89,6 +141,7 @@ class PrometheusStatLogger:
         self._init_step_roofline(reg)
         self._init_parallel(reg)
         self._init_spec_decode(reg)
+        reg.register(VllmMirror({name: self._families[name] for name in VLLM_MIRRORED if name in self._families}))
 
     def _init_parallel(self, reg: CollectorRegistry) -> None:
         """Distributed runs: collectives per group and op (rank 0's), expert balance under EPLB."""
@@ -141,16 +194,12 @@ class PrometheusStatLogger:
     def _init_spec_decode(self, reg: CollectorRegistry) -> None:
         """Speculative decoding counters (vLLM's names): drafts verified, draft tokens, accepted tokens, and
         accepted tokens per draft position (position 0 = the first draft of a step)."""
-        m = self.model_name
-        self.spec_num_drafts = Counter(PREFIX + "spec_decode_num_drafts", "Request-steps that verified drafts.",
-                                       ["model_name"], registry=reg).labels(m)
-        self.spec_num_draft_tokens = Counter(PREFIX + "spec_decode_num_draft_tokens", "Draft tokens verified.",
-                                             ["model_name"], registry=reg).labels(m)
-        self.spec_num_accepted = Counter(PREFIX + "spec_decode_num_accepted_tokens", "Draft tokens accepted.",
-                                         ["model_name"], registry=reg).labels(m)
-        self.spec_per_pos = Counter(PREFIX + "spec_decode_num_accepted_tokens_per_pos",
-                                    "Draft tokens accepted, by position in the step's drafts.",
-                                    ["model_name", "position"], registry=reg)
+        m, family = self.model_name, self._family
+        self.spec_num_drafts = family(Counter, "spec_decode_num_drafts", "Request-steps that verified drafts.").labels(m)
+        self.spec_num_draft_tokens = family(Counter, "spec_decode_num_draft_tokens", "Draft tokens verified.").labels(m)
+        self.spec_num_accepted = family(Counter, "spec_decode_num_accepted_tokens", "Draft tokens accepted.").labels(m)
+        self.spec_per_pos = family(Counter, "spec_decode_num_accepted_tokens_per_pos",
+                                   "Draft tokens accepted, by position in the step's drafts.", ["model_name", "position"])
         self._spec_last = None
 
     def _record_spec_decode(self, spec: Any) -> None:
@@ -261,6 +310,17 @@ class PrometheusStatLogger:
         self._record_steps(getattr(e, "step_roofline", None))
         self._record_parallel(e)
         self._record_spec_decode(getattr(e, "spec_decode", None))
+        self._record_lora(e)
+
+    def _record_lora(self, e: Any) -> None:
+        if self.lora_info is None:
+            return
+        labels = (str(int(stat(e, "max_lora"))), ",".join(getattr(e, "running_lora_adapters", None) or []),
+                  ",".join(getattr(e, "waiting_lora_adapters", None) or []))
+        if labels != getattr(self, "_lora_labels", None):
+            self.lora_info.clear()  # one series: the current adapters
+            self._lora_labels = labels
+        self.lora_info.labels(*labels).set_to_current_time()
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

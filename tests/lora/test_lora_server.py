@@ -79,6 +79,23 @@ def test_models_lists_adapters_with_parent(http, family):
     assert http.get("/v1/models/nope").status_code == 404
 
 
+def test_metrics_name_the_running_adapter_as_vllm_does(http, family):
+    """vllm:lora_requests_info (what a gateway's LoRA-affinity scorer reads) names a1 while a request runs
+    under it, with max_lora; our roofline: name carries the same series."""
+    from roofline.metrics.prometheus import parse_metrics
+
+    d = dict(body(family.prompts[0], "a1", stream=True), max_tokens=400)
+    with http.stream("POST", "/v1/completions", json=d) as r:
+        assert r.status_code == 200
+        for line in r.iter_lines():
+            if line.startswith("data: "):
+                break  # the request is running: read the metrics before it ends (the stream closes: abort)
+        m = parse_metrics(http.get("/metrics").text)
+    info = [k for k in m if k.startswith("vllm:lora_requests_info")]
+    assert len(info) == 1 and 'running_lora_adapters="a1"' in info[0] and 'max_lora="2"' in info[0]
+    assert "roofline:" + info[0][len("vllm:"):] in m
+
+
 def test_mixed_concurrent_requests_match_peft(server, family):
     names = [None, "a1", "a2"]
 

@@ -193,3 +193,44 @@ def test_no_spec_decode_counters_without_speculation():
     p.record(IterationStats(timestamp=1.0, engine=Snap()))
     m = parse_metrics(p.render().decode())
     assert metric_value(m, "roofline:spec_decode_num_drafts_total") == 0
+
+
+def test_vllm_names_equal_ours():
+    """Every metric of VLLM_MIRRORED is rendered a second time as vllm:<name> (what a gateway's scorers read)
+    with exactly our samples: histograms' buckets, counters' totals, labelled children."""
+    from roofline.metrics.prometheus import VLLM_MIRRORED
+    from roofline.spec_decode.stats import SpecDecodeStats
+
+    p = PrometheusStatLogger("m", lora=True)
+    snap = Snap()
+    spec = SpecDecodeStats(2)
+    spec.observe(2, 1)
+    snap.spec_decode = spec.copy()
+    snap.max_lora, snap.running_lora_adapters, snap.waiting_lora_adapters = 2, ["a1"], []
+    p.record(IterationStats(
+        timestamp=1.0, engine=snap, ttfts=[0.05], itls=[0.01, 0.02],
+        finished=[FinishedRequestStats("length", 1.5, 0.1, 0.05, 10, 5)]))
+    m = parse_metrics(p.render().decode())
+    ours = {k[len("roofline:"):]: v for k, v in m.items() if k.startswith("roofline:")}
+    theirs = {k[len("vllm:"):]: v for k, v in m.items() if k.startswith("vllm:")}
+    assert theirs == {k: v for k, v in ours.items() if k.split("{")[0].removesuffix("_total").removesuffix(
+        "_bucket").removesuffix("_count").removesuffix("_sum").removesuffix("_created") in VLLM_MIRRORED}
+    for name in ("num_requests_running", "num_requests_waiting", "kv_cache_usage_perc", "prefix_cache_queries_total",
+                 "prefix_cache_hits_total", "time_to_first_token_seconds_count", "lora_requests_info"):
+        assert any(k.split("{")[0] == name for k in theirs), name
+    assert metric_value(m, "vllm:num_requests_waiting", model_name="m") == 1
+    assert metric_value(m, "vllm:prefix_cache_hits_total") == 40
+
+
+def test_lora_requests_info_keeps_one_series_of_the_current_adapters():
+    p = PrometheusStatLogger("m", lora=True)
+    snap = Snap()
+    snap.max_lora, snap.running_lora_adapters, snap.waiting_lora_adapters = 4, ["a1", "a2"], ["a3"]
+    p.record(IterationStats(timestamp=1.0, engine=snap))
+    snap.running_lora_adapters, snap.waiting_lora_adapters = ["a3"], []
+    p.record(IterationStats(timestamp=2.0, engine=snap))
+    series = [k for k in parse_metrics(p.render().decode()) if k.startswith("vllm:lora_requests_info")]
+    assert len(series) == 1
+    assert 'running_lora_adapters="a3"' in series[0] and 'waiting_lora_adapters=""' in series[0]
+    assert 'max_lora="4"' in series[0]
+    assert not any("lora_requests_info" in k for k in parse_metrics(PrometheusStatLogger("m").render().decode()))

@@ -191,7 +191,7 @@ def build_app(engine: AsyncLLM, config: Optional[ServerConfig] = None, *, shutdo
                  if engine.tokenizer is not None else None)
     vocab_size = _vocab_size(engine, tokenizer.loop if tokenizer is not None else None)
     models = serving_models(engine, names, max_model_len, vocab_size, config)
-    metrics = PrometheusStatLogger(model_name)
+    metrics = PrometheusStatLogger(model_name, lora=getattr(engine, "lora_config", None) is not None)
     engine.stat_loggers.append(metrics)
     completions = OpenAIServingCompletion(engine, tokenizer, models, max_model_len, config.max_completions_per_request)
     chat = OpenAIServingChat(engine, tokenizer, models, max_model_len, config.max_completions_per_request,
