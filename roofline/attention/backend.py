@@ -41,6 +41,9 @@ class AttentionMetadata:
     # slot_mapping; the rest as here) and each layer's group; None: every layer reads the fields above
     group_metas: Optional[list] = None
     group_of_layer: Optional[tuple] = None
+    # recurrent state (linear-attention layers, attention/kv_spec.recurrent_spec): per request its state slot
+    # (host list; None where the model keeps none)
+    state_slots_cpu: Optional[list] = None
 
     def for_layer(self, layer_idx: int) -> "AttentionMetadata":
         """The metadata layer layer_idx attends with (its group's block tables under a hybrid layout)."""

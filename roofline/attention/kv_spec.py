@@ -22,6 +22,17 @@ to one group at a time, so a block holds k layers' K/V whichever group owns it. 
 sliding layers): k = 2, 2 full groups and 11 sliding ones; a request of L tokens holds 4 L + 22 W layer-rows
 instead of 26 L.  Without windows (or with the plan switched off) the layout is the identity: one group,
 one slot per layer.
+
+Recurrent state (linear attention: Qwen3-Next's Gated DeltaNet layers): a `recurrent_spec` layer keeps no KV per
+token but a fixed-size state per running request -- its causal convolution's last conv_kernel - 1 inputs
+(conv_dim channels) and the delta rule's matrix state (num_v_heads x k_head_dim x v_head_dim), both fp32 -- in
+one tensor  [num_state_slots, state_values]  (conv state first, then the matrix state).  Its bytes per KV block
+are 0; the pool sizing subtracts num_state_slots states (`state_bytes`), one slot per request the scheduler
+may run at once (max_num_seqs).  The scheduler's KV manager hands each request a slot with its first blocks
+and takes it back with them (finish, abort, recompute preemption); the slot's state is zeroed by the layer
+when a request starts at position 0.  Such a state cannot be rebuilt from a prefix of blocks: a model with
+recurrent layers runs with prefix caching off, recomputes on preemption (no swap), and its forked requests
+(n > 1, beams) recompute their prompt.
 """
 
 from __future__ import annotations
@@ -32,17 +43,22 @@ from typing import Callable, Sequence
 
 import torch
 
-KINDS = ("attention", "mla", "indexer")
+KINDS = ("attention", "mla", "indexer", "recurrent")
+STATE_DTYPE = torch.float32  # recurrent states are kept in fp32 whatever the model dtype
 
 
 @dataclass(frozen=True)
 class KVCacheSpec:
     kind: str  # "attention" (K and V per KV head) | "mla" (one latent per token) | "indexer" (DSA's index keys)
+    #            | "recurrent" (a fixed-size state per request: linear attention)
     num_kv_heads: int
     head_size: int  # values per head and slot
     latent_rank: int = 0  # MLA: the latent's width (the first latent_rank values of the row)
     rope_dim: int = 0  # MLA: the roped shared key's width (the rest of the row)
     sliding_window: int = 0  # attention: a query sees its last sliding_window keys only (0: all)
+    conv_dim: int = 0  # recurrent: the causal convolution's channels (num_kv_heads = value heads, head_size = v dim)
+    conv_kernel: int = 0  # recurrent: the convolution's width (its state keeps conv_kernel - 1 inputs)
+    k_head_dim: int = 0  # recurrent: the matrix state's key dimension
 
     def __post_init__(self) -> None:
         if self.kind not in KINDS:
@@ -55,8 +71,26 @@ class KVCacheSpec:
         return 2 if self.kind == "attention" else 1
 
     @property
+    def recurrent(self) -> bool:
+        return self.kind == "recurrent"
+
+    @property
     def values_per_token(self) -> int:
-        return self.num_slots * self.num_kv_heads * self.head_size
+        return 0 if self.recurrent else self.num_slots * self.num_kv_heads * self.head_size
+
+    @property
+    def conv_state_values(self) -> int:
+        return self.conv_dim * (self.conv_kernel - 1)
+
+    @property
+    def state_values(self) -> int:
+        """Recurrent: one request's state (conv inputs, then the matrix state); 0 for per-token kinds."""
+        if not self.recurrent:
+            return 0
+        return self.conv_state_values + self.num_kv_heads * self.k_head_dim * self.head_size
+
+    def state_shape(self, num_state_slots: int) -> tuple[int, int]:
+        return (num_state_slots, self.state_values)
 
     def bytes_per_token(self, dtype: torch.dtype) -> int:
         return self.values_per_token * dtype_bytes(dtype)
@@ -81,6 +115,29 @@ def indexer_spec(index_head_dim: int) -> KVCacheSpec:
     return KVCacheSpec("indexer", 1, index_head_dim)
 
 
+def recurrent_spec(conv_dim: int, conv_kernel: int, num_v_heads: int, k_head_dim: int, v_head_dim: int) -> KVCacheSpec:
+    """Linear attention (Gated DeltaNet): per request a conv state of conv_dim x (conv_kernel - 1) inputs and a
+    num_v_heads x k_head_dim x v_head_dim matrix state, fp32; nothing per token."""
+    if conv_dim <= 0 or conv_kernel < 1 or k_head_dim <= 0:
+        raise ValueError("a recurrent spec needs positive conv_dim, conv_kernel and k_head_dim")
+    return KVCacheSpec("recurrent", num_v_heads, v_head_dim, conv_dim=conv_dim, conv_kernel=conv_kernel,
+                       k_head_dim=k_head_dim)
+
+
+def has_recurrent(specs: Sequence[KVCacheSpec]) -> bool:
+    return any(s.recurrent for s in specs)
+
+
+def num_state_slots(specs: Sequence[KVCacheSpec], max_num_seqs: int) -> int:
+    """State slots the pool keeps: one per request that may run at once, where any layer is recurrent."""
+    return max_num_seqs if has_recurrent(specs) else 0
+
+
+def state_bytes(specs: Sequence[KVCacheSpec], num_slots: int) -> int:
+    """The recurrent layers' states of num_slots requests, in bytes (fp32)."""
+    return sum(s.state_values for s in specs) * num_slots * dtype_bytes(STATE_DTYPE)
+
+
 def dtype_bytes(dtype: torch.dtype) -> int:
     return torch.empty((), dtype=dtype).element_size()
 
@@ -91,9 +148,18 @@ def bytes_per_block(specs: Sequence[KVCacheSpec], block_size: int, dtype: torch.
 
 
 def allocate(specs: Sequence[KVCacheSpec], num_blocks: int, block_size: int,
-             zeros: Callable[[tuple], torch.Tensor]) -> list[torch.Tensor]:
-    """One zeroed cache tensor per layer; zeros(shape) makes the tensor (device, dtype, pinning)."""
-    return [zeros(s.shape(num_blocks, block_size)) for s in specs]
+             zeros: Callable[[tuple], torch.Tensor], num_state_slots: int = 0) -> list[torch.Tensor]:
+    """One zeroed cache tensor per layer; zeros(shape) makes the tensor (device, dtype, pinning).  A recurrent
+    layer's tensor holds num_state_slots states in fp32 on the same device."""
+    out = []
+    for s in specs:
+        if s.recurrent:
+            if num_state_slots <= 0:
+                raise ValueError("a recurrent layer needs state slots (num_state_slots > 0)")
+            out.append(zeros((0,)).new_zeros(s.state_shape(num_state_slots), dtype=STATE_DTYPE))
+        else:
+            out.append(zeros(s.shape(num_blocks, block_size)))
+    return out
 
 
 def uniform(specs: Sequence[KVCacheSpec]) -> KVCacheSpec:

@@ -31,8 +31,8 @@ class HybridKVCacheManager(KVCacheManager):
     grouped = True
 
     def __init__(self, num_blocks: int, block_size: int, group_windows: Sequence[int], enable_caching: bool = True,
-                 num_swap_blocks: int = 0) -> None:
-        super().__init__(num_blocks, block_size, enable_caching, num_swap_blocks)
+                 num_swap_blocks: int = 0, num_state_slots: int = 0) -> None:
+        super().__init__(num_blocks, block_size, enable_caching, num_swap_blocks, num_state_slots)
         if not group_windows:
             raise ValueError("a hybrid KV cache manager needs at least one group")
         self.group_windows = list(group_windows)
@@ -140,8 +140,9 @@ class HybridKVCacheManager(KVCacheManager):
 
     def allocate_slots(self, request: Request, num_new_tokens: int, new_computed=(), register: bool = True):
         need, spans = self._plan(request, num_new_tokens, new_computed)
-        if need > self.pool.num_free_blocks:
+        if need > self.pool.num_free_blocks or self._state_slot_short(request):
             return None
+        self._take_state_slot(request)
         rid = request.request_id
         tables = self.req_blocks.setdefault(rid, [[] for _ in range(self.num_groups)])
         live_from = self.live_from.setdefault(rid, [0] * self.num_groups)
@@ -194,6 +195,7 @@ class HybridKVCacheManager(KVCacheManager):
         rid = request.request_id
         tables = self.req_blocks.pop(rid, None)
         self.num_cached_blocks.pop(rid, None)
+        self._free_state_slot(rid)
         self.live_from.pop(rid, None)
         if tables:
             for table in tables:
@@ -239,6 +241,8 @@ class HybridKVCacheManager(KVCacheManager):
         return [table[:n] for table in self.req_blocks.get(request.request_id, ())]
 
     def can_swap_out(self, request: Request) -> bool:
+        if self.num_state_slots:
+            return False
         live = sum(1 for table in self._live_computed(request) for b in table if b is not None)
         return live <= self.swap_pool.num_free_blocks
 

@@ -8,6 +8,12 @@ request runs under (its K/V differ from the base model's and from every other ad
 adapter A never reuses blocks computed under B or the base model) and the cache salt.
 Only full blocks are hashed and shared; the partial last block is private unless forked, and a
 write into a shared partial block first copies it (copy-on-write).
+
+Recurrent state slots (models with linear-attention layers, attention/kv_spec.recurrent_spec): besides its
+blocks a request holds one state slot (0 .. num_state_slots-1) from its first allocation until its blocks go
+back (finish, abort, recompute preemption).  allocate_slots fails (None, nothing changed) when no slot is
+free, like a short pool.  A fork cannot share a recurrent state (it is the state after the parent's last
+token, not after the shared prefix): `can_fork` is False and the scheduler has the child recompute.
 """
 
 from __future__ import annotations
@@ -46,8 +52,12 @@ class KVCacheManager:
         block_size: int,
         enable_caching: bool = True,
         num_swap_blocks: int = 0,
+        num_state_slots: int = 0,
     ) -> None:
         self.block_size = block_size
+        self.num_state_slots = num_state_slots
+        self.free_state_slots: list[int] = list(range(num_state_slots - 1, -1, -1))  # popped from the end: 0 first
+        self.req_state_slot: dict[str, int] = {}
         self.enable_caching = enable_caching
         self.pool = BlockPool(num_blocks, enable_caching)
         self.swap_pool = SwapPool(num_swap_blocks)
@@ -57,6 +67,33 @@ class KVCacheManager:
         self.pending_copies: list[tuple[int, int]] = []  # copy-on-write (src, dst), drained per step
         self.prefix_cache_queries = 0  # tokens looked up
         self.prefix_cache_hits = 0  # tokens found
+
+    # ---- recurrent state slots ----------------------------------------------------------------
+    @property
+    def can_fork(self) -> bool:
+        """Whether a child may share its parent's computed prefix (not with recurrent state)."""
+        return self.num_state_slots == 0
+
+    def _state_slot_short(self, request: Request) -> bool:
+        return (self.num_state_slots > 0 and request.request_id not in self.req_state_slot
+                and not self.free_state_slots)
+
+    def _take_state_slot(self, request: Request) -> None:
+        if self.num_state_slots and request.request_id not in self.req_state_slot:
+            self.req_state_slot[request.request_id] = self.free_state_slots.pop()
+
+    def _free_state_slot(self, request_id: str) -> None:
+        slot = self.req_state_slot.pop(request_id, None)
+        if slot is not None:
+            self.free_state_slots.append(slot)
+
+    def get_state_slot(self, request_id: str) -> int:
+        """The request's recurrent state slot; -1 when it holds none (or the model has no recurrent layers)."""
+        return self.req_state_slot.get(request_id, -1)
+
+    @property
+    def num_free_state_slots(self) -> int:
+        return len(self.free_state_slots)
 
     # ---- hashing -------------------------------------------------------------------------
     def compute_block_hashes(self, request: Request) -> list[bytes]:
@@ -120,6 +157,9 @@ class KVCacheManager:
         """
         if self.blocks_needed(request, num_new_tokens, new_computed) > self.pool.num_free_blocks:
             return None
+        if self._state_slot_short(request):
+            return None
+        self._take_state_slot(request)
         rid = request.request_id
         blocks = self.req_blocks.setdefault(rid, [])
         self.num_cached_blocks.setdefault(rid, 0)
@@ -183,6 +223,7 @@ class KVCacheManager:
         rid = request.request_id
         blocks = self.req_blocks.pop(rid, None)
         self.num_cached_blocks.pop(rid, None)
+        self._free_state_slot(rid)
         if blocks:
             self.pool.free_blocks(reversed(blocks))
         swapped = self.swapped_blocks.pop(rid, None)
@@ -219,6 +260,8 @@ class KVCacheManager:
 
     # ---- swapping -----------------------------------------------------------------------------
     def can_swap_out(self, request: Request) -> bool:
+        if self.num_state_slots:  # a recurrent state is not in blocks: recompute (engines refuse swap mode)
+            return False
         n = -(-request.num_computed_tokens // self.block_size)
         return n <= self.swap_pool.num_free_blocks
 

@@ -124,18 +124,20 @@ class Scheduler:
         kv_connector: Optional[KVConnectorScheduler] = None,
         kv_group_windows: Sequence[int] = (),
         max_loras: Optional[int] = None,
+        num_state_slots: int = 0,
     ) -> None:
         """kv_group_windows: the block-table groups of a hybrid KV layout (their sliding windows, 0: full);
-        empty: one table per request (KVCacheManager)."""
+        empty: one table per request (KVCacheManager).  num_state_slots: recurrent-state slots (models with
+        linear-attention layers; one per request that may run), handed out and taken back with the blocks."""
         self.config = scheduler_config
         self.max_loras = max_loras  # distinct LoRA adapters among the running requests (None: no LoRA)
         self.block_size = cache_config.block_size
         if kv_group_windows:
             self.kv = HybridKVCacheManager(num_blocks, cache_config.block_size, kv_group_windows,
-                                           cache_config.enable_prefix_caching, num_swap_blocks)
+                                           cache_config.enable_prefix_caching, num_swap_blocks, num_state_slots)
         else:
             self.kv = KVCacheManager(num_blocks, cache_config.block_size, cache_config.enable_prefix_caching,
-                                     num_swap_blocks)
+                                     num_swap_blocks, num_state_slots)
         self.requests: dict[str, Request] = {}
         self.waiting: list[Request] = []
         self.running: list[Request] = []
@@ -485,6 +487,7 @@ class Scheduler:
                     sample=start + known == req.num_tokens,
                     num_draft_tokens=len(drafts),
                     group_block_ids=groups,
+                    state_slot=self.kv.get_state_slot(req.request_id),
                 )
             )
         finished, self.finished_req_ids = self.finished_req_ids, []
@@ -581,8 +584,10 @@ class Scheduler:
         for child in parent.forks_pending:
             if child.is_finished:
                 continue
-            self.kv.fork(parent, child, num_shared)
-            child.num_computed_tokens = num_shared
+            if self.kv.can_fork:
+                self.kv.fork(parent, child, num_shared)
+                child.num_computed_tokens = num_shared
+            # else (recurrent state: the parent's is past the shared prefix) the child computes its prompt
             child.num_cached_tokens = max(parent.num_cached_tokens, 0)
             child.status = RequestStatus.WAITING
             self._enqueue(child, front=True)
@@ -639,7 +644,7 @@ class Scheduler:
                         lora_request=parent.lora_request)
         child.output_token_ids = list(parent.output_token_ids)
         child.all_token_ids = list(parent.all_token_ids)
-        if parent.num_computed_tokens == parent.num_tokens:
+        if parent.num_computed_tokens == parent.num_tokens and self.kv.can_fork:
             self.kv.fork(parent, child, parent.num_tokens)
             child.num_computed_tokens = parent.num_tokens
         child.append_output_token(token)

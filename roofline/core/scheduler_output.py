@@ -50,6 +50,8 @@ class ScheduledRequest(msgspec.Struct, array_like=True):
     num_draft_tokens: int = 0
     # hybrid KV layout (core/hybrid_kv_cache_manager.py): every group's table (block_ids is group 0's); [] without
     group_block_ids: list[list[int]] = []
+    # recurrent state (linear-attention layers, attention/kv_spec.recurrent_spec): the request's state slot; -1: none
+    state_slot: int = -1
 
 
 class SchedulerOutput(msgspec.Struct, array_like=True):

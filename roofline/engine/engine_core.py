@@ -116,6 +116,37 @@ STEP_RECORDS_KEPT = 16384
 TRANSFER_POLL_S = 0.002
 
 
+def check_recurrent_state(config: EngineConfig) -> None:
+    """A model with recurrent-state layers (linear attention: attention/kv_spec.recurrent_spec) keeps one state
+    per running request, not per block.  What cannot work with that is refused here, naming the reason; prefix
+    caching is turned off (a state at a block boundary is not kept, so a cached prefix could not be resumed)."""
+    from roofline.model_executor.models.registry import resolve_architecture
+
+    _, cls = resolve_architecture(config.model_config.hf_config)
+    if not getattr(cls, "has_recurrent_state", False):
+        return
+    name = cls.__name__
+    pc, sc = config.parallel_config, config.scheduler_config
+    blockers = [
+        (config.speculative_config is not None, "speculative decoding (rejected drafts would have advanced the "
+                                                "recurrent state, which cannot be rolled back)"),
+        (config.kv_transfer_config is not None, "KV transfer (the recurrent state is not in the transferred blocks)"),
+        (pc.pipeline_parallel_size > 1, "pipeline parallelism (not built for recurrent-state layers)"),
+        (pc.data_parallel_size > 1, "data-parallel attention (not built for recurrent-state layers)"),
+        (sc.preemption_mode == "swap", "preemption_mode 'swap' (the recurrent state is not in the swapped blocks; "
+                                       "use 'recompute')"),
+        (config.lora_config is not None, "LoRA adapters (not built for this model)"),
+    ]
+    for blocked, why in blockers:
+        if blocked:
+            raise ValueError(f"{name} keeps a recurrent state per request (linear-attention layers); it cannot run "
+                             f"with {why}")
+    if config.cache_config.enable_prefix_caching:
+        logger.info("%s: prefix caching off (its linear-attention layers' recurrent state is not kept per block)",
+                    name)
+        config.cache_config.enable_prefix_caching = False
+
+
 class EngineCore:
     def __init__(self, config: EngineConfig, show_progress: bool = True) -> None:
         self.config = config
@@ -132,6 +163,7 @@ class EngineCore:
         self.vocab_size = int(mc.hf_config.vocab_size)
         self.eos_token_id = self._eos_token_id()
         self._check_draft_model()
+        check_recurrent_state(config)
         self.lora_validator = None
         if config.lora_config is not None:  # LoRA adapters: checked against the model before they are used
             from roofline.lora.mapping import AdapterValidator
@@ -141,6 +173,7 @@ class EngineCore:
         self.weight_bytes = self.executor.weight_bytes()
         num_blocks = self.executor.determine_num_blocks()
         kv_groups = self.executor.kv_group_windows()  # a hybrid KV layout's block-table groups ([]: one table)
+        num_state_slots = self.executor.kv_state_slots()  # linear-attention layers' recurrent-state slots (0: none)
         cc, sc = config.cache_config, config.scheduler_config
         num_swap = int(cc.swap_space * GiB) // self.executor.block_bytes() if sc.preemption_mode == "swap" else 0
         self.executor.init_kv_cache(num_blocks, num_swap)
@@ -160,7 +193,7 @@ class EngineCore:
         max_loras = config.lora_config.max_loras if config.lora_config is not None else None
         schedulers = [Scheduler(sc, cc, num_blocks, num_swap, seed=mc.seed, draft_length_policy=policy,
                                 num_lookahead_slots=lookahead, kv_connector=create_scheduler_connector(config),
-                                kv_group_windows=kv_groups, max_loras=max_loras)
+                                kv_group_windows=kv_groups, max_loras=max_loras, num_state_slots=num_state_slots)
                       for _ in range(dp)]  # data-parallel attention: a scheduler and KV pool per DP rank
         self.scheduler = schedulers[0] if dp == 1 else DataParallelScheduler(schedulers)
         self.kv_events, self.kv_event_publisher = self._kv_events(config, schedulers)

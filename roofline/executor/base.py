@@ -27,6 +27,10 @@ class Executor(ABC):
         when every layer reads one table per request."""
         return []
 
+    def kv_state_slots(self) -> int:
+        """Recurrent-state slots the workers' pools keep (attention/kv_spec.recurrent_spec); 0: none."""
+        return 0
+
     @abstractmethod
     def execute(self, out: SchedulerOutput) -> ModelRunnerOutput: ...
 

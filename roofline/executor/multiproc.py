@@ -209,6 +209,9 @@ class MultiprocExecutor(Executor):
         """Rank 0's (every rank plans the same layout from the same layers)."""
         return [int(w) for w in self._call("kv_group_windows", timeout=startup_timeout_s())]
 
+    def kv_state_slots(self) -> int:
+        return int(self._call("kv_state_slots", timeout=startup_timeout_s()))
+
     def step_deadline_s(self) -> float:
         """How long the next step may take before the executor is declared hung."""
         cap = execute_timeout_s()

@@ -25,6 +25,9 @@ class UniProcExecutor(Executor):
     def kv_group_windows(self) -> list[int]:
         return self.worker.kv_group_windows()
 
+    def kv_state_slots(self) -> int:
+        return self.worker.num_state_slots()
+
     def weight_bytes(self) -> dict[str, int]:
         return dict(self.worker.weight_bytes)
 

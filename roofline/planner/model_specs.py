@@ -20,6 +20,11 @@ Conventions (stated once, used everywhere):
   GPU (a KV head is replicated when there are fewer KV heads than GPUs). An MLA latent cannot be
   split by heads, so with plain TP every GPU holds the whole latent cache (the pitfall described in
   the DeepSeek deployment notes); the planner reports it that way.
+* Linear attention (Qwen3-Next's Gated DeltaNet layers, `num_linear_layers` of them): no KV per token; each
+  request keeps a fixed fp32 state per such layer (conv state conv_dim x (kernel - 1) plus the matrix state
+  H_v x d_k x d_v), split over TP ranks by heads.  A decode step reads and writes it once per sequence
+  (`recurrent_state_bytes_per_step`), counted with the KV bytes a decode token reads; KV per token counts the
+  full-attention layers only.  Qwen3-Next's q_proj also gives a per-head output gate (`attn_output_gate`).
 * Attention FLOPs per new token at context `S`: `2 * S * n_heads * (d_qk + d_v)` per layer
   (scores and weighted sum). For MLA decode the absorbed form is used (`d_qk = kv_lora_rank +
   qk_rope_head_dim`, `d_v = kv_lora_rank`); for MLA prefill the expanded per-head dims.
@@ -71,6 +76,14 @@ class ModelSpec:
     # only the last sliding_window positions; 0: none
     sliding_window: int = 0
     num_sliding_layers: int = 0
+    # linear attention (Qwen3-Next): num_linear_layers of the layers keep a recurrent state instead of KV
+    num_linear_layers: int = 0
+    linear_num_key_heads: int = 0
+    linear_num_value_heads: int = 0
+    linear_key_head_dim: int = 0
+    linear_value_head_dim: int = 0
+    linear_conv_kernel: int = 0
+    attn_output_gate: bool = False  # q_proj also gives a sigmoid gate per head (Qwen3-Next's full attention)
     native_dtype: str = "bf16"  # dtype of the released checkpoint
     weight_block_elems: int = 0  # FP8 block checkpoints: weights per fp32 scale (128 x 128); 0: none
 
@@ -91,6 +104,36 @@ class ModelSpec:
     def num_dense_layers(self) -> int:
         return self.num_layers - self.num_moe_layers
 
+    @property
+    def num_attention_layers(self) -> int:
+        """Layers with a KV cache (all but the linear-attention ones)."""
+        return self.num_layers - self.num_linear_layers
+
+    @property
+    def linear_conv_dim(self) -> int:
+        return (2 * self.linear_num_key_heads * self.linear_key_head_dim
+                + self.linear_num_value_heads * self.linear_value_head_dim)
+
+    def linear_attention_params_per_layer(self) -> int:
+        """Gated DeltaNet: in_proj_qkvz, in_proj_ba, the depthwise conv, out_proj, A_log, dt_bias, the gated norm."""
+        h, vdim = self.hidden_size, self.linear_num_value_heads * self.linear_value_head_dim
+        kdim = self.linear_num_key_heads * self.linear_key_head_dim
+        return (h * (2 * kdim + 2 * vdim) + h * 2 * self.linear_num_value_heads
+                + self.linear_conv_dim * self.linear_conv_kernel + vdim * h
+                + 2 * self.linear_num_value_heads + self.linear_value_head_dim)
+
+    def recurrent_state_bytes(self, tp: int = 1) -> float:
+        """One request's recurrent state over the linear layers on one GPU (fp32), whatever its length."""
+        if not self.num_linear_layers:
+            return 0.0
+        per_layer = (self.linear_conv_dim * (self.linear_conv_kernel - 1)
+                     + self.linear_num_value_heads * self.linear_key_head_dim * self.linear_value_head_dim)
+        return self.num_linear_layers * per_layer / tp * 4
+
+    def recurrent_state_bytes_per_step(self, tp: int = 1) -> float:
+        """Bytes a decode step moves per sequence for its recurrent state: read once and written once."""
+        return 2 * self.recurrent_state_bytes(tp)
+
     # ---- parameter counts ------------------------------------------------------------------
     def attention_params_per_layer(self) -> int:
         h = self.hidden_size
@@ -110,7 +153,7 @@ class ModelSpec:
             return q + kv_a + kv_b + o + indexer
         q_out = self.num_heads * self.head_dim
         kv_out = self.num_kv_heads * self.head_dim
-        n = h * q_out + 2 * h * kv_out + q_out * h
+        n = h * q_out * (2 if self.attn_output_gate else 1) + 2 * h * kv_out + q_out * h
         if self.attention_bias:
             n += q_out + 2 * kv_out
         if self.qk_norm:
@@ -137,8 +180,9 @@ class ModelSpec:
         return 0 if self.tie_word_embeddings else self.vocab_size * self.hidden_size
 
     def total_params(self) -> int:
-        per_layer = self.attention_params_per_layer() + 2 * self.hidden_size  # + two RMSNorms
-        n = self.num_layers * per_layer + self.hidden_size  # + final norm
+        n = self.num_layers * 2 * self.hidden_size + self.hidden_size  # two RMSNorms a layer, the final norm
+        n += self.num_attention_layers * self.attention_params_per_layer()
+        n += self.num_linear_layers * self.linear_attention_params_per_layer()
         n += self.num_dense_layers * self.dense_mlp_params()
         if self.is_moe:
             n += self.num_moe_layers * (self.num_experts * self.expert_params() + self.moe_always_on_params())
@@ -186,7 +230,7 @@ class ModelSpec:
         """Positions one query token attends to, summed over the layers: a sliding layer sees at most
         sliding_window of them (and reads only those: the kernels skip blocks before the window)."""
         sliding = self.num_sliding_layers if self.sliding_window else 0
-        return ((self.num_layers - sliding) * self.attended_positions(context)
+        return ((self.num_attention_layers - sliding) * self.attended_positions(context)
                 + sliding * min(context, self.sliding_window))
 
     def indexed(self, context: float) -> bool:
@@ -196,8 +240,9 @@ class ModelSpec:
     def kv_bytes_read_per_token(self, context: float, kv_dtype_bytes: float, tp: int = 1) -> float:
         """Cache bytes one decode token reads over all layers at this context: every position's K/V or latent;
         under DSA every position's index key and only the kept positions' latent rows."""
-        if not self.is_dsa:  # sliding layers: their window's positions only
-            return self.attended_layer_positions(context) * self.kv_values_per_token_per_layer(tp) * kv_dtype_bytes
+        if not self.is_dsa:  # sliding layers: their window's positions only; linear layers: their state
+            return (self.attended_layer_positions(context) * self.kv_values_per_token_per_layer(tp) * kv_dtype_bytes
+                    + self.recurrent_state_bytes_per_step(tp))
         latent = self.kv_lora_rank + self.qk_rope_head_dim
         keys = context * self.index_head_dim if self.indexed(context) else 0.0
         return self.num_layers * (keys + self.attended_positions(context) * latent) * kv_dtype_bytes
@@ -209,12 +254,13 @@ class ModelSpec:
         per_layer_block = block_size * self.kv_values_per_token_per_layer(tp) * kv_dtype_bytes
         sliding = self.num_sliding_layers if self.sliding_window else 0
         live = n - max(0, int(tokens) - self.sliding_window) // block_size if sliding else n
-        return per_layer_block * ((self.num_layers - sliding) * n + sliding * live)
+        return (per_layer_block * ((self.num_attention_layers - sliding) * n + sliding * live)
+                + self.recurrent_state_bytes(tp))
 
     def kv_bytes_per_token(self, kv_dtype_bytes: float, tp: int = 1) -> float:
         """KV-cache bytes one token occupies on one GPU, summed over all layers (sliding layers included: what
         a token costs while it is inside every window; request_kv_bytes counts the windows)."""
-        return self.num_layers * self.kv_values_per_token_per_layer(tp) * kv_dtype_bytes
+        return self.num_attention_layers * self.kv_values_per_token_per_layer(tp) * kv_dtype_bytes
 
     # ---- attention FLOPs -------------------------------------------------------------------
     def attention_dims(self, phase: str = "decode") -> tuple:
@@ -265,6 +311,9 @@ class ModelSpec:
             d["experts"] = f"{self.num_experts_per_tok}/{self.num_experts}"
         if self.sliding_window and self.num_sliding_layers:
             d["sliding_window"] = f"{self.num_sliding_layers} of {self.num_layers} layers see {self.sliding_window}"
+        if self.num_linear_layers:
+            d["linear_attention"] = (f"{self.num_linear_layers} of {self.num_layers} layers: Gated DeltaNet, "
+                                     f"{self.recurrent_state_bytes() / 2**20:.2f} MiB state per request")
         return d
 
     # ---- construction ----------------------------------------------------------------------
@@ -320,6 +369,18 @@ class ModelSpec:
 
         qk_norm = str(get("model_type", "")).startswith("qwen3") or bool(get("use_qk_norm", False))
         window, sliding = _sliding_layers(cfg, layers)
+        linear = {}
+        if get("linear_num_value_heads"):  # Qwen3-Next: Gated DeltaNet layers beside full attention
+            types = get("layer_types")
+            if not types:
+                interval = int(get("full_attention_interval") or 4)
+                types = ["full_attention" if (i + 1) % interval == 0 else "linear_attention" for i in range(layers)]
+            linear = dict(num_linear_layers=sum(1 for t in types if t == "linear_attention"),
+                          linear_num_key_heads=int(get("linear_num_key_heads")),
+                          linear_num_value_heads=int(get("linear_num_value_heads")),
+                          linear_key_head_dim=int(get("linear_key_head_dim")),
+                          linear_value_head_dim=int(get("linear_value_head_dim")),
+                          linear_conv_kernel=int(get("linear_conv_kernel_dim") or 4), attn_output_gate=True)
         return cls(
             name=name or str(get("_name_or_path") or get("model_type") or "model"),
             num_layers=layers,
@@ -339,6 +400,7 @@ class ModelSpec:
             num_sliding_layers=sliding,
             **mla,
             **moe,
+            **linear,
         )
 
 

@@ -181,6 +181,7 @@ class ModelRunner:
             max_seq_len=max(seq_lens),
             query_start_loc_cpu=qsl,
             seq_lens_cpu=seq_lens,
+            state_slots_cpu=[s.state_slot for s in items] if items[0].state_slot >= 0 else None,
         )
         if self.kv_layout is not None and items[0].group_block_ids:
             meta.group_metas = [self._group_meta(meta, items, g) for g in range(self.kv_layout.num_groups)]

@@ -306,6 +306,15 @@ class Worker:
         layout = self.kv_layout()
         return list(layout.group_windows) if layout.grouped else []
 
+    def num_state_slots(self) -> int:
+        """Recurrent-state slots of the pool (attention/kv_spec.num_state_slots): max_num_seqs where a layer
+        keeps a recurrent state, else 0."""
+        return kv_spec.num_state_slots(self.model.kv_cache_specs(), self.config.scheduler_config.max_num_seqs)
+
+    def state_bytes(self) -> int:
+        """The recurrent states' bytes (every slot), taken from the KV budget before blocks are counted."""
+        return kv_spec.state_bytes(self.model.kv_cache_specs(), self.num_state_slots())
+
     def block_bytes(self) -> int:
         bs = self.config.cache_config.block_size
         draft = kv_bytes_per_block(self.draft_model, bs, self.dtype) if self.draft_model is not None else 0
@@ -319,7 +328,15 @@ class Worker:
         if self.device.type == "cuda":
             return self._profile_cuda_blocks()
         budget = cc.kv_cache_memory if cc.kv_cache_memory is not None else DEFAULT_CPU_KV_BYTES
-        return max(budget // self.block_bytes(), 1)
+        states = self.state_bytes()
+        if states:
+            if states >= budget:
+                raise ValueError(f"the recurrent states of max_num_seqs={self.config.scheduler_config.max_num_seqs} "
+                                 f"requests ({states / GiB:.3f} GiB) do not fit the KV cache memory "
+                                 f"({budget / GiB:.3f} GiB): lower max_num_seqs or raise kv_cache_memory")
+            logger.info("recurrent state: %d slots, %.3f GiB, before the KV blocks", self.num_state_slots(),
+                        states / GiB)
+        return max((budget - states) // self.block_bytes(), 1)
 
     @torch.inference_mode()
     def _profile_cuda_blocks(self) -> int:
@@ -332,7 +349,8 @@ class Worker:
         bs = self.config.cache_config.block_size
         nblocks = -(-n // bs)
         caches = kv_spec.allocate(self.model.kv_cache_specs(), nblocks, bs,
-                                  lambda shape: torch.zeros(shape, dtype=self.dtype, device=self.device))
+                                  lambda shape: torch.zeros(shape, dtype=self.dtype, device=self.device),
+                                  num_state_slots=1)
         ids = torch.zeros(n, dtype=torch.long, device=self.device)
         pos = torch.arange(n, device=self.device) % self.hf_config.max_position_embeddings
         meta = AttentionMetadata(
@@ -342,6 +360,7 @@ class Worker:
             block_tables=torch.arange(nblocks, dtype=torch.int32, device=self.device)[None],
             slot_mapping=torch.arange(n, device=self.device), max_query_len=n, max_seq_len=n,
             query_start_loc_cpu=[0, n], seq_lens_cpu=[n],
+            state_slots_cpu=[0],
         )
         hidden = self.model(ids, pos, caches, meta)
         self.model.compute_logits(hidden[-min(n, self.config.scheduler_config.max_num_seqs):])
@@ -351,6 +370,7 @@ class Worker:
         torch.cuda.empty_cache()
         free, total = torch.cuda.mem_get_info(self.device)
         budget = total * self.config.cache_config.gpu_memory_utilization - peak - (total - free - torch.cuda.memory_allocated(self.device))
+        budget -= self.state_bytes()
         blocks = int(max(budget, 0) // self.block_bytes())
         logger.info("memory profile: peak activations+weights %.2f GiB of %.2f GiB", peak / GiB, total / GiB)
         if blocks <= 0:
@@ -362,12 +382,15 @@ class Worker:
         specs = layout.slot_specs  # one tensor per slot; a layer's cache is its slot's (shared by its group peers)
         bs = self.config.cache_config.block_size
         # zeros, not empty: masked-out (never written) slots must not hold NaN bit patterns
+        num_states = self.num_state_slots()
         if self.device.type == "cpu":
-            slots = kv_spec.allocate(specs, num_blocks, bs, lambda shape: zeros_on_huge_pages(shape, self.dtype))
+            slots = kv_spec.allocate(specs, num_blocks, bs, lambda shape: zeros_on_huge_pages(shape, self.dtype),
+                                     num_states)
         else:
             slots = kv_spec.allocate(specs, num_blocks, bs,
-                                     lambda shape: torch.zeros(shape, dtype=self.dtype, device=self.device))
+                                     lambda shape: torch.zeros(shape, dtype=self.dtype, device=self.device), num_states)
         caches = layout.layer_caches(slots)
+        block_slots = [t for t, s in zip(slots, specs) if not s.recurrent]  # what block swaps and copies move
         draft_caches = []
         if self.draft_model is not None:  # the draft's own pool, same block geometry
             draft_caches = kv_spec.allocate(self.draft_model.kv_cache_specs(), num_blocks, bs,
@@ -380,7 +403,7 @@ class Worker:
                                               lambda shape: torch.zeros(shape, dtype=self.dtype, device="cpu",
                                                                         pin_memory=pin))]
         self.num_blocks = num_blocks
-        self.runner = ModelRunner(self.model, caches, bs, self.device, swap, block_caches=slots, kv_layout=layout)
+        self.runner = ModelRunner(self.model, caches, bs, self.device, swap, block_caches=block_slots, kv_layout=layout)
         self.runner.lora = self.lora
         from roofline.worker.cuda_graph import create_graph_runner
 
@@ -402,7 +425,9 @@ class Worker:
 
         self.kv_connector = create_worker_connector(self.config, caches)
         total = num_blocks * self.block_bytes()
-        logger.info("KV cache: %d blocks x %d tokens = %d tokens, %.3f GiB", num_blocks, bs, num_blocks * bs, total / GiB)
+        logger.info("KV cache: %d blocks x %d tokens = %d tokens, %.3f GiB%s", num_blocks, bs, num_blocks * bs,
+                    total / GiB, f"; {num_states} recurrent-state slots, {self.state_bytes() / GiB:.3f} GiB"
+                    if num_states else "")
 
     def execute(self, out: SchedulerOutput) -> ModelRunnerOutput:
         assert self.runner is not None, "init_kv_cache first"

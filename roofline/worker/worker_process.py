@@ -288,6 +288,9 @@ class WorkerProc:
     def rpc_kv_group_windows(self) -> list[int]:
         return list(self.worker.kv_group_windows())
 
+    def rpc_kv_state_slots(self) -> int:
+        return int(self.worker.num_state_slots())
+
     def rpc_collective_counts(self) -> list[list[int]]:
         return comm.all_gather_ints(list(collective_counts()))
 

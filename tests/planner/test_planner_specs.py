@@ -229,3 +229,39 @@ def test_the_longest_request_counts_sliding_windows_as_the_engine_does():
     plain = ModelSpec.from_hf_config(Gemma3TextConfig(**dict(cfg.to_dict(), sliding_window=None,
                                                              layer_types=["full_attention"] * 12)))
     assert max_request_tokens(plain, budget, bs, 4) == 300 * 2 * bs // 12
+
+
+def test_linear_attention_layers_keep_a_state_not_kv():
+    """Qwen3-Next-80B-A3B's shape: 36 of 48 layers are Gated DeltaNet (full_attention_interval 4), so KV per token
+    counts the 12 full-attention layers; each request keeps a fixed fp32 state per linear layer (conv state +
+    matrix state) that a decode step reads and writes once -- the same bytes the engine's recurrent specs
+    declare.  On a tiny checkpoint the parameter count is HF's."""
+    import torch
+    from transformers import AutoModelForCausalLM, Qwen3NextConfig
+
+    from roofline.attention import kv_spec
+    from roofline.model_executor.models.qwen3_next import GatedDeltaNet
+    from roofline.planner.model_specs import ModelSpec
+    from tests.reference.hf_models import tiny_config
+
+    cfg = Qwen3NextConfig(hidden_size=2048, num_hidden_layers=48, num_attention_heads=16, num_key_value_heads=2,
+                          head_dim=256, linear_num_key_heads=16, linear_num_value_heads=32, linear_key_head_dim=128,
+                          linear_value_head_dim=128, linear_conv_kernel_dim=4, full_attention_interval=4,
+                          num_experts=512, num_experts_per_tok=10, moe_intermediate_size=512,
+                          shared_expert_intermediate_size=512, vocab_size=151936)
+    spec = ModelSpec.from_hf_config(cfg)
+    assert (spec.num_linear_layers, spec.num_attention_layers) == (36, 12)
+    assert spec.kv_bytes_per_token(2) == 12 * 2 * 2 * 256 * 2  # K and V, 2 KV heads of 256, bf16, 12 layers
+    conv_dim = 2 * 16 * 128 + 32 * 128
+    state = 36 * (conv_dim * 3 + 32 * 128 * 128) * 4
+    assert spec.recurrent_state_bytes() == state and spec.recurrent_state_bytes(tp=2) == state / 2
+    with torch.device("meta"):
+        engine = [GatedDeltaNet(cfg, i).kv_cache_spec() for i, t in enumerate(cfg.layer_types) if t == "linear_attention"]
+    assert kv_spec.state_bytes(engine, 1) == state
+    assert spec.kv_bytes_read_per_token(1000, 2) == 12 * 1000 * 2 * 2 * 256 * 2 + 2 * state
+    assert spec.request_kv_bytes(1000, 16, 2) == 12 * 63 * 16 * 2 * 2 * 256 * 2 + state
+    assert "36 of 48 layers" in spec.summary()["linear_attention"]
+
+    tiny = tiny_config("qwen3_next")
+    hf = AutoModelForCausalLM.from_config(tiny)
+    assert ModelSpec.from_hf_config(tiny).total_params() == sum(p.numel() for p in hf.parameters())

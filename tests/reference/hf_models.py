@@ -99,6 +99,16 @@ def tiny_config(arch: str, **overrides):
                    rope_parameters=dict(rope_type="yarn", rope_theta=150000.0, factor=8.0, beta_fast=32.0,
                                         beta_slow=1.0, truncate=False, original_max_position_embeddings=64))
         cfg = GptOssConfig(**dict(TINY, **dict(oss, **overrides)))
+    elif arch == "qwen3_next":  # 3 Gated DeltaNet layers, then full attention; 4 experts top-2 + shared, layer 1 dense
+        from transformers import Qwen3NextConfig
+
+        nxt = dict(num_hidden_layers=4, head_dim=16, intermediate_size=96,
+                   layer_types=["linear_attention"] * 3 + ["full_attention"], linear_num_key_heads=2,
+                   linear_num_value_heads=4, linear_key_head_dim=16, linear_value_head_dim=16,
+                   linear_conv_kernel_dim=4, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+                   shared_expert_intermediate_size=48, decoder_sparse_step=1, mlp_only_layers=[1],
+                   norm_topk_prob=True, partial_rotary_factor=0.25, pad_token_id=0, bos_token_id=1, eos_token_id=2)
+        cfg = Qwen3NextConfig(**dict(TINY, **dict(nxt, **overrides)))
     elif arch == "olmo2":
         from transformers import Olmo2Config
 

@@ -21,6 +21,7 @@ from roofline.model_executor.models.llama import (
 from roofline.model_executor.models.mixtral import MixtralForCausalLM
 from roofline.model_executor.models.olmo2 import Olmo2ForCausalLM
 from roofline.model_executor.models.phi3 import Phi3ForCausalLM
+from roofline.model_executor.models.qwen3_next import Qwen3NextForCausalLM
 from roofline.model_executor.models.qwen_moe import Qwen2MoeForCausalLM, Qwen3MoeForCausalLM
 
 MODEL_REGISTRY = {
@@ -42,6 +43,7 @@ MODEL_REGISTRY = {
     "Qwen3MoeForCausalLM": Qwen3MoeForCausalLM,
     "Glm4MoeForCausalLM": Glm4MoeForCausalLM,
     "GptOssForCausalLM": GptOssForCausalLM,
+    "Qwen3NextForCausalLM": Qwen3NextForCausalLM,
 }
 
 
