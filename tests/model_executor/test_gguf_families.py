@@ -394,6 +394,20 @@ def test_gpt_oss_mxfp4_file_holds_the_release_blocks_and_decodes_as_hf(tmp_path)
     assert tokens(outs) == [hf_greedy(hf, p, GREEDY.max_tokens) for p in prompts]
 
 
+def test_gpt_oss_mxfp4_nan_exponent_names_the_tensor(tmp_path):
+    """An e8m0 NaN exponent (255) in a GGUF file's MXFP4 experts: a load error naming the tensor."""
+    from tests.reference.mxfp4_checkpoint import write_mxfp4_checkpoint
+
+    hf_dir, hf = _tiny(tmp_path, "gpt_oss")
+    write_mxfp4_checkpoint(hf_dir, str(tmp_path / "mxfp4"))
+    state = load_file(str(tmp_path / "mxfp4" / "model.safetensors"))
+    state["model.layers.1.mlp.experts.gate_up_proj_scales"][3, 5, 0] = 255  # row 5: an up row (odd)
+    path = write_gguf(hf, "gpt_oss", str(tmp_path / "nan.gguf"), state=state)
+    config = load_hf_config(resolve_source(path))
+    with pytest.raises(ValueError, match=r"GGUF tensor 'blk\.1\.ffn_up_exps\.weight'.*NaN exponent"):
+        list(gguf_weights(path, config, show_progress=False))
+
+
 def _refused(tmp_path, arch, edit, match):
     _, hf = _tiny(tmp_path, arch)
     path = write_gguf(hf, arch, str(tmp_path / f"{arch}.gguf"), edit=edit)
