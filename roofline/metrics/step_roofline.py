@@ -6,14 +6,18 @@ else, and divides them by the device's bandwidth and peak FLOP/s::
 
     tokens N      = sum of the new tokens of every scheduled request
     weights read  = decode_weight_bytes_read(N)       (all weights once; an MoE its touched experts)
-    KV read       = sum over requests of (positions it attends to after the step) * K_tok
-    FLOPs         = (2 * active_params * N + sum over new tokens of attention_flops(positions)) / tp
+    KV read       = sum over requests of ModelSpec.kv_bytes_read(positions after the step, its new tokens)
+    FLOPs         = (2 * active_params * N + sum over requests of ModelSpec.attention_flops_over(its new
+                    tokens)) / tp
     bound         = max(bytes / BW, FLOPs / F_peak)   (the planner's decode_step_time, overhead 0)
     ratio         = measured step wall time / bound;  roof = "memory" | "compute"
 
-A new token at position j (0-based) attends to j + 1 positions, so a decode step of `b` sequences at
-context S and a prefill of an n-token prompt give exactly the planner's `decode_at(b, S)` and
-`prefill(n)` figures (tests/metrics/test_step_roofline.py holds them equal). The cost per step is a
+A new token at position j (0-based) attends to j + 1 positions -- in a sliding-window layer (Gemma 2/3,
+gpt-oss, Mistral) to min(j + 1, window) of them, and a request's step reads in such a layer only the
+union of its new tokens' windows: the ModelSpec functions the planner uses count both, so a decode step
+of `b` sequences at context S and a prefill of an n-token prompt give exactly the planner's
+`decode_at(b, S)` and `prefill(n)` figures (tests/metrics/test_step_roofline.py holds them equal). The
+cost per step is a
 loop over the scheduled requests (not over tokens) and a few multiplications: no device sync, no
 tensor touched. The bound has no per-step overhead term: what the framework costs beyond bytes and
 FLOPs is exactly what the ratio shows.
@@ -97,8 +101,6 @@ class StepRooflineModel:
         self.peak_flops = self.plan.peak_flops
         self.kv_bytes_per_token = kv_bytes_per_token(self.plan)
         self.linear_flops_per_token = 2.0 * spec.active_params()
-        # attention FLOPs are linear in the attended positions: per-position constants by phase
-        self.attn_flops_per_position = {ph: spec.attention_flops_per_token(1.0, ph) for ph in ("decode", "prefill")}
         self._dense_weight_bytes = None if spec.is_moe else decode_weight_bytes_read(self.plan, 1)
 
     def use_weight_bytes(self, nbytes: float) -> None:
@@ -116,8 +118,7 @@ class StepRooflineModel:
                 kv_cache_usage: float = 0.0) -> StepRoofline:
         """The record of one step from its scheduled requests (`num_computed_tokens`, `token_ids`)."""
         n_tokens = prefill_tokens = decode_tokens = n_req = 0
-        kv_positions = 0  # sum over requests of positions attended after the step
-        attn_decode = attn_prefill = 0.0  # sum over new tokens of the positions each attends to
+        kv_bytes = attn_flops = 0.0
         for s in scheduled:
             c = len(s.token_ids)
             if c == 0:
@@ -125,27 +126,31 @@ class StepRooflineModel:
             start = s.num_computed_tokens
             n_req += 1
             n_tokens += c
-            end = start + c
-            kv_positions += end
-            if c == 1:
-                decode_tokens += 1
-                attn_decode += end
-            elif c - getattr(s, "num_draft_tokens", 0) == 1:  # a decode verifying drafts (speculative decoding)
+            # one token, or a decode verifying drafts (speculative decoding): decode; else a prefill chunk
+            phase = "decode" if c == 1 or c - getattr(s, "num_draft_tokens", 0) == 1 else "prefill"
+            if phase == "decode":
                 decode_tokens += c
-                attn_decode += c * start + c * (c + 1) / 2
             else:
                 prefill_tokens += c
-                attn_prefill += c * start + c * (c + 1) / 2  # token j attends to j + 1 positions
-        return self.record(n_tokens, kv_positions, attn_decode, attn_prefill, prefill_tokens, decode_tokens, n_req,
-                           step_time_s, timestamp, kv_cache_usage)
+            kv, attn = self.request_cost(start, c, phase)
+            kv_bytes += kv
+            attn_flops += attn
+        return self.record(n_tokens, kv_bytes, attn_flops, prefill_tokens, decode_tokens, n_req, step_time_s,
+                           timestamp, kv_cache_usage)
 
-    def record(self, n_tokens: int, kv_positions: float, attn_decode: float, attn_prefill: float,
-               prefill_tokens: int, decode_tokens: int, n_req: int, step_time_s: float, timestamp: float = 0.0,
-               kv_cache_usage: float = 0.0) -> StepRoofline:
-        flops = (self.linear_flops_per_token * n_tokens + self.attn_flops_per_position["decode"] * attn_decode
-                 + self.attn_flops_per_position["prefill"] * attn_prefill) / self.tp
+    def request_cost(self, start: int, new_tokens: int, phase: str) -> tuple[float, float]:
+        """(KV bytes read, attention FLOPs before the tp split) of one request's `new_tokens` tokens after
+        `start` computed ones: the planner's ModelSpec functions (sliding layers: their windows only)."""
+        end = start + new_tokens
+        kv = self.spec.kv_bytes_read(end, self.plan.kv_bytes, self.tp, new_tokens, phase)
+        return kv, self.spec.attention_flops_over(start, end, phase)
+
+    def record(self, n_tokens: int, kv_bytes: float, attn_flops: float, prefill_tokens: int, decode_tokens: int,
+               n_req: int, step_time_s: float, timestamp: float = 0.0, kv_cache_usage: float = 0.0) -> StepRoofline:
+        """A step's record from its totals: KV bytes read and attention FLOPs (before the tp split)."""
+        flops = (self.linear_flops_per_token * n_tokens + attn_flops) / self.tp
         w = self.weight_bytes_read(n_tokens) if n_tokens else 0.0
-        roof = decode_step_time(w, self.kv_bytes_per_token, 1, kv_positions, self.bandwidth, flops, self.peak_flops)
+        roof = decode_step_time(w, kv_bytes, 1, 1, self.bandwidth, flops, self.peak_flops)
         return StepRoofline(timestamp, step_time_s, roof["step_time_s"], roof["memory_time_s"], roof["compute_time_s"],
                             w, roof["kv_bytes_read"], flops, prefill_tokens, decode_tokens, n_req, kv_cache_usage)
 

@@ -367,9 +367,8 @@ def prefill(p: PlanInputs, tokens: Optional[int] = None) -> Dict[str, float]:
     """One forward pass over a `tokens`-token prompt (default: --context): compute-bound roofline."""
     m = p.model
     n = p.context if tokens is None else tokens
-    d_qk, d_v = m.attention_dims("prefill")
-    # causal: token i attends to i positions -> sum_i 2*i*heads*(d_qk+d_v) per layer
-    attn = 2.0 * m.num_heads * (d_qk + d_v) * m.num_layers * n * (n + 1) / 2
+    # causal: token i attends to i positions (a sliding layer to at most its window)
+    attn = m.attention_flops_over(0, n, "prefill")
     flops = (2.0 * m.active_params() * n + attn) / p.tp
     nbytes = decode_weight_bytes_read(p, n) + n * kv_bytes_per_token(p)
     t_cmp = flops / p.peak_flops

@@ -238,14 +238,30 @@ class ModelSpec:
         return self.is_dsa and context > self.index_topk
 
     def kv_bytes_read_per_token(self, context: float, kv_dtype_bytes: float, tp: int = 1) -> float:
-        """Cache bytes one decode token reads over all layers at this context: every position's K/V or latent;
-        under DSA every position's index key and only the kept positions' latent rows."""
-        if not self.is_dsa:  # sliding layers: their window's positions only; linear layers: their state
-            return (self.attended_layer_positions(context) * self.kv_values_per_token_per_layer(tp) * kv_dtype_bytes
-                    + self.recurrent_state_bytes_per_step(tp))
-        latent = self.kv_lora_rank + self.qk_rope_head_dim
-        keys = context * self.index_head_dim if self.indexed(context) else 0.0
-        return self.num_layers * (keys + self.attended_positions(context) * latent) * kv_dtype_bytes
+        """Cache bytes one decode token reads over all layers at this context: every position's K/V or latent
+        (a sliding layer: its window's only; a linear-attention layer: its state, read and written); under DSA
+        every position's index key and only the kept positions' latent rows."""
+        return self.kv_bytes_read(context, kv_dtype_bytes, tp)
+
+    def kv_bytes_read(self, context: float, kv_dtype_bytes: float, tp: int = 1, new_tokens: int = 1,
+                      phase: str = "decode") -> float:
+        """Cache bytes one request's step reads over all layers: `new_tokens` query tokens, the last of which
+        sees `context` positions.  A full layer reads every position, a sliding layer the union of its queries'
+        windows, min(context, sliding_window + new_tokens - 1) positions (one decode token: its window), a
+        linear-attention layer its recurrent state (read and written once a step, whatever new_tokens).  DSA:
+        a decode reads as kv_bytes_read_per_token at `context`; a prefill chunk runs dense attention (every
+        position's latent and index key)."""
+        per_position = self.kv_values_per_token_per_layer(tp) * kv_dtype_bytes
+        if self.is_dsa:
+            if phase == "prefill":
+                return self.num_layers * context * per_position
+            latent = self.kv_lora_rank + self.qk_rope_head_dim
+            keys = context * self.index_head_dim if self.indexed(context) else 0.0
+            return self.num_layers * (keys + self.attended_positions(context) * latent) * kv_dtype_bytes
+        sliding = self.num_sliding_layers if self.sliding_window else 0
+        positions = ((self.num_attention_layers - sliding) * context
+                     + sliding * min(context, self.sliding_window + max(int(new_tokens), 1) - 1))
+        return positions * per_position + self.recurrent_state_bytes_per_step(tp)
 
     def request_kv_bytes(self, tokens: int, block_size: int, kv_dtype_bytes: float, tp: int = 1) -> float:
         """Bytes of KV blocks one request of `tokens` tokens holds at its last step: every block of a full layer,
@@ -281,6 +297,27 @@ class ModelSpec:
             attended = self.attended_layer_positions(context)
         flops = 2.0 * attended * self.num_heads * (d_qk + d_v)
         return flops + self.indexer_flops_per_token(context)
+
+    def attention_flops_over(self, start: int, end: int, phase: str = "decode") -> float:
+        """attention_flops_per_token(p, phase) summed over p = start + 1 .. end, in closed form: the attention
+        FLOPs of one request's new tokens start .. end - 1 (token j attends to j + 1 positions; a sliding layer
+        to at most sliding_window of them; DSA's decodes to index_topk, its indexer scoring past index_topk)."""
+        if end <= start:
+            return 0.0
+        d_qk, d_v = self.attention_dims(phase)
+        layers = self.num_layers
+        if self.is_dsa:
+            cap = self.index_topk if phase == "decode" else math.inf
+            attended = layers * _positions_sum(start, end, cap)
+            above = _positions_sum(start, end, math.inf) - _positions_sum(start, end, self.index_topk) \
+                + self.index_topk * _count_above(start, end, self.index_topk)  # sum of the positions past topk
+            indexer = 2.0 * above * self.index_n_heads * self.index_head_dim * layers
+        else:
+            sliding = self.num_sliding_layers if self.sliding_window else 0  # linear-attention layers: none
+            attended = ((self.num_attention_layers - sliding) * _positions_sum(start, end, math.inf)
+                        + sliding * _positions_sum(start, end, self.sliding_window))
+            indexer = 0.0
+        return 2.0 * attended * self.num_heads * (d_qk + d_v) + indexer
 
     def indexer_flops_per_token(self, context: float) -> float:
         """DSA's indexer: one query token's scores over its context (index_n_heads x index_head_dim a position),
@@ -402,6 +439,21 @@ class ModelSpec:
             **moe,
             **linear,
         )
+
+
+def _positions_sum(start: int, end: int, cap: float) -> float:
+    """sum of min(p, cap) over p = start + 1 .. end."""
+    tri = lambda x: x * (x + 1) / 2  # noqa: E731
+    if end <= cap:
+        return tri(end) - tri(start)
+    if start >= cap:
+        return (end - start) * cap
+    return tri(cap) - tri(start) + (end - cap) * cap
+
+
+def _count_above(start: int, end: int, cap: float) -> int:
+    """How many of p = start + 1 .. end exceed cap."""
+    return max(0, end - max(start, int(cap)))
 
 
 def _sliding_layers(cfg: Dict[str, Any], layers: int) -> tuple:

@@ -136,6 +136,7 @@ def roofline_step_time(model, context: int = TYPICAL_CONTEXT) -> Callable[[int],
 
     def step_time(n: int) -> float:
         n = max(n, 1)
-        return model.record(n, n * context, n * context, 0.0, 0, n, n, 0.0).bound_s
+        kv, attn = model.request_cost(context - 1, 1, "decode")  # one decode token attending to `context`
+        return model.record(n, n * kv, n * attn, 0, n, n, 0.0).bound_s
 
     return step_time

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from types import SimpleNamespace
 
@@ -80,6 +81,61 @@ def test_mixed_step_is_the_sum_of_its_parts():
     assert rec.flops == pytest.approx(2 * spec.active_params() * 210 + attn, rel=1e-12)
     assert rec.kv_bytes == pytest.approx(acc.kv_bytes_per_token * (sum(301 + i for i in range(10)) + 264))
     assert acc.account(decodes + [_req(0, 5)], 0.02).phase == "mixed"
+
+
+def _gemma3_1b():
+    """Gemma-3-1B's shape: 22 of 26 layers see their last 512 positions (tests/planner/test_planner_specs.py)."""
+    from transformers import Gemma3TextConfig
+
+    return ModelSpec.from_hf_config(Gemma3TextConfig(
+        hidden_size=1152, intermediate_size=6912, num_hidden_layers=26, num_attention_heads=4, num_key_value_heads=1,
+        head_dim=256, sliding_window=512, vocab_size=262144, max_position_embeddings=32768))
+
+
+def test_sliding_layers_read_and_attend_to_their_window_only():
+    """A decode step past the window reads 4 full layers' contexts and 22 windows (what the planner's decode_at
+    says), and attends likewise; a prefill chunk's sliding layers read the union of its tokens' windows, and
+    the chunks' attention FLOPs add up to the whole prompt's (the planner's prefill)."""
+    spec = _gemma3_1b()
+    hw = get_hardware("h100-sxm")
+    acc = StepRooflineModel(spec, hw, "bf16")
+    per_layer = 2 * 1 * 256 * 2  # K and V, one KV head of 256, bf16
+    context, batch = 4096, 8
+    rec = acc.account([_req(context - 1, 1) for _ in range(batch)], step_time_s=0.01)
+    assert rec.kv_bytes == batch * (4 * context + 22 * 512) * per_layer
+    assert rec.flops == pytest.approx(batch * (2 * spec.active_params() + 2.0 * (4 * context + 22 * 512) * 4 * 512))
+    plan = decode_at(PlanInputs(spec, hw, weight_dtype="bf16", batch=batch, context=context, avg_context=context),
+                     batch)
+    for key, got in (("kv_bytes_read", rec.kv_bytes), ("flops", rec.flops), ("step_time_s", rec.bound_s)):
+        assert got == pytest.approx(plan[key], rel=1e-12), key
+    # within the window every layer reads everything
+    assert acc.account([_req(299, 1)], 0.01).kv_bytes == 26 * 300 * per_layer
+
+    # a 256-token chunk after 2000 tokens: sliding layers read positions 1745..2255 (the first query's window on)
+    chunk = acc.account([_req(2000, 256)], 0.1)
+    assert chunk.kv_bytes == (4 * 2256 + 22 * (512 + 255)) * per_layer
+    linear = lambda r: acc.linear_flops_per_token * r.prefill_tokens  # noqa: E731
+    attn = lambda p: spec.attention_flops_per_token(p, "prefill")  # noqa: E731 (token at p - 1 sees p positions)
+    assert chunk.flops - linear(chunk) == pytest.approx(sum(attn(p) for p in range(2001, 2257)), rel=1e-12)
+    whole = acc.account([_req(0, 3000)], 1.0)
+    chunks = [acc.account([_req(st, 500)], 1.0) for st in range(0, 3000, 500)]
+    assert sum(c.flops - linear(c) for c in chunks) == pytest.approx(whole.flops - linear(whole), rel=1e-12)
+    pre = prefill(PlanInputs(spec, hw, weight_dtype="bf16", context=3000), 3000)
+    assert whole.flops == pytest.approx(pre["prefill_flops"], rel=1e-12)
+    assert whole.bytes_read == pytest.approx(pre["prefill_bytes"], rel=1e-12)
+
+
+@pytest.mark.parametrize("model", ["deepseek-v3", "llama-3-8b"])
+def test_attention_flops_over_is_the_sum_per_token(model):
+    """ModelSpec.attention_flops_over's closed form: the per-token figure summed, across the window / top-k."""
+    specs = [ModelSpec.from_hf_config(MODEL_PRESETS[model]), _gemma3_1b()]
+    if model == "deepseek-v3":  # a DSA-shaped spec: top-k 64, the indexer past it
+        specs.append(dataclasses.replace(specs[0], index_topk=64, index_n_heads=8, index_head_dim=32))
+    for spec in specs:
+        for start, end in ((0, 1), (0, 100), (40, 700), (511, 513), (600, 900)):
+            for phase in ("decode", "prefill"):
+                want = sum(spec.attention_flops_per_token(p, phase) for p in range(start + 1, end + 1))
+                assert spec.attention_flops_over(start, end, phase) == pytest.approx(want, rel=1e-12)
 
 
 def test_phase_medians_and_line():

@@ -1,17 +1,21 @@
-"""GGUF files of gemma2, gemma3, phi3, olmo2, granite, glm4moe and smollm3 (loader/gguf_archs.py): each tiny
-HF checkpoint is written as llama.cpp's convert_hf_to_gguf.py writes it -- its metadata keys, tensor names
+"""GGUF files of gemma2, gemma3, phi3, olmo2, granite, glm4moe, smollm3 and gpt-oss (loader/gguf_archs.py): each
+tiny HF checkpoint is written as llama.cpp's convert_hf_to_gguf.py writes it -- its metadata keys, tensor names
 (gguf's own TensorNameMap), Gemma's norms stored as 1 + w, Granite's and SmolLM3's q/k rows permuted to
 interleaved rope pairs (the converter's LlamaModel.permute), Phi-3's fused attn_qkv / ffn_up and its LongRoPE
 factors as rope_factors_long / rope_factors_short tensors, GLM-4.5's experts stacked, its correction bias as
-exp_probs_b.bias and its MTP block counted in block_count -- with a byte-level BPE vocabulary.
+exp_probs_b.bias and its MTP block counted in block_count, gpt-oss's interleaved gate_up_proj split into gate
+(even) and up (odd) stacks, down_proj transposed, sinks as attn_sinks.weight, YaRN keys, and its MXFP4 release
+blocks repacked to ggml's MXFP4 (GptOssModel.repack_mxfp4) -- with a byte-level BPE vocabulary.
 
 The loader gives every parameter the checkpoint's value, and the engine on the file greedy-decodes HF's tokens
-(fp32, CPU); Granite's Q8_0 file keeps its blocks and matches HF on the dequantized weights.  Metadata or
-tensors the mapping cannot honour fail at start-up, named."""
+(fp32, CPU); Granite's Q8_0 file keeps its blocks and matches HF on the dequantized weights; gpt-oss's MXFP4
+file loads HF's own dequantization of the same blocks, bit for bit.  Metadata or tensors the mapping cannot
+honour fail at start-up, named."""
 
 from __future__ import annotations
 
 import os
+import re
 
 import gguf
 import numpy as np
@@ -28,11 +32,12 @@ from tests.model_executor.family_parity import GREEDY, generate, tokens
 from tests.reference.hf_models import build_tiny_model, hf_greedy
 
 GGUF_ARCH = {"gemma2": "gemma2", "gemma3": "gemma3", "phi3": "phi3", "olmo2": "olmo2", "granite": "granite",
-             "glm4_moe": "glm4moe", "smollm3": "smollm3"}
+             "glm4_moe": "glm4moe", "smollm3": "smollm3", "gpt_oss": "gpt-oss"}
 # what a GGUF file can carry: Gemma 2's converter drops lm_head (tied), llama.cpp derives Gemma's attention
 # scale from head_dim and fixes Gemma 3's layer pattern at five sliding layers then a global one
 OVERRIDES = {"gemma2": dict(tie_word_embeddings=True, query_pre_attn_scalar=16),
-             "gemma3": dict(num_hidden_layers=6, layer_types=None, query_pre_attn_scalar=16)}
+             "gemma3": dict(num_hidden_layers=6, layer_types=None, query_pre_attn_scalar=16),
+             "gpt_oss": dict(swiglu_limit=7.0)}  # llama.cpp's fixed clamp (and alpha 1.702, HF's default)
 
 
 @pytest.fixture(autouse=True)
@@ -93,13 +98,21 @@ def _metadata(w: gguf.GGUFWriter, arch: str, cfg) -> None:
     if rope.get("rope_type") == "linear":
         w.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
         w.add_rope_scaling_factor(rope["factor"])
+    if rope.get("rope_type") == "yarn":
+        w.add_rope_scaling_type(gguf.RopeScalingType.YARN)
+        w.add_rope_scaling_factor(rope["factor"])
+        w.add_rope_scaling_orig_ctx_len(rope["original_max_position_embeddings"])
+        for key in ("beta_fast", "beta_slow"):
+            if rope.get(key) is not None:
+                getattr(w, f"add_rope_scaling_yarn_{key}")(rope[key])
     w.add_rope_freq_base(rope["rope_theta"])
     if "sliding_attention" in (cfg.rope_parameters or {}):
         w.add_rope_freq_base_swa(cfg.rope_parameters["sliding_attention"]["rope_theta"])
     w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
-    if arch == "glm4moe":
-        w.add_expert_count(cfg.n_routed_experts)
+    if arch in ("glm4moe", "gpt-oss"):
+        w.add_expert_count(cfg.n_routed_experts if arch == "glm4moe" else cfg.num_local_experts)
         w.add_expert_used_count(cfg.num_experts_per_tok)
+    if arch == "glm4moe":
         w.add_expert_group_count(cfg.n_group)
         w.add_expert_group_used_count(cfg.topk_group)
     if getattr(cfg, "head_dim", None) is not None and arch not in ("granite", "gemma3"):  # gemma3: below
@@ -117,6 +130,9 @@ def _metadata(w: gguf.GGUFWriter, arch: str, cfg) -> None:
         w.add_key_length(head_dim)
         w.add_value_length(head_dim)
         w.add_sliding_window(cfg.sliding_window)
+    if arch == "gpt-oss":  # GptOssModel.set_gguf_parameters
+        w.add_sliding_window(cfg.sliding_window)
+        w.add_expert_feed_forward_length(cfg.intermediate_size)
     if arch == "glm4moe":
         w.add_rope_dimension_count(int(head_dim * rope.get("partial_rotary_factor", 0.5)))
         w.add_expert_feed_forward_length(cfg.moe_intermediate_size)
@@ -148,14 +164,59 @@ def _vocabulary(w: gguf.GGUFWriter, cfg) -> None:
             getattr(w, f"add_{kind}_token_id")(getattr(cfg, f"{kind}_token_id"))
 
 
-def _tensors(hf, arch: str, blocks: dict) -> dict:
-    """HF parameters -> the converter's GGUF tensors (modify_tensors + TensorNameMap); `blocks`: HF name ->
-    gguf_quant.QuantizedTensor written in its blocks instead."""
+def ggml_mxfp4(blocks: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """HF's MXFP4 blocks [..., N, K/32, 16] (values 2j / 2j + 1 in byte j's low / high nibble) and scales
+    [..., N, K/32] as ggml's MXFP4 rows [..., N, K/32 * 17] (GptOssModel.repack_mxfp4: per block the exponent,
+    then value j in byte j's low nibble and value j + 16 in its high one)."""
+    codes = torch.stack([blocks & 0x0F, blocks >> 4], dim=-1).flatten(-2)  # [..., 32] in value order
+    qs = codes[..., :16] | (codes[..., 16:] << 4)
+    return torch.cat([scales.unsqueeze(-1), qs], dim=-1).flatten(-2).contiguous()
+
+
+def _gpt_oss_tensors(state: dict, names) -> dict:
+    """GptOssModel.modify_tensors / generate_extra_tensors: sinks + '.weight'; gate_up_proj (dense [E, H, 2I]
+    or the release's MXFP4 blocks [E, 2I, H/32, 16]) split into its even rows (gate) and odd ones (up), the
+    biases likewise; down_proj transposed to [E, H, I] or repacked; MXFP4 stays MXFP4 (the repacked rows)."""
+    out = {}
+    for name, t in state.items():
+        m = re.match(r"model\.layers\.(\d+)\.mlp\.experts\.(gate_up_proj|down_proj)(_bias|_blocks|_scales)?$", name)
+        if m is None:
+            mapped = names.get_name(name + ".weight" if name.endswith(".sinks") else name,
+                                    try_suffixes=(".weight", ".bias"))
+            assert mapped is not None, name
+            out[mapped] = t
+            continue
+        layer, proj, kind = m[1], m[2], m[3]
+        if kind == "_scales":
+            continue  # with its blocks
+        if kind == "_blocks":
+            base = name[: -len("_blocks")]
+            t = ggml_mxfp4(t, state[base + "_scales"])
+        elif kind is None:
+            t = t.transpose(-1, -2)  # [E, out, in]
+        leaf = "bias" if kind == "_bias" else "weight"
+        if proj == "down_proj":
+            parts = {"down": t}
+        else:  # HF's even rows (bias entries) are the gate's, odd ones the up projection's
+            parts = {"gate": t[..., 0::2], "up": t[..., 1::2]} if kind == "_bias" else {"gate": t[:, 0::2],
+                                                                                         "up": t[:, 1::2]}
+        for part, value in parts.items():
+            value = value.contiguous()
+            out[f"blk.{layer}.ffn_{part}_exps.{leaf}"] = (value, gguf.GGMLQuantizationType.MXFP4) \
+                if kind == "_blocks" else value
+    return out
+
+
+def _tensors(hf, arch: str, blocks: dict, state: dict | None = None) -> dict:
+    """HF parameters (or `state`, a checkpoint's tensors) -> the converter's GGUF tensors (modify_tensors +
+    TensorNameMap); `blocks`: HF name -> gguf_quant.QuantizedTensor written in its blocks instead."""
     cfg = hf.config
     n_blocks = cfg.num_hidden_layers + (cfg.num_nextn_predict_layers if arch == "glm4moe" else 0)
     model_arch = {v: k for k, v in gguf.MODEL_ARCH_NAMES.items()}[arch]
     names = gguf.get_tensor_name_map(model_arch, n_blocks)
-    state = {n: t.detach().clone() for n, t in hf.state_dict().items()}
+    state = {n: t.detach().clone() for n, t in (state or hf.state_dict()).items()}
+    if arch == "gpt-oss":
+        return _gpt_oss_tensors(state, names)
     out = {}
     for name, t in state.items():
         t = blocks[name].data if name in blocks else t
@@ -190,16 +251,18 @@ def _tensors(hf, arch: str, blocks: dict) -> dict:
     return out
 
 
-def write_gguf(hf, arch: str, path: str, blocks: dict | None = None, edit=None) -> str:
-    """The tiny HF model as a llama.cpp GGUF file; edit(metadata writer) may add keys, and drop tensors by
-    returning their names."""
+def write_gguf(hf, arch: str, path: str, blocks: dict | None = None, edit=None, state: dict | None = None) -> str:
+    """The tiny HF model (or `state`: its checkpoint's tensors, e.g. MXFP4 blocks) as a llama.cpp GGUF file;
+    edit(metadata writer) may add keys, and drop tensors by returning their names."""
     w = gguf.GGUFWriter(path, GGUF_ARCH[arch])
     w.add_name(f"tiny-{arch}")
     _metadata(w, GGUF_ARCH[arch], hf.config)
-    w.add_file_type(gguf.LlamaFileType.MOSTLY_Q8_0 if blocks else gguf.LlamaFileType.ALL_F32)
+    mxfp4 = state is not None and any(n.endswith("_blocks") for n in state)
+    w.add_file_type(gguf.LlamaFileType.MOSTLY_Q8_0 if blocks else gguf.LlamaFileType.MOSTLY_MXFP4_MOE if mxfp4
+                    else gguf.LlamaFileType.ALL_F32)
     _vocabulary(w, hf.config)
     drop = set(edit(w) or ()) if edit is not None else set()
-    for name, t in _tensors(hf, GGUF_ARCH[arch], blocks or {}).items():
+    for name, t in _tensors(hf, GGUF_ARCH[arch], blocks or {}, state).items():
         if name in drop:
             continue
         if isinstance(t, tuple):  # blocks: uint8 rows
@@ -220,6 +283,18 @@ def _tiny(tmp_path, arch: str, seed: int = 7):
     return hf_dir, build_tiny_model(arch, hf_dir, seed=seed, **OVERRIDES.get(arch, {}))
 
 
+def _assert_loads_as(cls, hf_config, reference, path: str, config) -> None:
+    """The model loaded from `reference` ((name, tensor) of the HF checkpoint) and from the GGUF file: every
+    parameter filled, and each equal (norms within 1e-6: Gemma's (1 + w) - 1 in fp32)."""
+    models = []
+    for cfg, weights in ((hf_config, iter(reference)), (config, gguf_weights(path, config, show_progress=False))):
+        model = cls(cfg, TorchAttentionBackend())
+        assert model.load_weights(weights) == {n for n, _ in model.named_parameters(remove_duplicate=False)}
+        models.append(dict(model.named_parameters()))
+    for pname, p in models[0].items():
+        torch.testing.assert_close(models[1][pname], p, rtol=0, atol=1e-6 if "norm" in pname else 0, msg=pname)
+
+
 @pytest.mark.parametrize("arch", list(GGUF_ARCH))
 def test_gguf_file_loads_as_the_checkpoint_and_decodes_as_hf(tmp_path, arch):
     hf_dir, hf = _tiny(tmp_path, arch)
@@ -231,14 +306,7 @@ def test_gguf_file_loads_as_the_checkpoint_and_decodes_as_hf(tmp_path, arch):
     assert load_tokenizer(src).decode([258, 111]) == "hello"  # the file's vocabulary (merges "he"+"ll")
 
     # the loader: every parameter as the safetensors checkpoint gives it (Gemma's norms: (1 + w) - 1)
-    models = []
-    for cfg, weights in ((hf.config, ((n, t) for n, t in load_file(os.path.join(hf_dir, "model.safetensors")).items())),
-                         (config, gguf_weights(path, config, show_progress=False))):
-        model = cls(cfg, TorchAttentionBackend())
-        assert model.load_weights(weights) == {n for n, _ in model.named_parameters(remove_duplicate=False)}
-        models.append(dict(model.named_parameters()))
-    for pname, p in models[0].items():
-        torch.testing.assert_close(models[1][pname], p, rtol=0, atol=1e-6 if "norm" in pname else 0, msg=pname)
+    _assert_loads_as(cls, hf.config, load_file(os.path.join(hf_dir, "model.safetensors")).items(), path, config)
 
     prompts = shared_prefix_prompts(hf.config.vocab_size, n=4, seed=4)  # all past Phi-3's 16-token window
     outs, _ = generate(path, prompts)
@@ -284,6 +352,62 @@ def test_q8_0_file_keeps_its_blocks_and_matches_hf_on_them(tmp_path):
     assert tokens(outs) == [hf_greedy(hf, p, GREEDY.max_tokens) for p in prompts]
 
 
+def test_gpt_oss_mxfp4_file_holds_the_release_blocks_and_decodes_as_hf(tmp_path):
+    """The release's MXFP4 experts, converted as llama.cpp does (gate / up rows split, nibbles repacked to
+    ggml's MXFP4): the file's expert tensors are MXFP4, gguf's own dequantizer reads HF's values from them
+    (the repacking is ggml's), the loader gives every parameter HF transformers' dequantization of the same
+    blocks bit for bit, and the engine greedy-decodes HF's tokens."""
+    from transformers import AutoModelForCausalLM
+
+    from tests.reference.mxfp4_checkpoint import write_mxfp4_checkpoint
+
+    hf_dir, _ = _tiny(tmp_path, "gpt_oss")
+    mx_dir = str(tmp_path / "mxfp4")
+    write_mxfp4_checkpoint(hf_dir, mx_dir)
+    hf = AutoModelForCausalLM.from_pretrained(mx_dir, dtype=torch.float32).eval()  # HF dequantizes the blocks
+    path = write_gguf(hf, "gpt_oss", str(tmp_path / "gpt-oss-mxfp4.gguf"),
+                      state=load_file(os.path.join(mx_dir, "model.safetensors")))
+
+    reader = gguf.GGUFReader(path)
+    experts = {t.name: t for t in reader.tensors if re.search(r"ffn_(gate|up|down)_exps\.weight$", t.name)}
+    assert len(experts) == 3 * hf.config.num_hidden_layers
+    assert {t.tensor_type for t in experts.values()} == {gguf.GGMLQuantizationType.MXFP4}
+    gate_up = hf.model.layers[1].mlp.experts.gate_up_proj  # [E, H, 2I]: even columns gate, odd up
+    t = experts["blk.1.ffn_up_exps.weight"]
+    ggml_values = gguf.quants.dequantize(t.data, t.tensor_type).reshape(tuple(reversed([int(d) for d in t.shape])))
+    assert torch.equal(torch.from_numpy(np.array(ggml_values)), gate_up[:, :, 1::2].mT)
+
+    config = load_hf_config(resolve_source(path))
+    assert config.rope_parameters == hf.config.rope_parameters and config.layer_types == hf.config.layer_types
+    _, cls = resolve_architecture(config)
+    state = hf.state_dict()
+    _assert_loads_as(cls, hf.config, state.items(), path, config)
+    model = cls(config, TorchAttentionBackend())
+    model.load_weights(gguf_weights(path, config, show_progress=False))
+    for i, layer in enumerate(model.model.layers):  # bit for bit, signed zeros too
+        w13 = state[f"model.layers.{i}.mlp.experts.gate_up_proj"]
+        want = torch.cat([w13[:, :, 0::2], w13[:, :, 1::2]], 2).mT
+        assert torch.equal(layer.mlp.experts.w13_weight.view(torch.int32), want.contiguous().view(torch.int32))
+
+    prompts = shared_prefix_prompts(hf.config.vocab_size, n=2, seed=4)  # past the 6-key window
+    outs, _ = generate(path, prompts)
+    assert tokens(outs) == [hf_greedy(hf, p, GREEDY.max_tokens) for p in prompts]
+
+
+def test_gpt_oss_mxfp4_nan_exponent_names_the_tensor(tmp_path):
+    """An e8m0 NaN exponent (255) in a GGUF file's MXFP4 experts: a load error naming the tensor."""
+    from tests.reference.mxfp4_checkpoint import write_mxfp4_checkpoint
+
+    hf_dir, hf = _tiny(tmp_path, "gpt_oss")
+    write_mxfp4_checkpoint(hf_dir, str(tmp_path / "mxfp4"))
+    state = load_file(str(tmp_path / "mxfp4" / "model.safetensors"))
+    state["model.layers.1.mlp.experts.gate_up_proj_scales"][3, 5, 0] = 255  # row 5: an up row (odd)
+    path = write_gguf(hf, "gpt_oss", str(tmp_path / "nan.gguf"), state=state)
+    config = load_hf_config(resolve_source(path))
+    with pytest.raises(ValueError, match=r"GGUF tensor 'blk\.1\.ffn_up_exps\.weight'.*NaN exponent"):
+        list(gguf_weights(path, config, show_progress=False))
+
+
 def _refused(tmp_path, arch, edit, match):
     _, hf = _tiny(tmp_path, arch)
     path = write_gguf(hf, arch, str(tmp_path / f"{arch}.gguf"), edit=edit)
@@ -304,6 +428,13 @@ def _refused(tmp_path, arch, edit, match):
     # a tensor with no HF counterpart (llama3-style rope factors)
     ("smollm3", lambda w: w.add_tensor("rope_freqs.weight", np.ones(8, np.float32)) and None,
      r"GGUF tensor 'rope_freqs\.weight'"),
+    # a YaRN attention factor: llama.cpp multiplies it into 1 + 0.1 ln(factor), HF takes it as the whole factor
+    ("gpt_oss", lambda w: w.add_rope_scaling_yarn_attn_factor(0.5), r"'gpt-oss\.rope\.scaling\.yarn_attn_factor'"),
+    # a key llama.cpp's gpt-oss reader does not read (its layer pattern is fixed)
+    ("gpt_oss", lambda w: w.add_uint32("gpt-oss.attention.sliding_window_pattern", 3),
+     r"'gpt-oss\.attention\.sliding_window_pattern'"),
+    # a file without a layer's sinks: refused, not served with zero sinks
+    ("gpt_oss", lambda w: ["blk.1.attn_sinks.weight"], r"'blk\.1\.attn_sinks\.weight' is missing"),
 ])
 def test_what_cannot_be_honoured_fails_at_start_up_naming_it(tmp_path, arch, edit, match):
     _refused(tmp_path, arch, edit, match)

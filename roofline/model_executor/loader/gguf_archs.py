@@ -1,5 +1,5 @@
 """llama.cpp GGUF files of the families roofline maps itself: gemma2, gemma3 (text), phi3, olmo2, granite,
-glm4moe and smollm3 -- the HF config built from the file's metadata, and each tensor's HF name.
+glm4moe, smollm3 and gpt-oss -- the HF config built from the file's metadata, and each tensor's HF name.
 
 transformers reads none of these faithfully (it has no olmo2 / granite / glm4moe / smollm3 reader; its
 gemma2 / gemma3 / phi3 ones drop the soft-caps, the per-layer-type rope, LongRoPE's factor tensors, the
@@ -17,13 +17,22 @@ partial rope and the pretraining window), so the config is rebuilt here as llama
     subclasses) have their q/k rows (weights and biases) permuted to llama.cpp's interleaved rope
     pairs, undone by the loader; Phi-3's fused attn_qkv and ffn_up (gate rows then up rows) are HF's
     fused qkv_proj / gate_up_proj; GLM-4.5's block count includes its MTP layers
-    (nextn_predict_layers), which are not part of num_hidden_layers.
+    (nextn_predict_layers), which are not part of num_hidden_layers; gpt-oss's interleaved gate_up_proj
+    is stored as two expert stacks (ffn_gate_exps: HF's even rows, ffn_up_exps: its odd ones, likewise
+    the biases), down_proj transposed to [E, H, I] as ffn_down_exps, the sinks as attn_sinks.weight; its
+    MXFP4 expert blocks are repacked to ggml's MXFP4 (the exponent byte, then 16 bytes whose low nibbles
+    are values 0-15 and high nibbles 16-31) -- weights.py turns them back into HF's blocks and
+    dequantizes them with quantization/mxfp4.py, so the values are HF's bit for bit.
 
 What llama.cpp fixes rather than stores is fixed the same way: Gemma 2 alternates sliding and global
 layers (even layers slide), Gemma 3 has five sliding layers then a global one, its sliding layers rope
 with base 10000 (or rope.freq_base_swa) unscaled; the attention scale of both is head_dim^-1/2, or
 (hidden / heads)^-1/2 for the 27B models (46 / 62 layers), as llama.cpp derives query_pre_attn_scalar;
-SmolLM3 skips the rope on every 4th layer.
+SmolLM3 skips the rope on every 4th layer. gpt-oss alternates sliding and full layers (even layers slide),
+its clamped SwiGLU has llama.cpp's fixed alpha 1.702 and limit 7.0 (the release's values), its router
+takes top-k then a softmax over those k, its attention scale is head_dim^-1/2; its YaRN is HF gpt-oss's
+(`truncate` false: the correction range is not rounded, as llama.cpp's generic YaRN rounds it -- the file
+comes from an HF gpt-oss model, whose function is served).
 """
 
 from __future__ import annotations
@@ -63,6 +72,7 @@ class GgufArch:
     tied_only: bool = False  # no output.weight: the LM head is the embedding
     config_tensors: tuple[str, ...] = ()  # tensors the config consumes (not parameters)
     mtp_blocks: bool = False  # blocks past num_hidden_layers are multi-token-prediction layers (skipped)
+    leafless: tuple[str, ...] = ()  # block tensors `<part>.weight` whose HF parameter is `<module path>` itself
 
 
 class _Metadata:
@@ -325,6 +335,59 @@ def _glm4moe(m: _Metadata) -> dict:
     return cfg
 
 
+def _yarn_or_plain_rope(m: _Metadata, context: int) -> dict:
+    """_rope's none / linear, or YaRN as HF computes it from what llama.cpp reads: rope.scaling.factor,
+    original_context_length (default: the training context), yarn_beta_fast / _slow (llama.cpp's defaults
+    32 / 1); llama.cpp's ext_factor other than 1, an attention factor other than 1 (llama.cpp multiplies
+    it into its 1 + 0.1 ln(factor), HF takes an explicit one as the whole factor) and a log multiplier have
+    no HF counterpart here and are refused."""
+    if m.get("rope.scaling.type", None) != "yarn":
+        return _rope(m)
+    factor = float(m.get("rope.scaling.factor", 0.0)) or 1.0
+    for key, neutral in (("rope.scaling.yarn_ext_factor", 1.0), ("rope.scaling.yarn_attn_factor", 1.0),
+                         ("rope.scaling.yarn_log_multiplier", 0.0)):
+        if float(m.get(key, neutral)) != neutral:
+            m.refuse(key, f"only {neutral} maps to HF's YaRN")
+    return {"rope_type": "yarn", "rope_theta": float(m.get("rope.freq_base", 10000.0)), "factor": factor,
+            "original_max_position_embeddings": int(m.get("rope.scaling.original_context_length", context)),
+            "beta_fast": float(m.get("rope.scaling.yarn_beta_fast", 32.0)),
+            "beta_slow": float(m.get("rope.scaling.yarn_beta_slow", 1.0)), "truncate": False}
+
+
+# what every gpt-oss block holds besides q/k/v/o weights and norms: HF's model has these parameters always
+_OSS_REQUIRED = ("attn_sinks.weight", "ffn_gate_inp.weight", "ffn_gate_inp.bias", "ffn_gate_exps.weight",
+                 "ffn_gate_exps.bias", "ffn_up_exps.weight", "ffn_up_exps.bias", "ffn_down_exps.weight",
+                 "ffn_down_exps.bias")
+
+
+def _gpt_oss(m: _Metadata) -> dict:
+    cfg = _common(m)
+    head_dim = cfg["head_dim"]
+    _full_rope(m, head_dim)  # llama.cpp: n_rot = head_dim, attention scale n_rot^-1/2
+    experts_ff = int(m.get("expert_feed_forward_length"))
+    if cfg["intermediate_size"] != experts_ff:  # the converter writes intermediate_size to both
+        m.refuse("feed_forward_length", f"gpt-oss has no dense feed-forward; the experts' width is {experts_ff}")
+    window = int(m.get("attention.sliding_window"))
+    if window <= 0:
+        m.refuse("attention.sliding_window", "gpt-oss's sliding layers need a window")
+    n = cfg["num_hidden_layers"]
+    for i in range(n):
+        for part in _OSS_REQUIRED:
+            if f"blk.{i}.{part}" not in m.tensors:
+                raise ValueError(f"GGUF file {m.path}: gpt-oss tensor 'blk.{i}.{part}' is missing")
+    cfg.update(
+        model_type="gpt_oss", architectures=["GptOssForCausalLM"], hidden_act="silu",
+        intermediate_size=experts_ff, num_local_experts=int(m.get("expert_count")),
+        num_experts_per_tok=int(m.get("expert_used_count")),
+        sliding_window=window,
+        layer_types=["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(n)],  # set_swa_pattern(2)
+        rope_parameters=_yarn_or_plain_rope(m, cfg["max_position_embeddings"]),
+        swiglu_alpha=1.702, swiglu_limit=7.0,  # llama.cpp's LLM_FFN_SWIGLU_OAI_MOE constants
+        attention_bias=m.layer_has("attn_q.bias"),
+    )
+    return cfg
+
+
 _GEMMA_LAYER = {**_ATTN, **_MLP, **_GEMMA_NORMS}
 _GLM_LAYER = {
     **_ATTN, **_QK_NORM, **_MLP, "attn_norm": "input_layernorm", "post_attention_norm": "post_attention_layernorm",
@@ -332,6 +395,14 @@ _GLM_LAYER = {
     "ffn_gate_exps": "mlp.experts.gate_proj", "ffn_up_exps": "mlp.experts.up_proj",
     "ffn_down_exps": "mlp.experts.down_proj", "ffn_gate_shexp": "mlp.shared_experts.gate_proj",
     "ffn_up_shexp": "mlp.shared_experts.up_proj", "ffn_down_shexp": "mlp.shared_experts.down_proj",
+}
+
+_OSS_LAYER = {
+    **_ATTN, "attn_norm": "input_layernorm", "post_attention_norm": "post_attention_layernorm",
+    "attn_sinks": "self_attn.sinks", "ffn_gate_inp": "mlp.router",
+    # [E, I, H] / [E, H, I] stacks and [E, I] / [E, H] biases: GptOssForCausalLM takes these llama.cpp layouts
+    "ffn_gate_exps": "mlp.experts.gate_proj", "ffn_up_exps": "mlp.experts.up_proj",
+    "ffn_down_exps": "mlp.experts.down_proj",
 }
 
 ARCHS: dict[str, GgufArch] = {
@@ -345,6 +416,7 @@ ARCHS: dict[str, GgufArch] = {
     "granite": GgufArch(_granite, {**_ATTN, **_MLP, **_PRE_NORMS}, permute_qk=True),
     "smollm3": GgufArch(_smollm3, {**_ATTN, **_MLP, **_PRE_NORMS}, permute_qk=True),
     "glm4moe": GgufArch(_glm4moe, _GLM_LAYER, mtp_blocks=True),
+    "gpt-oss": GgufArch(_gpt_oss, _OSS_LAYER, leafless=("attn_sinks",)),
 }
 
 
@@ -440,6 +512,10 @@ def _layer_name(spec: GgufArch, name: str, skip_from: int) -> Optional[str]:
         if leaf != "bias":
             raise KeyError(name)
         return f"model.layers.{layer}.{hf}_bias"
+    if part in spec.leafless:  # gpt-oss's blk.<i>.attn_sinks.weight: the parameter self_attn.sinks
+        if leaf != "weight":
+            raise KeyError(name)
+        return f"model.layers.{layer}.{hf}"
     return f"model.layers.{layer}.{hf}.{leaf}"
 
 

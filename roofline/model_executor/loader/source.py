@@ -82,7 +82,7 @@ def _gguf_path(src: ModelSource) -> str:
 
 def _gguf_config(src: ModelSource) -> Any:
     """The GGUF file's config: built by gguf_archs for the families it maps (gemma2, gemma3, phi3, olmo2,
-    granite, glm4moe, smollm3; a key or tensor it cannot honour fails here, naming it), by transformers'
+    granite, glm4moe, smollm3, gpt-oss; a key or tensor it cannot honour fails here, naming it), by transformers'
     GGUF reader for the others (llama, mistral, qwen2, qwen3, mixtral, qwen2moe, qwen3moe)."""
     from transformers import AutoConfig
 

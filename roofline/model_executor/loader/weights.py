@@ -5,7 +5,8 @@ Each yields (HF parameter name, tensor) so a model's load_weights reads one nami
 keep_quantized, a GGUF weight in a format the native kernels take comes as a
 gguf_quant.QuantizedTensor (its rows still permuted like an fp32 weight's).  GGUF names: llama.cpp's
 llama / mistral / qwen2 / qwen3 / mixtral / qwen2moe / qwen3moe files through the tables below; the
-families of gguf_archs.ARCHS (gemma2, gemma3, phi3, olmo2, granite, glm4moe, smollm3) through theirs.
+families of gguf_archs.ARCHS (gemma2, gemma3, phi3, olmo2, granite, glm4moe, smollm3, gpt-oss) through theirs.
+MXFP4 tensors (gpt-oss's experts) are dequantized by quantization/mxfp4.py, as an HF MXFP4 checkpoint's are.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from tqdm import tqdm
 
 from roofline.cpu import gguf_quant
 from roofline.cpu.gguf_quant import QuantizedTensor
+from roofline.model_executor.layers.quantization import mxfp4
 
 
 def safetensors_weights(path: str, show_progress: bool = True) -> Iterator[tuple[str, torch.Tensor]]:
@@ -101,6 +103,14 @@ def gguf_weights(file: str, hf_config, show_progress: bool = True,
                 and name.startswith("model.layers.") and name.endswith(".weight")):
             raw = torch.from_numpy(np.array(t.data, dtype=np.uint8).reshape(shape[0], -1))
             w = QuantizedTensor(_permuted_rows(raw, name, permute_qk, n_head, n_kv), int(t.tensor_type), shape[1])
+            yield name, w
+            continue
+        if t.tensor_type == gguf.GGMLQuantizationType.MXFP4:  # HF's blocks again, then HF's dequantization
+            raw = torch.from_numpy(np.array(t.data, dtype=np.uint8).reshape(*shape[:-1], -1))
+            try:
+                w = mxfp4.from_ggml(raw).dequantize(torch.float32)
+            except ValueError as e:
+                raise ValueError(f"GGUF tensor {t.name!r}: {e}") from e
             yield name, w
             continue
         arr = gguf.quants.dequantize(t.data, t.tensor_type)

@@ -19,7 +19,10 @@ and odd ones the up projection, gate_up_proj_bias [E, 2I] (interleaved alike), d
 down_proj_bias [E, H]; `_load_expert` de-interleaves and transposes them into FusedMoE's [gate; up] rows.
 OpenAI's release stores gate_up_proj / down_proj in MXFP4 (`*_blocks` + `*_scales`, quantization_config
 quant_method "mxfp4"): quantization/mxfp4.py's reader turns them into these same tensors at load, with HF's
-values.  The fp32 CPU layer stack (llama_cpu_stack.py) steps aside (experts, sinks, windows).
+values.  A llama.cpp GGUF file (loader/gguf_archs.py) holds the experts one projection a stack, as
+<module>.{gate_proj|up_proj}.weight [E, I, H] / .bias [E, I] and down_proj.weight [E, H, I] / .bias [E, H]
+(HF's even gate_up rows and entries are gate_proj's, the odd ones up_proj's); `_load_gguf_expert` takes
+those.  The fp32 CPU layer stack (llama_cpu_stack.py) steps aside (experts, sinks, windows).
 """
 
 from __future__ import annotations
@@ -39,6 +42,9 @@ from roofline.model_executor.models.llama import LlamaAttention, LlamaDecoderLay
 from roofline.model_executor.models.llama_moe import LlamaMoeForCausalLM
 
 _EXPERT_TENSOR = re.compile(r"^(?P<module>.+\.mlp\.experts)\.(?P<proj>gate_up_proj|down_proj)(?P<suffix>_bias)?$")
+_GGUF_EXPERT_TENSOR = re.compile(r"^(?P<module>.+\.mlp\.experts)\.(?P<proj>gate_proj|up_proj|down_proj)"
+                                 r"\.(?P<leaf>weight|bias)$")
+_SHARD = {"gate_proj": "w1", "up_proj": "w3", "down_proj": "w2"}
 
 
 class GptOssAttention(LlamaAttention):
@@ -104,16 +110,40 @@ class GptOssForCausalLM(LlamaMoeForCausalLM):
         m = _EXPERT_TENSOR.match(name)
         if m is not None:
             return self._load_expert(name, m, tensor)
+        m = _GGUF_EXPERT_TENSOR.match(name)
+        if m is not None:
+            return self._load_gguf_expert(name, m, tensor)
         return load_named_tensor(self, name, tensor, params, self.stacked_params)
 
-    def _load_expert(self, name: str, m: re.Match, tensor: torch.Tensor) -> str:
-        """One of HF's stacked expert tensors (module doc) into the FusedMoE at <module>."""
+    def _moe(self, name: str, m: re.Match) -> FusedMoE:
         try:
             moe = self.get_submodule(m["module"])
         except AttributeError:
             moe = None
         if not isinstance(moe, FusedMoE):
             raise ValueError(f"checkpoint tensor {name!r} has no mixture-of-experts layer at {m['module']!r}")
+        return moe
+
+    def _load_gguf_expert(self, name: str, m: re.Match, tensor: torch.Tensor) -> str:
+        """One of llama.cpp's per-projection expert stacks (module doc) into the FusedMoE at <module>."""
+        moe = self._moe(name, m)
+        shard, bias = _SHARD[m["proj"]], m["leaf"] == "bias"
+        if not bias:
+            try:
+                moe.load_stacked(m["proj"], tensor)
+            except ValueError as e:
+                raise ValueError(f"checkpoint tensor {name!r}: {e}") from e
+            return f"{m['module']}.{'w2' if shard == 'w2' else 'w13'}_weight"
+        want = (moe.num_experts, moe.hidden_size if shard == "w2" else moe.intermediate_size)
+        if tuple(tensor.shape) != want:
+            raise ValueError(f"checkpoint tensor {name!r} has shape {list(tensor.shape)}, expected {list(want)}")
+        for e in range(moe.num_experts):
+            moe.bias_loader(tensor[e], shard, e)
+        return f"{m['module']}.{'w2' if shard == 'w2' else 'w13'}_bias"
+
+    def _load_expert(self, name: str, m: re.Match, tensor: torch.Tensor) -> str:
+        """One of HF's stacked expert tensors (module doc) into the FusedMoE at <module>."""
+        moe = self._moe(name, m)
         e_, h, i = moe.num_experts, moe.hidden_size, moe.intermediate_size
         gate_up, bias = m["proj"] == "gate_up_proj", m["suffix"] is not None
         want = {(True, False): (e_, h, 2 * i), (False, False): (e_, i, h), (True, True): (e_, 2 * i),

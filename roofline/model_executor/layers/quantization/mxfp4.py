@@ -15,6 +15,11 @@ with --quantized-weights native too (the worker logs it) -- computing in that dt
 `convert_moe_packed_tensors` does (an e2m1 table lookup, then ldexp by the exponent), so the values are
 HF's.  A `_blocks` tensor without its `_scales` (or the reverse), a shape that does not pair up, or a NaN
 exponent (255) is a ValueError naming the tensor.
+
+llama.cpp's GGUF files (type MXFP4, 39) hold the same blocks repacked: per block of 32 an exponent byte, then 16
+bytes whose low nibble is value j and high nibble value j + 16 (ggml's Q4_0-style order; the converter swaps
+the nibbles of HF's even / odd pairs into it).  `from_ggml` turns those bytes back into HF's blocks and scales,
+so a GGUF file's experts dequantize through the same code to the same bits.
 """
 
 from __future__ import annotations
@@ -92,6 +97,23 @@ class Mxfp4Tensor:
 
     def rows_route(self, rows: int) -> bool:
         return False
+
+
+GGML_BLOCK_BYTES = 1 + BLOCK // 2  # the exponent, then 16 bytes of nibbles
+
+
+def from_ggml(raw: torch.Tensor) -> Mxfp4Tensor:
+    """ggml's MXFP4 rows, uint8 [..., N, K/32 * 17] (each block: exponent byte, 16 bytes with value j in the low
+    nibble of byte j and value j + 16 in its high nibble), as HF's blocks [..., N, K/32, 16] (values 2j / 2j + 1
+    in the low / high nibble of byte j) and scales [..., N, K/32]."""
+    if raw.dtype != torch.uint8 or raw.dim() < 2 or raw.shape[-1] % GGML_BLOCK_BYTES:
+        raise ValueError(f"ggml MXFP4 rows must be uint8 [..., rows, blocks x {GGML_BLOCK_BYTES}], got {raw.dtype} "
+                         f"{list(raw.shape)}")
+    b = raw.reshape(*raw.shape[:-1], raw.shape[-1] // GGML_BLOCK_BYTES, GGML_BLOCK_BYTES)
+    qs = b[..., 1:]
+    codes = torch.cat([qs & 0x0F, qs >> 4], dim=-1)  # value order 0..31
+    blocks = codes[..., 0::2] | (codes[..., 1::2] << 4)
+    return Mxfp4Tensor(blocks.contiguous(), b[..., 0].contiguous())
 
 
 # ---- reading a checkpoint ---------------------------------------------------------------------------------
