@@ -423,10 +423,10 @@ ARCHS: dict[str, GgufArch] = {
 # ---- reading a file -----------------------------------------------------------------------------------
 
 def file_architecture(path: str) -> str:
-    """general.architecture of a GGUF file (its header only)."""
-    from transformers.integrations.gguf import read_gguf_metadata
+    """general.architecture of a GGUF file (its header and tensor table only: gguf_file.GgufTensors)."""
+    from roofline.model_executor.loader.gguf_file import GgufTensors
 
-    return read_gguf_metadata(path)[0]["general.architecture"]
+    return GgufTensors(path).architecture
 
 
 def hf_config_dict(path: str) -> dict:

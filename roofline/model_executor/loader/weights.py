@@ -87,9 +87,10 @@ def gguf_weights(file: str, hf_config, show_progress: bool = True,
     import gguf
 
     from roofline.model_executor.loader import gguf_archs
+    from roofline.model_executor.loader.gguf_file import GgufTensors
 
-    reader = gguf.GGUFReader(file)
-    arch = reader.fields["general.architecture"].contents()
+    reader = GgufTensors(file)  # the tensor table only (gguf_file.py): GGUFReader would parse the vocabulary too
+    arch = reader.architecture
     mapped = arch in gguf_archs.ARCHS  # else the llama-family tables above
     permute_qk = arch in ("llama", "mistral") or (mapped and gguf_archs.ARCHS[arch].permute_qk)
     n_head = hf_config.num_attention_heads
