@@ -79,21 +79,30 @@ def test_models_lists_adapters_with_parent(http, family):
     assert http.get("/v1/models/nope").status_code == 404
 
 
-def test_metrics_name_the_running_adapter_as_vllm_does(http, family):
+def test_metrics_name_the_running_adapter_as_vllm_does(server, http, family):
     """vllm:lora_requests_info (what a gateway's LoRA-affinity scorer reads) names a1 while a request runs
-    under it, with max_lora; our roofline: name carries the same series."""
-    from roofline.metrics.prometheus import parse_metrics
+    under it, with max_lora; our roofline: name carries the same series.  Every series the server's logger
+    renders during the request is captured (a tiny model's request ends within a few scrapes)."""
+    from roofline.metrics.prometheus import PrometheusStatLogger, parse_metrics
 
-    d = dict(body(family.prompts[0], "a1", stream=True), max_tokens=400)
-    with http.stream("POST", "/v1/completions", json=d) as r:
-        assert r.status_code == 200
-        for line in r.iter_lines():
-            if line.startswith("data: "):
-                break  # the request is running: read the metrics before it ends (the stream closes: abort)
-        m = parse_metrics(http.get("/metrics").text)
-    info = [k for k in m if k.startswith("vllm:lora_requests_info")]
-    assert len(info) == 1 and 'running_lora_adapters="a1"' in info[0] and 'max_lora="2"' in info[0]
-    assert "roofline:" + info[0][len("vllm:"):] in m
+    logger = next(sl for sl in server.engine.stat_loggers if isinstance(sl, PrometheusStatLogger))
+    seen, record = [], logger.record
+
+    def recording(stats):
+        record(stats)
+        seen.append(parse_metrics(logger.render().decode()))
+
+    logger.record = recording
+    try:
+        assert complete(http, family.prompts[0], "a1")
+    finally:
+        logger.record = record
+    running = [m for m in seen if any('running_lora_adapters="a1"' in k for k in m)]
+    assert running, "no scrape saw a1 running"
+    info = [k for k in running[0] if k.startswith("vllm:lora_requests_info")]
+    assert len(info) == 1 and 'max_lora="2"' in info[0]
+    assert "roofline:" + info[0][len("vllm:"):] in running[0]
+    assert any(k.startswith("vllm:lora_requests_info") for k in parse_metrics(http.get("/metrics").text))
 
 
 def test_mixed_concurrent_requests_match_peft(server, family):
