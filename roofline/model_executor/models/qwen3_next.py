@@ -286,14 +286,7 @@ class Qwen3NextForCausalLM(LlamaMoeForCausalLM):
     has_recurrent_state = True  # linear-attention layers (EngineCore.check_recurrent_state)
     supports_kv_groups = False
     keeps_quantized_weights = False
-    supports_lora = False
-    stacked_params = [
-        (".q_proj", ".qkv_proj", "q"),
-        (".k_proj", ".qkv_proj", "k"),
-        (".v_proj", ".qkv_proj", "v"),
-        (".gate_proj", ".gate_up_proj", 0),
-        (".up_proj", ".gate_up_proj", 1),
-    ]
+    supports_lora = False  # stacked_params: LlamaForCausalLM's (q/k/v and gate/up fused)
 
     def __init__(self, config, backend: AttentionBackend):
         nn.Module.__init__(self)
