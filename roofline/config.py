@@ -121,6 +121,9 @@ class ParallelConfig:
     master_addr: str = "127.0.0.1"
     master_port: Optional[int] = None
     distributed_backend: Optional[str] = None  # gloo on CPU, nccl on CUDA when None
+    distributed_executor_backend: str = "mp"  # mp: processes started here (and `roofline worker`) | ray: Ray actors
+    ray_placement_strategy: str = "PACK"  # the ranks' placement group (executor/ray_executor.py)
+    ray_placement_timeout: float = 60.0  # seconds to wait for the placement group before failing
 
     @property
     def world_size(self) -> int:
@@ -147,6 +150,8 @@ class ObservabilityConfig:
     roofline_hardware: Optional[str] = None  # planner preset for the bound; None: GPU preset or measured
 
 
+EXECUTOR_BACKENDS = ("mp", "ray")
+RAY_PLACEMENT_STRATEGIES = ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD")
 SPECULATIVE_METHODS = ("ngram", "draft_model", "mtp")
 UNIMPLEMENTED_SPECULATIVE_METHODS: tuple[str, ...] = ()
 MAX_SPECULATIVE_TOKENS = 16
@@ -348,6 +353,9 @@ class EngineArgs:
     master_addr: str = "127.0.0.1"
     master_port: Optional[int] = None
     distributed_backend: Optional[str] = None
+    distributed_executor_backend: str = "mp"
+    ray_placement_strategy: str = "PACK"
+    ray_placement_timeout: float = 60.0
     # device
     attention_backend: str = "auto"
     enforce_eager: bool = False
@@ -404,6 +412,7 @@ class EngineArgs:
         for name in ("tensor_parallel_size", "pipeline_parallel_size", "data_parallel_size"):
             if getattr(self, name) <= 0:
                 errors.append(f"{name} must be positive, got {getattr(self, name)}")
+        errors.extend(self._executor_errors())
         if self.all2all_backend not in ALL2ALL_BACKENDS:
             errors.append(f"all2all_backend must be one of {', '.join(ALL2ALL_BACKENDS)}, got {self.all2all_backend!r}")
         if self.enable_eplb and not self.enable_expert_parallel:
@@ -542,6 +551,9 @@ class EngineArgs:
             master_addr=self.master_addr,
             master_port=self.master_port,
             distributed_backend=self.distributed_backend,
+            distributed_executor_backend=self.distributed_executor_backend,
+            ray_placement_strategy=self.ray_placement_strategy,
+            ray_placement_timeout=self.ray_placement_timeout,
         )
         device_config = DeviceConfig(
             device=device, attention_backend=self.attention_backend, enforce_eager=self.enforce_eager,
@@ -554,6 +566,27 @@ class EngineArgs:
                             speculative, kv_transfer, lora, kv_events,
                             engine_core_process=self.engine_core_process)
 
+
+    def _executor_errors(self) -> list[str]:
+        errors = []
+        if self.distributed_executor_backend not in EXECUTOR_BACKENDS:
+            errors.append(f"distributed_executor_backend must be one of {', '.join(EXECUTOR_BACKENDS)}, "
+                          f"got {self.distributed_executor_backend!r}")
+        if self.ray_placement_strategy not in RAY_PLACEMENT_STRATEGIES:
+            errors.append(f"ray_placement_strategy must be one of {', '.join(RAY_PLACEMENT_STRATEGIES)}, "
+                          f"got {self.ray_placement_strategy!r}")
+        if not self.ray_placement_timeout > 0:
+            errors.append(f"ray_placement_timeout must be positive, got {self.ray_placement_timeout}")
+        if self.distributed_executor_backend == "ray":
+            if self.nnodes != 1 or self.node_rank != 0:
+                errors.append("--nnodes/--node-rank start the mp backend's nodes by hand; with "
+                              "--distributed-executor-backend ray, Ray places every rank on the cluster's nodes")
+            import importlib.util
+
+            if importlib.util.find_spec("ray") is None:
+                errors.append("--distributed-executor-backend ray needs Ray, which is not installed: "
+                              "pip install 'roofline[ray]'")
+        return errors
 
     def _lora_config(self, errors: list[str]) -> Optional[LoRAConfig]:
         """The LoRA settings (None unless enable_lora), their errors appended to errors."""

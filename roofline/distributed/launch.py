@@ -27,6 +27,7 @@ from roofline.distributed.protocol import (
     Failure,
     Heartbeat,
     LocalProcess,
+    RankHandle,
     Ready,
     WorkerSpec,
     describe_exit,
@@ -113,15 +114,6 @@ def heartbeat_timeout_s() -> float:
     return float(env_flag("ROOFLINE_HEARTBEAT_TIMEOUT", "5"))
 
 
-def process_state(pid: int) -> str:
-    """Linux process state letter (R, S, D, T = stopped, t = traced, Z ...), '' where unknown."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0]
-    except (OSError, IndexError):
-        return ""
-
-
 def threads_per_rank(nproc: int) -> int:
     forced = env_flag("ROOFLINE_WORKER_THREADS")
     if forced:
@@ -162,34 +154,19 @@ def order_failures(failures: list) -> str:
     return "; ".join(texts)
 
 
-class LocalRanks:
-    """The worker processes of this node: start, wait for readiness, watch, stop."""
+class RankGroup:
+    """Every rank this process watches (RankHandles: local processes, or the Ray executor's actors):
+    wait for readiness, receive, read heartbeats, stop."""
 
-    def __init__(self, layout: NodeLayout, *, bootstrap: Optional[bytes] = None, show_progress: bool = False,
-                 worker_cls: str = DEFAULT_WORKER_CLS, model_override: Optional[str] = None) -> None:
-        self.layout = layout
-        self.procs: list[LocalProcess] = []
-        self.last_beat: dict[int, float] = {}  # rank -> time.monotonic() of its last heartbeat
+    def __init__(self, procs: list[RankHandle]) -> None:
+        self.procs = procs
+        self.last_beat: dict[int, float] = {p.rank: time.monotonic() for p in procs}  # rank -> last heartbeat
         self.heartbeat_timeout = heartbeat_timeout_s()
-        threads = threads_per_rank(layout.nproc_per_node)
-        level = logging.getLogger().getEffectiveLevel()
-        try:
-            for local_rank, rank in enumerate(layout.ranks):
-                spec = WorkerSpec(
-                    rank=rank, world_size=layout.world_size, local_rank=local_rank, node_rank=layout.node_rank,
-                    nnodes=layout.nnodes, master_addr=layout.master_addr, master_port=layout.master_port,
-                    secret=layout.secret, backend=layout.backend,
-                    device=layout.device, timeout_s=dist_timeout_s(), num_threads=threads, log_level=level,
-                    show_progress=show_progress, worker_cls=worker_cls,
-                    bootstrap=bootstrap if rank == 0 else None, model_override=model_override,
-                )
-                self.procs.append(start_worker_process(spec))
-                self.last_beat[rank] = time.monotonic()
-        except BaseException:
-            self.kill()
-            raise
 
-    def by_rank(self, rank: int) -> LocalProcess:
+    def close(self) -> None:
+        """After kill(): release whatever holds the ranks' places (the Ray executor's placement group)."""
+
+    def by_rank(self, rank: int) -> RankHandle:
         for p in self.procs:
             if p.rank == rank:
                 return p
@@ -202,11 +179,8 @@ class LocalRanks:
         try:
             msg = reply_decoder.decode(p.conn.recv_bytes())
         except (EOFError, OSError):
-            try:
-                p.proc.wait(timeout=5)
-            except Exception:
-                pass
-            raise RankFailure(f"tensor-parallel worker {p.describe()} {describe_exit(p.proc)}") from None
+            p.wait(5)
+            raise RankFailure(f"tensor-parallel worker {p.describe()} {p.exit_status() or 'closed its connection'}") from None
         if isinstance(msg, Heartbeat):
             self.last_beat[p.rank] = time.monotonic()
             return None
@@ -217,11 +191,10 @@ class LocalRanks:
         heartbeat_timeout seconds (hung), or None.  No I/O: call poll() to read heartbeats first."""
         now = time.monotonic()
         for p in self.procs:
-            if p.proc.poll() is not None:
+            if p.exit_status() is not None:
                 continue  # dead(): described there
-            state = process_state(p.proc.pid)
-            if state in ("T", "t"):
-                return f"tensor-parallel worker {p.describe()} is stopped (state {state}: SIGSTOP or a debugger)"
+            if p.stopped():
+                return f"tensor-parallel worker {p.describe()} is stopped (SIGSTOP or a debugger)"
             silent = now - self.last_beat.get(p.rank, now)
             if silent > self.heartbeat_timeout:
                 return (f"tensor-parallel worker {p.describe()} stopped responding: no heartbeat for {silent:.1f} s "
@@ -321,7 +294,7 @@ class LocalRanks:
             left = None if deadline is None else max(0.0, deadline - time.monotonic())
             ready = wait(list(pending), None if left is None else min(left, 1.0))
             if not ready:
-                stopped = [p for p in pending.values() if process_state(p.proc.pid) in ("T", "t")]
+                stopped = [p for p in pending.values() if p.stopped()]
                 if stopped:
                     raise RankFailure(f"tensor-parallel worker {stopped[0].describe()} is stopped at start-up")
                 if deadline is not None and time.monotonic() >= deadline:
@@ -347,34 +320,54 @@ class LocalRanks:
     def dead(self) -> Optional[str]:
         """A description of the first local rank that has exited, or None (no I/O, thread-safe)."""
         for p in self.procs:
-            if p.proc.poll() is not None:
-                return f"tensor-parallel worker {p.describe()} {describe_exit(p.proc)}"
+            status = p.exit_status()
+            if status is not None:
+                return f"tensor-parallel worker {p.describe()} {status}"
         return None
 
     def join(self, timeout: float) -> bool:
         deadline = time.monotonic() + timeout
-        for p in self.procs:
-            try:
-                p.proc.wait(timeout=max(0.0, deadline - time.monotonic()))
-            except Exception:
-                return False
-        return True
+        return all(p.wait(max(0.0, deadline - time.monotonic())) for p in self.procs)
 
     def kill(self, grace: float = 0.0) -> None:
         if grace > 0:
             self.join(grace)
         for p in self.procs:
-            if p.proc.poll() is None:
-                p.proc.kill()
+            p.kill()
         for p in self.procs:
-            try:
-                p.proc.wait(timeout=10)
-            except Exception:
+            if not p.wait(10):
                 logger.warning("tensor-parallel worker %s did not exit", p.describe())
             try:
                 p.conn.close()
             except Exception:
                 pass
+        self.close()
+
+
+class LocalRanks(RankGroup):
+    """The worker processes of this node: started here as child processes."""
+
+    def __init__(self, layout: NodeLayout, *, bootstrap: Optional[bytes] = None, show_progress: bool = False,
+                 worker_cls: str = DEFAULT_WORKER_CLS, model_override: Optional[str] = None) -> None:
+        super().__init__([])
+        self.layout = layout
+        threads = threads_per_rank(layout.nproc_per_node)
+        level = logging.getLogger().getEffectiveLevel()
+        try:
+            for local_rank, rank in enumerate(layout.ranks):
+                spec = WorkerSpec(
+                    rank=rank, world_size=layout.world_size, local_rank=local_rank, node_rank=layout.node_rank,
+                    nnodes=layout.nnodes, master_addr=layout.master_addr, master_port=layout.master_port,
+                    secret=layout.secret, backend=layout.backend,
+                    device=layout.device, timeout_s=dist_timeout_s(), num_threads=threads, log_level=level,
+                    show_progress=show_progress, worker_cls=worker_cls,
+                    bootstrap=bootstrap if rank == 0 else None, model_override=model_override,
+                )
+                self.procs.append(start_worker_process(spec))
+                self.last_beat[rank] = time.monotonic()
+        except BaseException:
+            self.kill()
+            raise
 
 
 def startup_timeout_s() -> float:

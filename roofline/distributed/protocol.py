@@ -130,8 +130,36 @@ def decode_hf_config(hf_config_json: str):
 
 
 # ---- starting worker processes ---------------------------------------------------------------------
+class RankHandle:
+    """One rank as its watcher sees it: a connection (send_bytes/recv_bytes of msgpack messages) and the
+    process behind it.  LocalProcess (a child process of this one) and the Ray executor's actors
+    implement it; launch.RankGroup watches any of them the same way."""
+
+    rank: int
+    conn: Any
+
+    def describe(self) -> str:
+        """Which rank, and where ("rank 1 (pid 123)")."""
+        raise NotImplementedError
+
+    def exit_status(self) -> Optional[str]:
+        """None while the rank's process runs; else how it ended ("was killed by SIGKILL").  No I/O."""
+        raise NotImplementedError
+
+    def stopped(self) -> bool:
+        """The process is stopped (SIGSTOP or a debugger): it cannot send heartbeats."""
+        return False
+
+    def wait(self, timeout: float) -> bool:
+        """Wait up to timeout seconds for the process to end; True once it has."""
+        raise NotImplementedError
+
+    def kill(self) -> None:
+        raise NotImplementedError
+
+
 @dataclass
-class LocalProcess:
+class LocalProcess(RankHandle):
     """One worker process started by this process, and the socket to it."""
 
     rank: int
@@ -140,6 +168,23 @@ class LocalProcess:
 
     def describe(self) -> str:
         return f"rank {self.rank} (pid {self.proc.pid})"
+
+    def exit_status(self) -> Optional[str]:
+        return None if self.proc.poll() is None else describe_exit(self.proc)
+
+    def stopped(self) -> bool:
+        return process_state(self.proc.pid) in ("T", "t")
+
+    def wait(self, timeout: float) -> bool:
+        try:
+            self.proc.wait(timeout=timeout)
+            return True
+        except subprocess.TimeoutExpired:
+            return False
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
 
 
 def start_worker_process(spec: WorkerSpec) -> LocalProcess:
@@ -169,6 +214,15 @@ def start_child_process(module: str, first_message: bytes):
     conn = Connection(ours.detach())
     conn.send_bytes(first_message)
     return proc, conn
+
+
+def process_state(pid: int) -> str:
+    """Linux process state letter (R, S, D, T = stopped, t = traced, Z ...), '' where unknown."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return ""
 
 
 def describe_exit(proc: subprocess.Popen) -> str:

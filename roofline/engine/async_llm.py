@@ -361,7 +361,9 @@ class AsyncLLM:
                 commands, self._commands = self._commands, []
                 self._accepting = False
             self._fail_commands(commands, err)
-            self._abort_all(err, call_core=False)
+            # a dead executor leaves the core's own state whole (ExecutorDeadError.core_state_intact): abort its
+            # requests there too, so every KV block is back in the pool; any other failure leaves the core alone
+            self._abort_all(err, call_core=getattr(e, "core_state_intact", False))
             self._shutdown_core()
 
     def _shutdown_core(self) -> None:

@@ -47,6 +47,8 @@ SHUTDOWN_GRACE_S = 15.0
 class EngineCoreDeadError(ExecutorDeadError):
     """The engine core process died or failed; the server cannot serve any more requests."""
 
+    core_state_intact = False  # the core (and its pool) went with its process
+
 
 # ---- server -> core ---------------------------------------------------------------------------------
 class CoreStart(msgspec.Struct):

@@ -68,6 +68,12 @@ _HELP = {
     "master_addr": "address of node 0, where rank 0 hosts the rendezvous",
     "master_port": "rendezvous port on node 0 (a free one on one node; 29500 when unset with nnodes > 1)",
     "distributed_backend": "gloo | nccl for the model's collectives (gloo on CPU, nccl on CUDA when unset)",
+    "distributed_executor_backend": "mp (worker processes started here; other nodes run `roofline worker`) | ray "
+                                    "(one Ray actor per rank in a placement group, on the cluster at RAY_ADDRESS, or a "
+                                    "new local Ray; needs the roofline[ray] extra)",
+    "ray_placement_strategy": "with ray: the placement group's strategy, PACK | SPREAD | STRICT_PACK | STRICT_SPREAD",
+    "ray_placement_timeout": "with ray: seconds to wait for the placement group before failing with what the "
+                             "cluster has",
     "step_roofline": "live roofline: account each step's bytes and FLOPs against the device's bound "
                      "(/metrics roofline:step_*, /dashboard); --no-step-roofline turns it off",
     "speculative_config": "speculative decoding as a JSON object, vLLM's keys: method (ngram | draft_model | mtp), "

@@ -11,6 +11,10 @@ class ExecutorDeadError(RuntimeError):
     """The executor cannot run any more steps (a worker died, hung or failed): the engine stops.
     Any other exception from execute() is taken as caused by the step's requests (see EngineCore)."""
 
+    # the scheduler and block pool of the core that saw this are whole (only the executor failed): its
+    # requests can still be aborted there, which gives back every block
+    core_state_intact = True
+
 
 class Executor(ABC):
     @abstractmethod

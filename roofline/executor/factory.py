@@ -1,5 +1,5 @@
-"""create_executor: one process (UniProcExecutor) or many (MultiprocExecutor) from the parallel layout;
-the one place that knows both implementations."""
+"""create_executor: one process (UniProcExecutor), many (MultiprocExecutor) or Ray actors (RayExecutor,
+--distributed-executor-backend ray) from the parallel configuration; the one place that knows them all."""
 
 from __future__ import annotations
 
@@ -9,6 +9,10 @@ from roofline.model_executor.loader.source import ModelSource
 
 
 def create_executor(config: EngineConfig, source: ModelSource, show_progress: bool = True) -> Executor:
+    if config.parallel_config.distributed_executor_backend == "ray":
+        from roofline.executor.ray_executor import RayExecutor
+
+        return RayExecutor(config, source, show_progress)
     if config.parallel_config.world_size > 1 or config.parallel_config.nnodes > 1:
         from roofline.executor.multiproc import MultiprocExecutor
 

@@ -31,7 +31,7 @@ from typing import Any, Optional
 
 from roofline.config import EngineConfig, env_flag
 from roofline.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
-from roofline.distributed.launch import LocalRanks, RankFailure, node_layout, startup_timeout_s
+from roofline.distributed.launch import LocalRanks, RankFailure, RankGroup, node_layout, startup_timeout_s
 from roofline.distributed.protocol import (
     DEFAULT_WORKER_CLS,
     Call,
@@ -93,7 +93,7 @@ def check_tensor_parallel_split(config: EngineConfig) -> None:
             return
 
 
-def _stop(ranks: LocalRanks, graceful: bool) -> None:
+def _stop(ranks: RankGroup, graceful: bool) -> None:
     if graceful:
         try:
             ranks.by_rank(0).conn.send_bytes(encoder.encode(Shutdown()))
@@ -106,24 +106,15 @@ class MultiprocExecutor(Executor):
     def __init__(self, config: EngineConfig, source: ModelSource, show_progress: bool = True,
                  worker_cls: str = DEFAULT_WORKER_CLS) -> None:
         pc = config.parallel_config
-        if pc.node_rank != 0:
-            raise ValueError(
-                f"the engine runs on node 0; on node {pc.node_rank} run `roofline worker --node-rank "
-                f"{pc.node_rank}` with the same --nnodes/--master-addr/--master-port/-tp flags"
-            )
-        self.layout = node_layout(pc, config.device_config.device)
         check_tensor_parallel_split(config)
-        self.world_size = self.layout.world_size
+        self.world_size = pc.world_size
         self._dead: Optional[str] = None
         self._closed = False
         self._lock = threading.Lock()  # one message exchange with the ranks at a time
         self._step_times: deque[float] = deque(maxlen=64)
         self._submitted: deque[float] = deque()  # time.monotonic() of each step not yet collected
         self.max_batches_in_flight = pc.pipeline_parallel_size
-        logger.info("starting %d tensor-parallel ranks on %d node(s) (%s), rendezvous at %s",
-                    self.world_size, self.layout.nnodes, self.layout.backend, self.layout.init_method)
-        self.ranks = LocalRanks(self.layout, bootstrap=encode_bootstrap(config), show_progress=show_progress,
-                                worker_cls=worker_cls)
+        self.ranks = self._start_ranks(config, encode_bootstrap(config), show_progress, worker_cls)
         # never leave orphans, even without shutdown()
         self._finalizer = weakref.finalize(self, _stop, self.ranks, False)
         try:
@@ -136,6 +127,20 @@ class MultiprocExecutor(Executor):
             raise
         logger.debug("ranks ready: %s", infos)
         self.driver = self.ranks.by_rank(0)
+
+    def _start_ranks(self, config: EngineConfig, bootstrap: bytes, show_progress: bool,
+                     worker_cls: str) -> RankGroup:
+        """Start every rank of the world (or, multi-node, this node's: the others run `roofline worker`)."""
+        pc = config.parallel_config
+        if pc.node_rank != 0:
+            raise ValueError(
+                f"the engine runs on node 0; on node {pc.node_rank} run `roofline worker --node-rank "
+                f"{pc.node_rank}` with the same --nnodes/--master-addr/--master-port/-tp flags"
+            )
+        layout = node_layout(pc, config.device_config.device)
+        logger.info("starting %d tensor-parallel ranks on %d node(s) (%s), rendezvous at %s",
+                    layout.world_size, layout.nnodes, layout.backend, layout.init_method)
+        return LocalRanks(layout, bootstrap=bootstrap, show_progress=show_progress, worker_cls=worker_cls)
 
     # ---- plumbing ------------------------------------------------------------------------------
     def _fail(self, message: str, in_background: bool = False) -> WorkerDeadError:

@@ -2,7 +2,8 @@
 
 Started by MultiprocExecutor (node 0) or by `roofline worker` (other nodes) as
 `python -m roofline.worker.worker_process --fd N`, where N is this process's end of a socket pair
-to its parent.  The life of a rank:
+to its parent; or, under the Ray executor, inside a Ray actor (worker/ray_actor.py) whose link to the
+engine is an authenticated TCP connection.  The life of a rank:
 
 1. read its WorkerSpec from the parent; join the world (torch.distributed TCP rendezvous);
 2. receive the engine configuration from rank 0 (control broadcast), load its shard of the model;
@@ -323,24 +324,40 @@ class WorkerProc:
         return [msgspec.msgpack.decode(b) for b in comm.all_gather_bytes(info)]
 
 
-def _exit_when_parent_goes(conn) -> None:
-    """Ranks other than 0 never hear from their parent after the spec: EOF means it is gone."""
+def _exit_when_parent_goes(conn, served: threading.Event) -> None:
+    """Ranks other than 0 never hear from their parent after the spec: EOF means it is gone (unless the
+    rank has already served to the end: a Ray actor outlives its rank loop)."""
     try:
         while True:
             conn.recv_bytes()
     except Exception:
         pass
+    if served.is_set():
+        return
     logger.error("lost the connection to the parent process; exiting")
     logging.shutdown()
     os._exit(1)
 
 
 def run_worker(spec: WorkerSpec, conn) -> int:
+    """The whole life of a rank in a process of its own: serve, then leave without interpreter teardown."""
+    serve_rank(spec, conn)
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)  # skip interpreter teardown: nothing is left to clean up, and it is slow
+
+
+def serve_rank(spec: WorkerSpec, conn) -> None:
+    """Start, serve until the engine's Shutdown, and return.  On any failure: report it to the parent as
+    a Failure and end the process at once (os._exit(1): peers may be stuck in a collective with us).
+    The Ray executor's actors call this too (worker/ray_actor.py), with a TCP connection to the engine."""
     torch.set_num_threads(max(1, spec.num_threads))
     logging.basicConfig(level=spec.log_level,
                         format=f"%(asctime)s %(levelname)s [rank {spec.rank}] %(name)s: %(message)s")
+    served = threading.Event()
     if spec.rank != 0:  # rank 0 reads its socket itself (and stops the world when the engine is gone)
-        threading.Thread(target=_exit_when_parent_goes, args=(conn,), name="parent-watch", daemon=True).start()
+        threading.Thread(target=_exit_when_parent_goes, args=(conn, served), name="parent-watch", daemon=True).start()
     proc = WorkerProc(spec, conn)
     threading.Thread(target=proc.heartbeat, name="heartbeat", daemon=True).start()
     phase = "start-up"
@@ -366,11 +383,8 @@ def run_worker(spec: WorkerSpec, conn) -> int:
             pass
         logging.shutdown()
         os._exit(1)
+    served.set()
     destroy_distributed()
-    logging.shutdown()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)  # skip interpreter teardown: nothing is left to clean up, and it is slow
 
 
 def main(argv: Optional[list[str]] = None) -> int:

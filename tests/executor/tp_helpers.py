@@ -50,9 +50,9 @@ def chat_prompts(tok) -> list[dict]:
     return [{"prompt_token_ids": tok.encode(t, add_special_tokens=False)} for t in texts]
 
 
-async def kill_rank_mid_generation(engine, ranks, rank: int) -> tuple[float, list[str]]:
-    """Start two long requests on `engine` (an AsyncLLM), SIGKILL `rank` once the first has a token;
-    every stream must then end in EngineDeadError.  Returns (seconds until all ended, their errors)."""
+async def kill_rank_mid_generation(engine, ranks, rank: int, kill=None) -> tuple[float, list[str]]:
+    """Start two long requests on `engine` (an AsyncLLM), SIGKILL `rank` (or call kill()) once the first has
+    a token; every stream must then end in EngineDeadError.  Returns (seconds until all ended, their errors)."""
     import asyncio
     import os
     import signal
@@ -67,7 +67,10 @@ async def kill_rank_mid_generation(engine, ranks, rank: int) -> tuple[float, lis
     streams = [await engine.add_request(f"r{i}", [5 + i, 6, 7], params) for i in range(2)]
     first = await asyncio.wait_for(streams[0].__anext__(), 60)
     assert first.outputs[0].token_ids
-    os.kill(ranks.by_rank(rank).proc.pid, signal.SIGKILL)
+    if kill is None:
+        os.kill(ranks.by_rank(rank).proc.pid, signal.SIGKILL)
+    else:
+        kill()
     t0 = time.monotonic()
     errors = []
     for s in streams:
