@@ -87,7 +87,8 @@ def test_flags_exist(name):
 
 
 def _tracked_files() -> list[str]:
-    out = subprocess.run(["git", "ls-files", "--cached", "--others", "--exclude-standard"], capture_output=True, text=True, cwd=ROOT, check=True)
+    out = subprocess.run(["git", "ls-files", "--cached", "--others", "--exclude-standard"], capture_output=True,
+                         text=True, cwd=ROOT, check=True)
     return out.stdout.split()
 
 
