@@ -25,6 +25,8 @@ OTHER_TOOLS_FLAGS = {
     "--engine-core-in-thread": "this repository's pytest option (tests/conftest.py)",
     "--strict": "mkdocs build",
     "--continuous-batching": "transformers serve (the README's feature table)",
+    "--head": "ray start (docs/parallelism.md, Ray cluster)",
+    "--address": "ray start (docs/parallelism.md, Ray cluster)",
 }
 # file names of other projects that the docs quote
 OTHER_PROJECTS_FILES = {"convert_hf_to_gguf.py": "llama.cpp's converter", "benchmarks/serve": "vLLM's client"}
