@@ -33,6 +33,7 @@ float per token and block.  Switch: --cpu-greedy-head (on by default).
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from typing import Optional
 
@@ -40,6 +41,8 @@ import torch
 
 from roofline.config import Switch
 from roofline.cpu import gemm as cpu_gemm, ops as cpu_ops
+
+logger = logging.getLogger(__name__)
 
 SWITCH = Switch("cpu_greedy_head")
 
@@ -111,6 +114,26 @@ class GreedyScreen:
         scales = scales.view(npan, PANEL, nb).permute(0, 2, 1).contiguous()
         return GreedyScreen(vocab, k, panels, scales, bound_w, bound_q, wnorm_max)
 
+    @staticmethod
+    def cached(weight: torch.Tensor, vocab: Optional[int] = None) -> Optional["GreedyScreen"]:
+        """build(), through an on-disk cache (config.cache_dir()/greedy-head-<key>.safetensors) keyed by
+        the weight's bytes (xxh3-128), shape, vocab and SCREEN_FORMAT: a restart of the same model reads its
+        screen (tens of ms) instead of building it (0.5-1 s for the default model).  A cache that cannot
+        be read or written is ignored (the screen is built)."""
+        if not cpu_ops.available() or weight.dtype != torch.float32 or weight.dim() != 2:
+            return None
+        vocab = weight.shape[0] if vocab is None else vocab
+        path = _cache_path(weight, vocab) if weight.numel() * 4 >= CACHE_MIN_BYTES else None
+        if path is not None and path.exists():
+            try:
+                return _load(path, vocab, weight.shape[1])
+            except Exception:  # a damaged entry: rebuild and overwrite it
+                logger.warning("greedy head cache %s unreadable; rebuilding it", path, exc_info=True)
+        screen = GreedyScreen.build(weight, vocab)
+        if screen is not None and path is not None:
+            _save(screen, path)
+        return screen
+
     def tokens(self, hidden: torch.Tensor, fp32_panels: Optional[torch.Tensor], dense: torch.Tensor,
                route_runs: int, candidates: Optional[torch.Tensor] = None) -> Optional[torch.Tensor]:
         """argmax over the first `vocab` logits of hidden [R, K] as the fp32 route computes them: the
@@ -124,6 +147,53 @@ class GreedyScreen:
         out = torch.empty(r, dtype=torch.int64)
         bad = cpu_ops.greedy_head(hidden, self, fp32_panels, dense, route_runs, approx, out, candidates)
         return None if bad else out
+
+
+CACHE_MIN_BYTES = 8 << 20  # smaller LM heads build in milliseconds: not worth a cache entry
+SCREEN_FORMAT = 1  # bump when build() or the panel layout changes: older cache entries are then never read
+
+
+def _cache_path(weight: torch.Tensor, vocab: int):
+    import xxhash
+
+    from roofline.config import cache_dir
+
+    # the weight's memory as it lies ([out x in] or, as cpu_prepare.relayout leaves an LM head, [in x out])
+    memory = next((t for t in (weight, weight.t()) if t.is_contiguous()), None)
+    if memory is None:
+        return None  # hashing a strided view would need a copy: build instead
+    digest = xxhash.xxh3_128_hexdigest(memoryview(memory.numpy()).cast("B"))
+    return cache_dir() / f"greedy-head-{SCREEN_FORMAT}-{vocab}x{weight.shape[1]}-{digest}.safetensors"
+
+
+def _load(path, vocab: int, k: int) -> GreedyScreen:
+    from safetensors.torch import load_file
+    from safetensors import safe_open
+
+    with safe_open(str(path), framework="pt") as f:
+        meta = f.metadata()
+    t = load_file(str(path))
+    if int(meta["vocab"]) != vocab or int(meta["k"]) != k:
+        raise ValueError(f"cache entry for {meta['vocab']}x{meta['k']}, wanted {vocab}x{k}")
+    return GreedyScreen(vocab, k, t["panels"], t["scales"], t["bound_w"], t["bound_q"], float(meta["wnorm_max"]))
+
+
+def _save(screen: GreedyScreen, path) -> None:
+    """Write to a temporary name, then rename: a reader never sees half an entry."""
+    import os
+
+    from safetensors.torch import save_file
+
+    tmp = path.with_suffix(f".tmp{os.getpid()}")
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        save_file({"panels": screen.panels, "scales": screen.scales, "bound_w": screen.bound_w,
+                   "bound_q": screen.bound_q}, str(tmp),
+                  metadata={"vocab": str(screen.vocab), "k": str(screen.k), "wnorm_max": repr(screen.wnorm_max)})
+        os.replace(tmp, path)
+    except OSError:
+        logger.warning("could not write the greedy head cache %s", path, exc_info=True)
+        tmp.unlink(missing_ok=True)
 
 
 def route_runs_for(rows: torch.Tensor, weight: torch.Tensor, packed: Optional[torch.Tensor]) -> Optional[int]:

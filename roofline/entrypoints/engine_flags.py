@@ -84,7 +84,9 @@ _HELP = {
                            "own, apart from HTTP and tokenization (msgpack over a socket pair); "
                            "--no-engine-core-process runs it in a thread of the server process",
     "roofline_hardware": "bandwidth/peak for the live roofline: a `roofline plan` preset (h100-sxm, h200, "
-                         "a100-80gb, l4) or 'measure'; unset: the matching GPU preset, else measured at start-up",
+                         "a100-80gb, l4) or 'measure' (probe now, and refresh this machine's cached probes); unset: "
+                         "the matching GPU preset, else this machine's probes, measured at its first start-up and "
+                         "cached (~/.cache/roofline)",
     "enable_lora": "serve LoRA adapters (PEFT directories): a request picks one by name (the server's "
                    "\"model\", --lora-modules) or with a LoRARequest (offline); one step mixes rows of several "
                    "adapters and of the base model",

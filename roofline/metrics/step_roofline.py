@@ -166,7 +166,7 @@ class StepRooflineModel:
 # ---------------------------------------------------------------------------------------------
 
 _GPU_NAME_TO_PRESET = (("h200", "h200"), ("h100", "h100-sxm"), ("a100", "a100-80gb"), ("l4", "l4"))
-_measured: dict[tuple[str, str], HardwareSpec] = {}
+_measured: dict[tuple[str, str, bool], HardwareSpec] = {}  # (device, dtype, measured afresh) -> spec
 _measure_lock = threading.Lock()
 
 # start-up probes: the fastest of 3 runs of a 64 MiB copy and of a 1024^3 matmul on a CPU (~0.2-1 s
@@ -182,7 +182,7 @@ def resolve_hardware(device: str, dtype: str, name: Optional[str] = None) -> Har
     if name and name != "measure":
         hw = get_hardware(name)
         if hw.hbm_bandwidth <= 0:  # the unmeasured `cpu` placeholder
-            return resolve_hardware(device, dtype, "measure")
+            return resolve_hardware(device, dtype)
         return hw
     if name is None and device.startswith("cuda"):
         import torch
@@ -191,11 +191,66 @@ def resolve_hardware(device: str, dtype: str, name: Optional[str] = None) -> Har
         for key, preset in _GPU_NAME_TO_PRESET:
             if key in gpu:
                 return GPU_PRESETS[preset]
-    key = (device, dtype)
+    key = (device, dtype, name == "measure")
     with _measure_lock:
         if key not in _measured:
-            _measured[key] = _measure(device, dtype)
+            _measured[key] = _measured_on_this_machine(device, dtype, fresh=name == "measure")
         return _measured[key]
+
+
+def _machine_key(device: str, dtype: str) -> str:
+    """What a measurement depends on: the device (CPU model, flags and cores; or the GPU's name), the
+    threads torch uses, torch's version, the dtype."""
+    import hashlib
+    import os
+
+    import torch
+
+    parts = [device.split(":")[0], dtype, torch.__version__, str(torch.get_num_threads())]
+    if device.startswith("cuda"):
+        parts.append(torch.cuda.get_device_name(torch.device(device)))
+    else:
+        try:
+            with open("/proc/cpuinfo") as f:
+                info = f.read()
+            parts += sorted({line for line in info.splitlines() if line.startswith(("model name", "flags"))})
+        except OSError:
+            import platform
+
+            parts.append(platform.processor())
+        parts.append(str(len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()))
+    return hashlib.sha256("\n".join(parts).encode()).hexdigest()[:16]
+
+
+def _measured_on_this_machine(device: str, dtype: str, fresh: bool = False) -> HardwareSpec:
+    """The probes' result for this machine from the on-disk cache (config.cache_dir()/hardware-<key>.json),
+    else measured now and saved there: a restart does not probe again (--roofline-hardware measure does,
+    and refreshes the entry)."""
+    import json
+    import os
+
+    from roofline.config import cache_dir
+
+    path = cache_dir() / f"hardware-{_machine_key(device, dtype)}.json"
+    try:
+        if fresh:
+            raise OSError("measure afresh")
+        d = json.loads(path.read_text())
+        return HardwareSpec(name=d["name"], memory_bytes=0, hbm_bandwidth=float(d["hbm_bandwidth"]),
+                            peak_flops={k: float(v) for k, v in d["peak_flops"].items()},
+                            description=d["description"] + " (cached)", measured=True)
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        pass
+    hw = _measure(device, dtype)
+    tmp = path.with_suffix(f".tmp{os.getpid()}")
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp.write_text(json.dumps({"name": hw.name, "hbm_bandwidth": hw.hbm_bandwidth, "peak_flops": hw.peak_flops,
+                                   "description": hw.description}))
+        os.replace(tmp, path)
+    except OSError:
+        logger.warning("could not cache the hardware probes in %s", path, exc_info=True)
+    return hw
 
 
 def _measure(device: str, dtype: str) -> HardwareSpec:

@@ -204,3 +204,28 @@ def test_speculative_step_is_a_decode_step():
     assert (rec.prefill_tokens, rec.decode_tokens, rec.phase) == (0, 5, "decode")
     attn = spec.attention_flops_per_token(1.0, "decode") * sum(range(101, 106))
     assert rec.flops == pytest.approx(2 * spec.active_params() * 5 + attn, rel=1e-12)
+
+
+def test_probes_are_cached_per_machine_and_measure_refreshes(tmp_path, monkeypatch):
+    """Start-up probes run once per machine: the result lands in the cache directory, a new process (an
+    empty per-process table) reads it back without probing, and --roofline-hardware measure probes afresh."""
+    from dataclasses import replace
+
+    from roofline.metrics import step_roofline
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    monkeypatch.setattr(step_roofline, "_measured", {})
+    probes = []
+    real = step_roofline._measure
+    monkeypatch.setattr(step_roofline, "_measure", lambda d, t: probes.append(d) or real(d, t))
+    first = resolve_hardware("cpu", "float32")
+    assert probes == ["cpu"] and len(list((tmp_path / "roofline").glob("hardware-*.json"))) == 1
+    monkeypatch.setattr(step_roofline, "_measured", {})  # as a new process
+    again = resolve_hardware("cpu", "float32")
+    assert probes == ["cpu"]  # read back, not probed
+    assert (again.hbm_bandwidth, again.peak_flops) == (first.hbm_bandwidth, first.peak_flops) and again.measured
+    monkeypatch.setattr(step_roofline, "_measure", lambda d, t: probes.append(d) or replace(first, hbm_bandwidth=1e9))
+    resolve_hardware("cpu", "float32", "measure")
+    assert probes == ["cpu", "cpu"]
+    monkeypatch.setattr(step_roofline, "_measured", {})
+    assert resolve_hardware("cpu", "float32").hbm_bandwidth == 1e9  # the fresh probe replaced the entry

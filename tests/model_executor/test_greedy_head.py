@@ -245,3 +245,34 @@ def test_engine_takes_the_screen_for_plain_greedy_rows_only(tiny_llm, monkeypatc
     with greedy_head.SWITCH.forced(False):
         without = [o.outputs[0].token_ids for o in tiny_llm.generate(prompts, params, use_tqdm=False)]
     assert not seen and with_screen == without
+
+
+def test_cached_screen_is_the_built_one_and_is_read_back(tmp_path, monkeypatch):
+    """GreedyScreen.cached: the first call builds and saves, the next reads the file (build is not called)
+    and gives the same tensors bit for bit; another weight gets its own entry; a damaged entry is rebuilt."""
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    monkeypatch.setattr(greedy_head, "CACHE_MIN_BYTES", 0)  # a small head, cached all the same
+    dense, _ = lm_head(200, 96, seed=5)
+    built = GreedyScreen.build(dense, 190)
+    first = GreedyScreen.cached(dense, 190)
+    entries = list((tmp_path / "roofline").glob("greedy-head-*.safetensors"))
+    assert len(entries) == 1
+
+    def no_build(*a, **k):
+        raise AssertionError("built again instead of read from the cache")
+
+    monkeypatch.setattr(GreedyScreen, "build", staticmethod(no_build))
+    again = GreedyScreen.cached(dense, 190)
+    for screen in (first, again):
+        for name in ("panels", "scales", "bound_w", "bound_q"):
+            assert torch.equal(getattr(screen, name), getattr(built, name)), name
+        assert (screen.vocab, screen.k, screen.wnorm_max) == (built.vocab, built.k, built.wnorm_max)
+    monkeypatch.undo()
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    monkeypatch.setattr(greedy_head, "CACHE_MIN_BYTES", 0)
+    other, _ = lm_head(200, 96, seed=6)
+    GreedyScreen.cached(other, 190)
+    assert len(list((tmp_path / "roofline").glob("greedy-head-*.safetensors"))) == 2
+    entries[0].write_bytes(b"not a safetensors file")
+    rebuilt = GreedyScreen.cached(dense, 190)
+    assert torch.equal(rebuilt.panels, built.panels)

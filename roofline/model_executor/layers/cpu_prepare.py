@@ -56,4 +56,4 @@ def prepare_model(model: torch.nn.Module) -> None:
             module.prepare_cpu()
     for module in model.modules():
         if isinstance(module, ParallelLMHead) and module.tp_size == 1 and module.cpu_packed is not None:
-            module.cpu_greedy = GreedyScreen.build(module.weight, module.vocab_size)
+            module.cpu_greedy = GreedyScreen.cached(module.weight, module.vocab_size)
