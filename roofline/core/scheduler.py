@@ -241,13 +241,17 @@ class Scheduler:
         return req.lora_int_id not in running and len(running) >= self.max_loras
 
     def _victim(self) -> Optional[Request]:
-        """The running request to preempt; None when every one is in a step still in flight."""
-        candidates = [r for r in self.running if r.request_id not in self.in_flight]
-        if not candidates:
+        """The running request to preempt: the last admitted (fcfs) or the least urgent (priority); None when
+        that one is in a step still in flight (the caller waits a step for it rather than preempting another:
+        choosing among the rest would let a request re-admitted behind an in-flight one preempt it, and the two
+        could preempt each other forever, losing their progress each time)."""
+        if not self.running:
             return None
         if self.config.policy == "priority":
-            return max(candidates, key=lambda r: (r.priority, r.arrival_time))
-        return candidates[-1]
+            victim = max(self.running, key=lambda r: (r.priority, r.arrival_time))
+        else:
+            victim = self.running[-1]
+        return None if victim.request_id in self.in_flight else victim
 
     def _preempt(self, victim: Request, scheduled: dict[str, int], swap_out: list) -> int:
         """Take a running request off the device; returns the budget it gave back."""

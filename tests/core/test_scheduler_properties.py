@@ -236,3 +236,11 @@ def test_swapped_request_comes_back_when_a_forked_sibling_holds_the_blocks():
     The sibling must yield its blocks (it recomputes) or the engine makes no progress."""
     specs = [([0] * 4, 1, 0, 0, 1), ([0] * 12, 1, 0, 0, 1), ([0] * 5, 1, 0, 0, 2)]
     run(specs, block_size=1, num_blocks=15, budget=4, max_seqs=2, caching=False, mode="swap", depth=2)
+
+
+def test_batches_in_flight_do_not_preempt_each_other_forever():
+    """Two forked samples that cannot both fit (13 blocks each, 15 in the pool) with two steps in flight:
+    the later one is the victim even while its step is out (the earlier waits a step for it), so the earlier
+    finishes.  Before, the earlier preempted itself whenever the later was re-admitted behind it, and the two
+    recomputed each other forever (found by hypothesis in test_batches_in_flight)."""
+    run([([0, 0, 0], 10, 0, 0, 2)], 1, 15, 4, 2, False, "recompute", depth=2)
