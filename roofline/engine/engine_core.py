@@ -40,6 +40,7 @@ from roofline.config import EngineArgs, EngineConfig, GiB, finalize_lengths
 from roofline.core.request import Request, RequestStatus
 from roofline.core.dp_scheduler import DataParallelScheduler
 from roofline.core.scheduler import Scheduler
+from roofline.core.step_time import StepTimeModel
 from roofline.core.scheduler_output import (
     ModelRunnerOutput,
     SchedulerOutput,
@@ -54,7 +55,7 @@ from roofline.metrics.step_roofline import StepRoofline, model_for_engine
 from roofline.model_executor.loader.source import load_hf_config, load_tokenizer, resolve_source
 from roofline.outputs import RequestOutput
 from roofline.sampling_params import SamplingParams
-from roofline.spec_decode.draft_length import DraftLengthPolicy, roofline_step_time
+from roofline.spec_decode.draft_length import DraftLengthPolicy
 from roofline.spec_decode.factory import MODEL_BASED_METHODS
 from roofline.spec_decode.stats import SpecDecodeStats
 from roofline.structured_output.manager import StructuredOutputManager
@@ -188,6 +189,10 @@ class EngineCore:
                                                   config.observability_config.roofline_hardware)
             if set(self.weight_bytes) - {dtype}:  # layers kept in GGUF blocks: the bytes they really hold
                 self.step_roofline.use_weight_bytes(sum(self.weight_bytes.values()))
+        # the step-time estimate the scheduler plans with (the draft length), calibrated after every step
+        spec = config.speculative_config
+        uses_step_time = spec is not None and spec.adaptive
+        self.step_time = StepTimeModel(self.step_roofline) if uses_step_time else None
         policy, lookahead = self._speculation()
         dp = config.parallel_config.data_parallel_size
         max_loras = config.lora_config.max_loras if config.lora_config is not None else None
@@ -246,9 +251,8 @@ class EngineCore:
         spec = self.config.speculative_config
         if spec is None:
             return None, 0
-        step_time = roofline_step_time(self.step_roofline) if spec.adaptive else None
         lookahead = spec.num_speculative_tokens if spec.method in MODEL_BASED_METHODS else 0
-        return DraftLengthPolicy(spec.num_speculative_tokens, step_time), lookahead
+        return DraftLengthPolicy(spec.num_speculative_tokens, self.step_time), lookahead
 
     @classmethod
     def from_engine_args(cls, args: EngineArgs, show_progress: bool = True) -> "EngineCore":
@@ -538,13 +542,20 @@ class EngineCore:
             self.pending_outputs = []
         if not sched_out.scheduled and transfers is not None and transfers.busy:
             time.sleep(TRANSFER_POLL_S)  # only transfers in flight: poll them without spinning a core
-        policy = self.scheduler.draft_length_policy
-        if policy is not None:
-            policy.observe_step(sched_out.total_num_scheduled_tokens, time.perf_counter() - t_start)
-        if self.step_roofline is not None and sched_out.scheduled and self.config.observability_config.step_roofline:
-            self._step_records.append(self.step_roofline.account(
-                sched_out.scheduled, time.perf_counter() - t_start, now, self.scheduler.kv_cache_usage()))
+        self._account_step(sched_out, time.perf_counter() - t_start, now)
         return outputs
+
+    def _account_step(self, sched_out: SchedulerOutput, seconds: float, now: float) -> None:
+        """The step against its bound (the live roofline's record), and its measured time into the step-time
+        estimate the scheduler plans with."""
+        keep = self.config.observability_config.step_roofline
+        if self.step_roofline is None or not sched_out.scheduled or not (keep or self.step_time is not None):
+            return
+        record = self.step_roofline.account(sched_out.scheduled, seconds, now, self.scheduler.kv_cache_usage())
+        if self.step_time is not None:
+            self.step_time.observe(record.prefill_tokens + record.decode_tokens, seconds, record.bound_s)
+        if keep:
+            self._step_records.append(record)
 
     def _finished_beam_searches(self, now: float) -> list[RequestOutput]:
         """The final outputs of the beam searches that ended this step."""
