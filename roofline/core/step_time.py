@@ -8,8 +8,10 @@ model, max(bytes / BW, FLOPs / F_peak), every request's KV reads and attention F
 ratio(n) is the measured step time over that bound, as the live roofline records it for each finished step,
 kept per power-of-two bucket of the step's token count n as an EMA (the bound leaves out the per-step
 framework cost and rests on start-up probes of bandwidth and FLOP/s, so the ratio is what makes it a time).
-A bucket not yet seen borrows the ratio of the nearest seen bucket below (above when none is below), 1 before
-any step.
+A bucket not seen in the last STALE_AFTER steps counts as unseen (its ratio is old news, and a decision that
+avoids it -- a budget kept below it by a ratio measured in a slow spell -- would never see it again); an
+unseen bucket borrows the ratio of the nearest seen bucket below (above when none is below), 1 before any
+step.  A stale bucket seen again starts over from the new measurement.
 
 The cost model reaches this module as an object (`StepCost`: the engine passes its StepRooflineModel), so
 that the core imports nothing from metrics or the planner; a plain callable n -> seconds (`TokenBound`) stands
@@ -23,6 +25,7 @@ from typing import Callable, Protocol, Sequence, Union
 
 TYPICAL_CONTEXT = 512  # positions each decode attends to in the token-count estimate (the KV term is minor at small b)
 COST_CACHE_SIZE = 1 << 16  # (start, tokens, phase) entries kept before the cache starts over
+STALE_AFTER = 32  # steps: a ratio bucket not observed for this long counts as unseen (the EMA's memory is ~10)
 
 
 class StepCost(Protocol):
@@ -61,6 +64,8 @@ class StepTimeModel:
         self.decay = decay
         self.context = context
         self.ratios: dict[int, float] = {}
+        self.seen: dict[int, int] = {}  # bucket -> the step it was last observed at
+        self.steps = 0  # steps observed
         self._costs: dict[tuple[int, int, str], tuple[float, float]] = {}
 
     # ---- calibration -----------------------------------------------------------------------------
@@ -76,19 +81,22 @@ class StepTimeModel:
         bound = bound_s if bound_s > 0 else self.decode_bound(num_tokens)
         if bound <= 0:
             return
+        self.steps += 1
         b = self.bucket(num_tokens)
         r = seconds / bound
-        old = self.ratios.get(b)
+        old = self.ratios.get(b) if self.steps - self.seen.get(b, self.steps) <= STALE_AFTER else None
         self.ratios[b] = r if old is None else old * self.decay + r * (1.0 - self.decay)
+        self.seen[b] = self.steps
 
     def ratio(self, n: int) -> float:
         b = self.bucket(n)
-        if b in self.ratios:
+        fresh = [k for k in self.ratios if self.steps - self.seen[k] <= STALE_AFTER]
+        if b in fresh:
             return self.ratios[b]
-        below = [k for k in self.ratios if k < b]
+        below = [k for k in fresh if k < b]
         if below:
             return self.ratios[max(below)]
-        return self.ratios[min(self.ratios)] if self.ratios else 1.0
+        return self.ratios[min(fresh)] if fresh else 1.0
 
     # ---- estimates -------------------------------------------------------------------------------
     def request_cost(self, start: int, n: int, phase: str) -> tuple[float, float]:

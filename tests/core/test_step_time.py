@@ -72,3 +72,19 @@ def test_token_bound_stands_in_for_the_cost_model():
     assert est.predictor([(5, 1)] * 4)([(0, 6)]) == pytest.approx(0.1)
     est.observe(10, 0.2)  # no bound given: the token-count bound
     assert est(10) == pytest.approx(0.2)
+
+
+def test_a_bucket_not_seen_for_a_while_counts_as_unseen():
+    """A ratio measured in a slow spell must not keep a size out of reach forever: once stale, the bucket
+    borrows from the fresh ones, and its next measurement starts it over."""
+    from roofline.core.step_time import STALE_AFTER
+
+    est = StepTimeModel(lambda n: 1.0)
+    est.observe(300, 4.0)  # bucket 9, slow
+    for _ in range(STALE_AFTER):
+        est.observe(200, 0.5)  # bucket 8
+    assert est.ratio(300) == 4.0  # still fresh
+    est.observe(200, 0.5)
+    assert est.ratio(300) == 0.5  # stale: borrows the nearest fresh bucket below
+    est.observe(300, 1.0)
+    assert est.ratio(300) == 1.0  # starts over, no EMA with the old 4.0
