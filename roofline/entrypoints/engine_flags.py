@@ -80,7 +80,8 @@ _HELP = {
     "ray_placement_timeout": "with ray: seconds to wait for the placement group before failing with what the "
                              "cluster has",
     "step_roofline": "live roofline: account each step's bytes and FLOPs against the device's bound "
-                     "(/metrics roofline:step_*, /dashboard); --no-step-roofline turns it off",
+                     "(/metrics roofline:step_*, /dashboard); --no-step-roofline turns the records off (the "
+                     "token budget, --target-itl-ms, still measures each step against the bound)",
     "speculative_config": "speculative decoding as a JSON object, vLLM's keys: method (ngram | draft_model | mtp), "
                           "num_speculative_tokens, prompt_lookup_min, prompt_lookup_max, model, "
                           "draft_tensor_parallel_size; and adaptive (true: drafts per step from the cost model), "
