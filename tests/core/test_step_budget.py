@@ -131,7 +131,7 @@ def test_budget_follows_the_model_when_steps_get_slower_or_faster():
 # ---- through the scheduler, calibrated by a fake clock -------------------------------------------
 def test_measured_step_times_move_the_budget():
     """The real estimate over a fake cost model: when steps take longer than the bound (the fake clock says so)
-    the budget shrinks, when they get faster it grows back; the default target moves with the decodes."""
+    the budget shrinks, when they get faster it grows (past the size a slow spell kept it under)."""
     cost = LinearCost(fixed=0.010, per_token=0.0001, per_position=0.0)
     model = StepTimeModel(cost)
     clock = FakeClock(cost)
