@@ -63,6 +63,10 @@ class SchedulerConfig:
     preemption_mode: Literal["recompute", "swap"] = "recompute"
     enable_chunked_prefill: bool = True
     max_waiting_requests: Optional[int] = None
+    # the per-step token budget (core/step_budget.py): prefill tokens join a step's decodes while its predicted
+    # time stays within this inter-token latency target, in ms; None: 1.5x the decodes' own step time; 0: off
+    # (max_num_batched_tokens every step)
+    target_itl_ms: Optional[float] = None
 
 
 ALL2ALL_BACKENDS = ("all_to_all", "allgather_reducescatter")
@@ -336,6 +340,7 @@ class EngineArgs:
     preemption_mode: str = "recompute"
     enable_chunked_prefill: bool = True
     max_waiting_requests: Optional[int] = None
+    target_itl_ms: Optional[float] = None
     # parallel
     tensor_parallel_size: int = 1
     pipeline_parallel_size: int = 1
@@ -457,6 +462,15 @@ class EngineArgs:
             errors.append(f"swap_space must be >= 0, got {self.swap_space}")
         if self.max_num_batched_tokens is not None and self.max_num_batched_tokens <= 0:
             errors.append(f"max_num_batched_tokens must be positive, got {self.max_num_batched_tokens}")
+        if self.target_itl_ms:  # None: the default target; 0: the budget off
+            if self.target_itl_ms < 0:
+                errors.append(f"target_itl_ms must be positive (0: off), got {self.target_itl_ms}")
+            if not self.enable_chunked_prefill:
+                errors.append("target_itl_ms needs chunked prefill (a prompt that must go whole cannot be cut to "
+                              "fit a step)")
+            if self.data_parallel_size > 1:
+                errors.append("target_itl_ms needs data_parallel_size 1 (the DP ranks step in lock step: one "
+                              "rank's batch does not predict the step's time)")
         if self.roofline_hardware not in (None, "measure"):
             from roofline.planner.hardware import get_hardware
 
@@ -533,6 +547,7 @@ class EngineArgs:
             preemption_mode=self.preemption_mode,  # type: ignore[arg-type]
             enable_chunked_prefill=self.enable_chunked_prefill,
             max_waiting_requests=self.max_waiting_requests,
+            target_itl_ms=self.target_itl_ms,
         )
         parallel_config = ParallelConfig(
             tensor_parallel_size=self.tensor_parallel_size,

@@ -2,9 +2,13 @@
 prefix-cache hits, preemption (recompute or swap), FCFS or priority order.  No tensors.
 
 Every step:
+  0. the step's token budget: max_num_batched_tokens, or, with the ITL budget on (core/step_budget.py,
+     --target-itl-ms), the running decodes' tokens plus the prefill tokens that keep the step's predicted
+     time within the target (at most max_num_batched_tokens, at least a minimum chunk of prefill).
   1. running requests, oldest first, each gets min(remaining tokens, budget) new tokens
-     (a decode: 1; a prefill in progress: the next chunk).  When the pool is short, the
-     lowest-priority / most recently admitted running request is preempted until it fits.
+     (a decode: 1; a prefill in progress: the next chunk, within the step's prefill tokens, so that the
+     decodes' tokens stay reserved).  When the pool is short, the lowest-priority / most recently admitted
+     running request is preempted until it fits.
   2. swapped requests come back if nothing was preempted this step and the pool has room.
   3. waiting requests are admitted while budget, max_num_seqs and free blocks allow; their
      prompt starts after the longest cached prefix.
@@ -36,6 +40,14 @@ prefix cache).  Parked beams hold no place in the running batch, so beams never 
 LoRA adapters (roofline/lora): the running requests use at most max_loras distinct adapters (the slots the
 workers hold), so every step fits.  A waiting or swapped request under another adapter waits while that
 many are running; requests behind it under a running adapter or the base model go ahead.
+
+The ITL budget with the other features: a decode's drafts (speculative decoding) count as decode tokens, the
+draft length chosen first; beams and forked siblings waiting for their next single token count as decodes;
+with batches in flight (pipeline parallelism) each batch is planned with its own decodes (requests in flight
+are not in it); LoRA and KV transfer change nothing (a request that loads its KV has no prompt left to
+prefill).  It does not apply without chunked prefill (a prompt goes whole) nor under data-parallel attention
+(dp_scheduler.py: every rank's step runs in lock step with the others', so one rank's shape does not predict
+the step's time); the engine gives no budget there and the cap alone holds.
 """
 
 from __future__ import annotations
@@ -51,6 +63,7 @@ from roofline.core.beam_search import BeamGroup, BeamSearch
 from roofline.core.hybrid_kv_cache_manager import HybridKVCacheManager
 from roofline.core.kv_cache_manager import KVCacheManager
 from roofline.core.request import Request, RequestStatus
+from roofline.core.step_budget import StepBudget, StepPlan
 from roofline.spec_decode.stats import SpecDecodeStats
 from roofline.kv_transfer.base import KVConnectorScheduler
 from roofline.kv_transfer.tracker import KVTransferTracker
@@ -125,10 +138,13 @@ class Scheduler:
         kv_group_windows: Sequence[int] = (),
         max_loras: Optional[int] = None,
         num_state_slots: int = 0,
+        step_budget: Optional[StepBudget] = None,
     ) -> None:
         """kv_group_windows: the block-table groups of a hybrid KV layout (their sliding windows, 0: full);
         empty: one table per request (KVCacheManager).  num_state_slots: recurrent-state slots (models with
-        linear-attention layers; one per request that may run), handed out and taken back with the blocks."""
+        linear-attention layers; one per request that may run), handed out and taken back with the blocks.
+        step_budget: the per-step token budget from the step-time estimate (None: max_num_batched_tokens
+        every step; ignored without chunked prefill, where a prompt must fit whole)."""
         self.config = scheduler_config
         self.max_loras = max_loras  # distinct LoRA adapters among the running requests (None: no LoRA)
         self.block_size = cache_config.block_size
@@ -153,6 +169,7 @@ class Scheduler:
         self.num_lookahead_slots = num_lookahead_slots
         self.spec_stats = SpecDecodeStats(draft_length_policy.max_k) if draft_length_policy is not None else None
         self.step_draft_len = 0
+        self.step_budget = step_budget if scheduler_config.enable_chunked_prefill else None
         # KV transfer between engines (kv_transfer/): loads in flight, held prefills
         self.kv_transfer = KVTransferTracker(kv_connector, self.kv) if kv_connector is not None else None
         self.in_flight: dict[str, int] = {}  # request id -> scheduled steps not yet through update_from_output
@@ -333,6 +350,41 @@ class Scheduler:
                 other_tokens += left
         return self.draft_length_policy.choose(num_decodes, min(other_tokens, max(budget - num_decodes, 0)))
 
+    def _plan_step(self, cap: int, max_requests: int) -> Optional[StepPlan]:
+        """The step's token budget from the step-time estimate (core/step_budget.py): the decodes this step
+        runs and the prompts that would get prefill tokens, oldest first (at most max_requests of them; a
+        waiting one only while a seat is free: max_num_seqs); None (the cap alone): no budget, or no prompt
+        to prefill."""
+        if self.step_budget is None:
+            return None
+        decodes: list[tuple[int, int]] = []
+        prefills: list[tuple[int, int]] = []
+        prefill_total = 0
+        for r in self.running:
+            if len(decodes) + len(prefills) >= max_requests:
+                break
+            if r.request_id in self.in_flight:
+                continue
+            start, left = r.num_computed_tokens, r.num_tokens - r.num_computed_tokens
+            if left == 1:
+                decodes.append((start, 1 + min(len(r.spec_token_ids), self.step_draft_len)))
+            elif left > 1:
+                prefills.append((start, left))
+                prefill_total += left
+        seats = len(self.running) < self.config.max_num_seqs
+        for r in itertools.chain(self.swapped, self.waiting) if seats else ():
+            if prefill_total >= cap or len(decodes) + len(prefills) >= max_requests:
+                break  # behind these nothing gets a token this step
+            start, left = r.num_computed_tokens, r.num_tokens - r.num_computed_tokens
+            if left == 1:  # a beam or forked sibling waiting for its next token: a decode
+                decodes.append((start, 1))
+            elif left > 1:
+                prefills.append((start, left))
+                prefill_total += left
+        if not prefills:
+            return None
+        return self.step_budget.plan(decodes, prefills, cap)
+
     def schedule(self, max_requests: Optional[int] = None) -> SchedulerOutput:
         """max_requests: at most this many requests in the step (batches in flight); None: no cap
         beyond max_num_seqs and the token budget."""
@@ -346,12 +398,20 @@ class Scheduler:
         self.step_draft_len = self._choose_draft_length()
         if self.kv_transfer is not None:
             self.kv_transfer.expire_holds()
+        # 0. the token budget; prompts' chunks come out of prefill_left, so the decodes' tokens stay reserved
+        plan = self._plan_step(budget, cap)
+        if plan is not None:
+            budget = plan.budget
+        prefill_left = plan.prefill_tokens if plan is not None else budget
+        prefilled: dict[str, int] = {}  # request id -> its prefill tokens this step (given back if preempted)
 
         # 1. running requests, admission order
         i = 0
         while i < len(self.running) and budget > 0 and len(scheduled) < cap:
             req = self.running[i]
-            n = 0 if req.request_id in self.in_flight else self._num_new_tokens(req, budget)
+            prefill = req.num_tokens - req.num_computed_tokens > 1
+            n = 0 if req.request_id in self.in_flight else self._num_new_tokens(
+                req, min(budget, prefill_left) if prefill else budget)
             if n <= 0:
                 i += 1
                 continue
@@ -365,6 +425,7 @@ class Scheduler:
                     preempted_any = True  # the pool is short: admit nobody else this step either
                     break
                 budget += self._preempt(victim, scheduled, swap_out)
+                prefill_left += prefilled.pop(victim.request_id, 0)
                 preempted_any = True
                 if victim is req:
                     break
@@ -376,6 +437,9 @@ class Scheduler:
             scheduled[req.request_id] = n
             order.append(req)
             budget -= n
+            if prefill:
+                prefilled[req.request_id] = n
+                prefill_left -= n
             i = self.running.index(req) + 1  # a victim ahead of req (priority policy) shifts the list
         order = [r for r in order if r.request_id in scheduled]
 
@@ -385,7 +449,10 @@ class Scheduler:
             req = self.swapped[0]
             if self._lora_blocked(req):
                 break
-            n = self._num_new_tokens(req, budget)
+            prefill = req.num_tokens - req.num_computed_tokens > 1
+            n = self._num_new_tokens(req, min(budget, prefill_left) if prefill else budget)
+            if n <= 0:
+                break  # a prompt in prefill, and this step's prefill tokens are spent
             if self.kv.blocks_needed(req, self._slots(req, n)) > self.kv.pool.num_free_blocks:  # swapped incl.
                 if self._release_waiting_holder(req):  # a forked sibling that never ran holds blocks: it yields
                     continue
@@ -401,6 +468,7 @@ class Scheduler:
             scheduled[req.request_id] = n
             order.append(req)
             budget -= n
+            prefill_left -= n if prefill else 0
 
         # 3. waiting requests (those whose structured-output grammar still compiles stay in line)
         # set aside, in order, and back at the front after: those whose grammar still compiles, and those under
@@ -429,7 +497,9 @@ class Scheduler:
             remaining = req.num_tokens - req.num_computed_tokens - num_hit
             if not self.config.enable_chunked_prefill and remaining > budget:
                 break
-            n = min(remaining, budget)
+            n = min(remaining, budget if remaining == 1 else min(budget, prefill_left))
+            if n <= 0:
+                break  # this step's prefill tokens are spent: it stays first in line
             slots = self._slots(req, n, req.num_computed_tokens + num_hit)
             allocated = self.kv.allocate_slots(req, slots, hits)
             while allocated is None and self._release_waiting_holder(req):
@@ -451,11 +521,12 @@ class Scheduler:
             scheduled[req.request_id] = n
             order.append(req)
             budget -= n
+            prefill_left -= n if remaining > 1 else 0
         self.waiting[:0] = set_aside
 
-        return self._build_output(order, scheduled, swap_out, swap_in)
+        return self._build_output(order, scheduled, swap_out, swap_in, plan)
 
-    def _build_output(self, order, scheduled, swap_out, swap_in) -> SchedulerOutput:
+    def _build_output(self, order, scheduled, swap_out, swap_in, plan: Optional[StepPlan] = None) -> SchedulerOutput:
         self.step_count += 1
         new_reqs = []
         items = []
@@ -508,6 +579,9 @@ class Scheduler:
             num_tokens_to_propose=(self.draft_length_policy.num_to_propose(self.step_draft_len)
                                    if self.draft_length_policy is not None else 0),
             kv_connector_metadata=self.kv_transfer.build_meta() if self.kv_transfer is not None else None,
+            token_budget=plan.budget if plan is not None else 0,
+            target_step_s=plan.target_s if plan is not None else 0.0,
+            draft_length=self.step_draft_len if self.draft_length_policy is not None else -1,
         )
 
     # ---- results ------------------------------------------------------------------------------

@@ -72,6 +72,12 @@ class SchedulerOutput(msgspec.Struct, array_like=True):
     # data-parallel attention (core/dp_scheduler.py): each DP rank's own output, in DP-rank order; the
     # lists above are then their concatenation (the engine's view), and workers run their rank's part
     data_parallel: list[SchedulerOutput] = []
+    # the scheduler's plan, for the live roofline (not read by the workers): the token budget the ITL budget
+    # chose (core/step_budget.py; 0: none, max_num_batched_tokens alone), the step time it aimed at (0.0: no
+    # decodes to protect, or no budget), the speculative draft length (-1: no speculation)
+    token_budget: int = 0
+    target_step_s: float = 0.0
+    draft_length: int = -1
 
     @property
     def total_num_scheduled_tokens(self) -> int:

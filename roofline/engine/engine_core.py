@@ -40,6 +40,8 @@ from roofline.config import EngineArgs, EngineConfig, GiB, finalize_lengths
 from roofline.core.request import Request, RequestStatus
 from roofline.core.dp_scheduler import DataParallelScheduler
 from roofline.core.scheduler import Scheduler
+from roofline.core.step_budget import StepBudget
+from roofline.core.step_time import StepTimeModel
 from roofline.core.scheduler_output import (
     ModelRunnerOutput,
     SchedulerOutput,
@@ -54,7 +56,7 @@ from roofline.metrics.step_roofline import StepRoofline, model_for_engine
 from roofline.model_executor.loader.source import load_hf_config, load_tokenizer, resolve_source
 from roofline.outputs import RequestOutput
 from roofline.sampling_params import SamplingParams
-from roofline.spec_decode.draft_length import DraftLengthPolicy, roofline_step_time
+from roofline.spec_decode.draft_length import DraftLengthPolicy
 from roofline.spec_decode.factory import MODEL_BASED_METHODS
 from roofline.spec_decode.stats import SpecDecodeStats
 from roofline.structured_output.manager import StructuredOutputManager
@@ -177,8 +179,12 @@ class EngineCore:
         cc, sc = config.cache_config, config.scheduler_config
         num_swap = int(cc.swap_space * GiB) // self.executor.block_bytes() if sc.preemption_mode == "swap" else 0
         self.executor.init_kv_cache(num_blocks, num_swap)
+        dp = config.parallel_config.data_parallel_size
+        # the per-step token budget (core/step_budget.py): on unless target_itl_ms is 0; not without chunked
+        # prefill (a prompt goes whole) nor under data-parallel attention (the ranks step in lock step)
+        budget_on = sc.target_itl_ms != 0 and sc.enable_chunked_prefill and dp == 1
         self.step_roofline = None
-        if config.observability_config.step_roofline or config.speculative_config is not None:
+        if config.observability_config.step_roofline or config.speculative_config is not None or budget_on:
             from roofline.worker.worker import resolve_dtype
 
             dev = config.device_config.device
@@ -188,12 +194,24 @@ class EngineCore:
                                                   config.observability_config.roofline_hardware)
             if set(self.weight_bytes) - {dtype}:  # layers kept in GGUF blocks: the bytes they really hold
                 self.step_roofline.use_weight_bytes(sum(self.weight_bytes.values()))
+        # the step-time estimate the scheduler plans with (the token budget, the draft length), calibrated
+        # after every step
+        spec = config.speculative_config
+        uses_step_time = budget_on or (spec is not None and spec.adaptive)
+        self.step_time = StepTimeModel(self.step_roofline) if uses_step_time else None
         policy, lookahead = self._speculation()
-        dp = config.parallel_config.data_parallel_size
+        budget = None
+        if budget_on:
+            target = sc.target_itl_ms / 1e3 if sc.target_itl_ms is not None else None
+            budget = StepBudget(self.step_time, target, cc.block_size)
+            logger.info("per-step token budget: prefill joins the decodes within %s, %d tokens at most",
+                        f"{sc.target_itl_ms:g} ms" if target is not None else
+                        f"{budget.factor:g}x their own step time", sc.max_num_batched_tokens)
         max_loras = config.lora_config.max_loras if config.lora_config is not None else None
         schedulers = [Scheduler(sc, cc, num_blocks, num_swap, seed=mc.seed, draft_length_policy=policy,
                                 num_lookahead_slots=lookahead, kv_connector=create_scheduler_connector(config),
-                                kv_group_windows=kv_groups, max_loras=max_loras, num_state_slots=num_state_slots)
+                                kv_group_windows=kv_groups, max_loras=max_loras, num_state_slots=num_state_slots,
+                                step_budget=budget)
                       for _ in range(dp)]  # data-parallel attention: a scheduler and KV pool per DP rank
         self.scheduler = schedulers[0] if dp == 1 else DataParallelScheduler(schedulers)
         self.kv_events, self.kv_event_publisher = self._kv_events(config, schedulers)
@@ -246,9 +264,8 @@ class EngineCore:
         spec = self.config.speculative_config
         if spec is None:
             return None, 0
-        step_time = roofline_step_time(self.step_roofline) if spec.adaptive else None
         lookahead = spec.num_speculative_tokens if spec.method in MODEL_BASED_METHODS else 0
-        return DraftLengthPolicy(spec.num_speculative_tokens, step_time), lookahead
+        return DraftLengthPolicy(spec.num_speculative_tokens, self.step_time if spec.adaptive else None), lookahead
 
     @classmethod
     def from_engine_args(cls, args: EngineArgs, show_progress: bool = True) -> "EngineCore":
@@ -538,13 +555,24 @@ class EngineCore:
             self.pending_outputs = []
         if not sched_out.scheduled and transfers is not None and transfers.busy:
             time.sleep(TRANSFER_POLL_S)  # only transfers in flight: poll them without spinning a core
-        policy = self.scheduler.draft_length_policy
-        if policy is not None:
-            policy.observe_step(sched_out.total_num_scheduled_tokens, time.perf_counter() - t_start)
-        if self.step_roofline is not None and sched_out.scheduled and self.config.observability_config.step_roofline:
-            self._step_records.append(self.step_roofline.account(
-                sched_out.scheduled, time.perf_counter() - t_start, now, self.scheduler.kv_cache_usage()))
+        self._account_step(sched_out, time.perf_counter() - t_start, now)
         return outputs
+
+    def _account_step(self, sched_out: SchedulerOutput, seconds: float, now: float) -> None:
+        """The step against its bound (the live roofline's record), and its measured time into the step-time
+        estimate the scheduler plans with."""
+        keep = self.config.observability_config.step_roofline
+        if self.step_roofline is None or not sched_out.scheduled or not (keep or self.step_time is not None):
+            return
+        record = self.step_roofline.account(sched_out.scheduled, seconds, now, self.scheduler.kv_cache_usage())
+        if self.step_time is not None:
+            n = record.prefill_tokens + record.decode_tokens
+            record.predicted_s = self.step_time.ratio(n) * record.bound_s  # what the scheduler expected of it
+            self.step_time.observe(n, seconds, record.bound_s)
+        if keep:
+            record.token_budget, record.target_s = sched_out.token_budget, sched_out.target_step_s
+            record.draft_length = sched_out.draft_length
+            self._step_records.append(record)
 
     def _finished_beam_searches(self, now: float) -> list[RequestOutput]:
         """The final outputs of the beam searches that ended this step."""

@@ -40,6 +40,11 @@ _HELP = {
     "num_kv_blocks": "force the number of KV blocks (blocks of every layer: under the hybrid KV layout, whose "
                      "blocks hold a group's layers, the pool has as many more blocks as that memory holds)",
     "preemption_mode": "recompute | swap",
+    "target_itl_ms": "inter-token latency target of a step that runs decodes, in ms: prefill chunks join the "
+                     "decodes while the cost model (calibrated by measured steps) predicts the step within it, "
+                     "at least a minimum chunk, at most --max-num-batched-tokens; a step without decodes gets "
+                     "--max-num-batched-tokens. Unset: 1.5x the predicted time of the batch's decodes alone "
+                     "(at least 256 prefill tokens a step); 0: off (--max-num-batched-tokens every step)",
     "scheduling_policy": "fcfs | priority",
     "attention_backend": "auto | torch | cpu | triton",
     "tensor_parallel_size": "ranks (processes, one device each) to split every layer over, across all nodes",
@@ -75,7 +80,8 @@ _HELP = {
     "ray_placement_timeout": "with ray: seconds to wait for the placement group before failing with what the "
                              "cluster has",
     "step_roofline": "live roofline: account each step's bytes and FLOPs against the device's bound "
-                     "(/metrics roofline:step_*, /dashboard); --no-step-roofline turns it off",
+                     "(/metrics roofline:step_*, /dashboard); --no-step-roofline turns the records off (the "
+                     "token budget, --target-itl-ms, still measures each step against the bound)",
     "speculative_config": "speculative decoding as a JSON object, vLLM's keys: method (ngram | draft_model | mtp), "
                           "num_speculative_tokens, prompt_lookup_min, prompt_lookup_max, model, "
                           "draft_tensor_parallel_size; and adaptive (true: drafts per step from the cost model), "

@@ -28,7 +28,11 @@ def step_json(r: StepRoofline) -> dict[str, Any]:
             "ratio": r.ratio if r.bound_s > 0 else None, "roof": r.roof, "phase": r.phase,
             "prefill_tokens": r.prefill_tokens, "decode_tokens": r.decode_tokens, "requests": r.num_requests,
             "weight_bytes": r.weight_bytes, "kv_bytes": r.kv_bytes, "flops": r.flops,
-            "kv_cache_usage": r.kv_cache_usage}
+            "kv_cache_usage": r.kv_cache_usage,
+            # the scheduler's plan (null where it made none): predicted time, token budget, its target, draft length
+            "predicted_ms": 1e3 * r.predicted_s if r.predicted_s > 0 else None,
+            "token_budget": r.token_budget or None, "target_ms": 1e3 * r.target_s if r.target_s > 0 else None,
+            "draft_length": r.draft_length if r.draft_length >= 0 else None}
 
 
 class Heartbeat:

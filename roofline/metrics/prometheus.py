@@ -14,6 +14,8 @@ last update; one series at a time.
 
 from __future__ import annotations
 
+import statistics
+from collections import deque
 from typing import Any, Optional
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
@@ -36,6 +38,8 @@ STEP_TIME_BUCKETS = (0.0005, 0.001, 0.002, 0.004, 0.006, 0.008, 0.01, 0.015, 0.0
                      0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 2.0, 5.0, 10.0)
 STEP_BOUND_BUCKETS = (1e-5, 2e-5, 5e-5, 1e-4, 2e-4, 5e-4, 0.001, 0.002, 0.004, 0.006, 0.008, 0.01, 0.015, 0.02,
                       0.03, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0)
+TOKEN_BUDGET_BUCKETS = tuple(float(2 ** i) for i in range(4, 17))  # 16 .. 65536 tokens
+DRAFT_LENGTH_BUCKETS = tuple(float(k) for k in range(0, 17))
 RATIO_BUCKETS = (0.25, 0.5, 0.75, 0.9, 1.0, 1.1, 1.25, 1.5, 1.75, 2.0, 2.5, 3.0, 3.5, 4.0, 5.0, 6.0, 7.0, 8.0, 10.0, 12.5, 15.0, 20.0,
                  25.0, 30.0, 40.0, 50.0, 75.0, 100.0, 150.0, 200.0, 300.0, 500.0, 1000.0)
 
@@ -245,6 +249,25 @@ class PrometheusStatLogger:
         self.step_tokens = {kind: tokens.labels(m, kind) for kind in ("prefill", "decode")}
         self.step_ratio_gauge = ratio_g
         self.ratio_window = RatioWindow(64)
+        # the scheduler's plan for each step (core/step_budget.py, core/step_time.py), beside what the step took
+        predicted_h = Histogram(PREFIX + "step_predicted_seconds", "Step time the scheduler predicted for an engine "
+                                "step as scheduled (roofline bound x measured ratio), seconds; compare "
+                                "step_time_seconds.", step_labels, registry=reg, buckets=STEP_TIME_BUCKETS)
+        self.step_predicted = {k: predicted_h.labels(m, *k) for k in keys}
+        self.step_prediction_ratio = Gauge(PREFIX + "step_prediction_ratio", "Median measured step time / predicted "
+                                           "step time over the last 64 steps (1: the estimate is right).",
+                                           ["model_name"], registry=reg).labels(m)
+        self.prediction_window: deque = deque(maxlen=64)
+        self.step_token_budget = Histogram(PREFIX + "step_token_budget", "Token budget the ITL budget chose for an "
+                                           "engine step (decode tokens + the prefill tokens allowed beside them; "
+                                           "max_num_batched_tokens when no decode runs).", ["model_name"],
+                                           registry=reg, buckets=TOKEN_BUDGET_BUCKETS).labels(m)
+        self.step_target = Gauge(PREFIX + "step_target_seconds", "Step time the token budget aimed at for the last "
+                                 "budgeted step (--target-itl-ms, or 1.5x the decodes' own time; 0: no decodes, the "
+                                 "cap).", ["model_name"], registry=reg).labels(m)
+        self.step_draft_length = Histogram(PREFIX + "step_draft_length", "Speculative draft length the scheduler chose "
+                                           "for an engine step.", ["model_name"], registry=reg,
+                                           buckets=DRAFT_LENGTH_BUCKETS).labels(m)
 
     def _record_steps(self, records: Any) -> None:
         if not records:
@@ -263,8 +286,23 @@ class PrometheusStatLogger:
             self.step_tokens["prefill"].inc(r.prefill_tokens)
             self.step_tokens["decode"].inc(r.decode_tokens)
             self.ratio_window.add(r)
+            self._record_plan(r, key)
         for phase, value in self.ratio_window.medians().items():
             self.step_ratio_gauge.labels(self.model_name, phase).set(value)
+        if self.prediction_window:
+            self.step_prediction_ratio.set(statistics.median(self.prediction_window))
+
+    def _record_plan(self, r: Any, key: tuple) -> None:
+        """What the scheduler planned for the step (records made without a plan carry none of it)."""
+        predicted = getattr(r, "predicted_s", 0.0)
+        if predicted > 0:
+            self.step_predicted[key].observe(predicted)
+            self.prediction_window.append(r.step_time_s / predicted)
+        if getattr(r, "token_budget", 0) > 0:
+            self.step_token_budget.observe(r.token_budget)
+            self.step_target.set(r.target_s)
+        if getattr(r, "draft_length", -1) >= 0:
+            self.step_draft_length.observe(r.draft_length)
 
     def _inc_from_cumulative(self, counter: Any, engine_stats: Any, field: str) -> None:
         value = stat(engine_stats, field)

@@ -67,6 +67,14 @@ class StepRoofline(msgspec.Struct, array_like=True):
     decode_tokens: int  # requests fed exactly one token
     num_requests: int
     kv_cache_usage: float  # fraction of KV blocks held after the step
+    # what the scheduler planned (core/step_budget.py, core/step_time.py): the step time it predicted for the
+    # step as scheduled (the bound times the measured ratio; 0.0: no estimate kept), the token budget the ITL
+    # budget chose (0: none, max_num_batched_tokens alone), the step time that budget aimed at (0.0: none, or
+    # no decodes to protect), the speculative draft length (-1: no speculation)
+    predicted_s: float = 0.0
+    token_budget: int = 0
+    target_s: float = 0.0
+    draft_length: int = -1
 
     @property
     def bytes_read(self) -> float:
@@ -145,12 +153,20 @@ class StepRooflineModel:
         kv = self.spec.kv_bytes_read(end, self.plan.kv_bytes, self.tp, new_tokens, phase)
         return kv, self.spec.attention_flops_over(start, end, phase)
 
+    def _roof(self, n_tokens: int, kv_bytes: float, attn_flops: float) -> tuple[float, float, dict]:
+        """(weight bytes read, FLOPs, the planner's decode_step_time figures) of a step from its totals."""
+        flops = (self.linear_flops_per_token * n_tokens + attn_flops) / self.tp
+        w = self.weight_bytes_read(n_tokens) if n_tokens else 0.0
+        return w, flops, decode_step_time(w, kv_bytes, 1, 1, self.bandwidth, flops, self.peak_flops)
+
+    def bound(self, n_tokens: int, kv_bytes: float, attn_flops: float) -> float:
+        """The bound alone (record()'s bound_s), for the estimates made before a step (core/step_time.py)."""
+        return self._roof(n_tokens, kv_bytes, attn_flops)[2]["step_time_s"]
+
     def record(self, n_tokens: int, kv_bytes: float, attn_flops: float, prefill_tokens: int, decode_tokens: int,
                n_req: int, step_time_s: float, timestamp: float = 0.0, kv_cache_usage: float = 0.0) -> StepRoofline:
         """A step's record from its totals: KV bytes read and attention FLOPs (before the tp split)."""
-        flops = (self.linear_flops_per_token * n_tokens + attn_flops) / self.tp
-        w = self.weight_bytes_read(n_tokens) if n_tokens else 0.0
-        roof = decode_step_time(w, kv_bytes, 1, 1, self.bandwidth, flops, self.peak_flops)
+        w, flops, roof = self._roof(n_tokens, kv_bytes, attn_flops)
         return StepRoofline(timestamp, step_time_s, roof["step_time_s"], roof["memory_time_s"], roof["compute_time_s"],
                             w, roof["kv_bytes_read"], flops, prefill_tokens, decode_tokens, n_req, kv_cache_usage)
 

@@ -8,10 +8,11 @@ share of the step and pays only if it is accepted often enough.  Per step we tak
 
     k* = argmax_k  num_decodes * (1 + f * (E(k) - 1)) / T(other + num_decodes * (1 + f * k))
 
-with T(n) the planner's step-time estimate for n tokens (cost_model: max(bytes / BW, FLOPs / F) over
-the step's tokens) scaled by the measured ratio of real step time to that bound for steps of about n
-tokens (StepTimeModel: the bound alone leaves out the per-step framework cost and rests on start-up
-probes of bandwidth and FLOP/s that a shared machine makes noisy), a the running acceptance rate and f the
+with T(n) the engine's step-time estimate for n decode tokens (core/step_time.StepTimeModel, the one the
+per-step token budget uses too: the planner's bound, max(bytes / BW, FLOPs / F) over the step's tokens,
+scaled by the measured ratio of real step time to that bound for steps of about n tokens, since the bound
+alone leaves out the per-step framework cost and rests on start-up probes of bandwidth and FLOP/s that a
+shared machine makes noisy), a the running acceptance rate and f the
 running share of decodes that had a proposal at all (prompt lookup often finds none).
 a is estimated as accepted / (accepted + rejections), the maximum-likelihood estimate for run lengths
 of independent acceptances, with exponential forgetting so that it follows the workload.
@@ -19,7 +20,9 @@ of independent acceptances, with exponential forgetting so that it follows the w
 
 from __future__ import annotations
 
-from typing import Callable, Optional
+from typing import Callable, Union
+
+from roofline.core.step_time import StepTimeModel
 
 DECAY = 0.98  # per observation: about the last 50 verifying request-steps weigh
 # a longer draft must promise this much more throughput: proposing, verifying and rolling back cost
@@ -30,10 +33,13 @@ PRIOR_ACCEPTED, PRIOR_REJECTED = 2.0, 1.0  # a ~ 0.67 until measured: speculate 
 
 
 class DraftLengthPolicy:
-    def __init__(self, max_k: int, step_time: Optional[Callable[[int], float]] = None) -> None:
-        """step_time(num_tokens) -> seconds, the bound; None: always max_k (adaptivity off)."""
+    def __init__(self, max_k: int, step_time: Union[StepTimeModel, Callable[[int], float], None] = None) -> None:
+        """step_time: the engine's StepTimeModel (the engine calibrates it after every step; the token budget
+        shares it), or a bound num_tokens -> seconds (uncalibrated); None: always max_k (adaptivity off)."""
         self.max_k = max_k
-        self.step_time = StepTimeModel(step_time) if step_time is not None else None
+        if step_time is not None and not isinstance(step_time, StepTimeModel):
+            step_time = StepTimeModel(step_time)
+        self.step_time = step_time
         self.accepted = PRIOR_ACCEPTED
         self.rejected = PRIOR_REJECTED
         self.steps_without_proposals = 0
@@ -51,11 +57,6 @@ class DraftLengthPolicy:
     def observe(self, num_drafts: int, num_accepted: int) -> None:
         self.accepted = self.accepted * DECAY + num_accepted
         self.rejected = self.rejected * DECAY + (1 if num_accepted < num_drafts else 0)
-
-    def observe_step(self, num_tokens: int, seconds: float) -> None:
-        """A finished step's size and measured wall time (calibrates T)."""
-        if self.step_time is not None:
-            self.step_time.observe(num_tokens, seconds)
 
     def observe_proposals(self, num_asked: int, num_with_drafts: int) -> None:
         if num_asked:
@@ -90,53 +91,3 @@ class DraftLengthPolicy:
             if rate > best * (1.0 + MARGIN):  # a longer draft must pay for itself
                 best_k, best = k, rate
         return best_k
-
-
-class StepTimeModel:
-    """T(n) = ratio(n) * bound(n): the cost model's bound for n tokens times the measured ratio of real
-    step time to bound, kept per power-of-two bucket of n (an EMA); a bucket not yet seen borrows the
-    ratio of the nearest seen bucket below (above when none is below), 1 before any step."""
-
-    def __init__(self, bound: Callable[[int], float], decay: float = 0.9) -> None:
-        self.bound = bound
-        self.decay = decay
-        self.ratios: dict[int, float] = {}
-
-    @staticmethod
-    def bucket(n: int) -> int:
-        return max(n, 1).bit_length()
-
-    def observe(self, num_tokens: int, seconds: float) -> None:
-        if num_tokens <= 0 or seconds <= 0:
-            return
-        b = self.bucket(num_tokens)
-        r = seconds / self.bound(num_tokens)
-        old = self.ratios.get(b)
-        self.ratios[b] = r if old is None else old * self.decay + r * (1.0 - self.decay)
-
-    def ratio(self, n: int) -> float:
-        b = self.bucket(n)
-        if b in self.ratios:
-            return self.ratios[b]
-        below = [k for k in self.ratios if k < b]
-        if below:
-            return self.ratios[max(below)]
-        return self.ratios[min(self.ratios)] if self.ratios else 1.0
-
-    def __call__(self, n: int) -> float:
-        return self.ratio(n) * self.bound(n)
-
-
-TYPICAL_CONTEXT = 512  # positions each decode attends to, for the estimate (the KV term is minor at small b)
-
-
-def roofline_step_time(model, context: int = TYPICAL_CONTEXT) -> Callable[[int], float]:
-    """T(n) for a step of n decode tokens from the live roofline's model (metrics/step_roofline.py, the
-    planner's cost model: max(bytes / BW, FLOPs / F_peak))."""
-
-    def step_time(n: int) -> float:
-        n = max(n, 1)
-        kv, attn = model.request_cost(context - 1, 1, "decode")  # one decode token attending to `context`
-        return model.record(n, n * kv, n * attn, 0, n, n, 0.0).bound_s
-
-    return step_time

@@ -1,5 +1,6 @@
 """Every engine feature leaves greedy output unchanged: prefix caching on/off, a token budget as
-small as 16 (chunked prefill), a pool so small that preemption happens (recompute and swap),
+small as 16 (chunked prefill), the per-step ITL budget off or so tight that prompts join the decodes a
+minimum chunk at a time, a pool so small that preemption happens (recompute and swap),
 block sizes 1/16/32, max_num_seqs=1 versus everything together.  On CUDA too where the machine has a
 GPU (against HF on the same GPU)."""
 
@@ -57,6 +58,11 @@ VARIANTS = {
     "block_size_1": dict(num_kv_blocks=4096, block_size=1),
     "block_size_32": dict(num_kv_blocks=64, block_size=32),
     "max_num_seqs_1": dict(num_kv_blocks=256, max_num_seqs=1),
+    # the other variants run under the default ITL budget (core/step_budget.py); here it is off, and so tight
+    # (1 ns) that every step with decodes takes the minimum chunk of prefill (3 seats and a cap of 48 tokens
+    # stagger the prompts, so that they join running decodes)
+    "itl_budget_off": dict(num_kv_blocks=256, target_itl_ms=0),
+    "itl_budget_tight": dict(num_kv_blocks=256, max_num_seqs=3, max_num_batched_tokens=48, target_itl_ms=1e-6),
     "preempt_recompute": dict(num_kv_blocks=12, block_size=8, preemption_mode="recompute"),
     "preempt_swap": dict(num_kv_blocks=12, block_size=8, preemption_mode="swap", swap_space=0.01),
 }
@@ -72,6 +78,12 @@ def test_tiny_llama_greedy_unchanged(tiny, variant, device):
         assert stats.num_preemptions > 0
     if variant == "baseline":
         assert stats.prefix_cache_hits > 0
+    if variant == "itl_budget_tight":
+        from roofline.core.step_budget import MIN_CHUNK_TOKENS
+
+        mixed = [r for r in stats.step_roofline if r.decode_tokens and r.prefill_tokens]
+        assert mixed and all(r.prefill_tokens <= MIN_CHUNK_TOKENS for r in mixed)
+        assert all(r.token_budget == r.decode_tokens + MIN_CHUNK_TOKENS for r in mixed)
 
 
 @pytest.mark.parametrize("device", parity_devices())

@@ -52,6 +52,8 @@ VARIANTS = {
     "preempt_recompute": dict(num_kv_blocks=14, block_size=8, preemption_mode="recompute"),
     "preempt_swap": dict(num_kv_blocks=14, block_size=8, preemption_mode="swap", swap_space=0.01),
     "priority_no_caching": dict(num_kv_blocks=256, scheduling_policy="priority", enable_prefix_caching=False),
+    # the per-step ITL budget so tight that prompts join the verifying decodes a minimum chunk at a time
+    "itl_budget_tight": dict(num_kv_blocks=256, max_num_seqs=3, max_num_batched_tokens=48, target_itl_ms=1e-6),
 }
 
 
@@ -67,6 +69,20 @@ def test_ngram_greedy_matches_hf_and_speculation_off(tiny, variant):
     assert spec.num_draft_tokens > 0 and spec.num_accepted_tokens > 0
     if variant.startswith("preempt"):
         assert stats.num_preemptions > 0
+
+
+def test_adaptive_draft_length_and_itl_budget_share_one_estimate(tiny):
+    """The adaptive draft length and the ITL budget plan with the engine's one step-time estimate; greedy output
+    unchanged; each step's record carries the draft length, the budget and the predicted time."""
+    path, prompts, reference = tiny
+    outs, stats, llm = run(path, prompts, speculative_config={**NGRAM, "adaptive": True}, num_kv_blocks=256,
+                           max_num_seqs=3, max_num_batched_tokens=48, target_itl_ms=1e-6)
+    assert [o.outputs[0].token_ids for o in outs] == reference
+    core = llm.llm_engine
+    assert core.scheduler.draft_length_policy.step_time is core.step_time is core.scheduler.step_budget.step_time
+    records = stats.step_roofline
+    assert records and all(0 <= r.draft_length <= 4 and r.predicted_s > 0 for r in records)
+    assert any(r.token_budget and r.decode_tokens and r.prefill_tokens for r in records)
 
 
 @pytest.fixture(scope="module")

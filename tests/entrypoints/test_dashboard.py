@@ -103,6 +103,29 @@ def test_stats_endpoint_and_dashboard_page(server):
     assert 'fetch("/stats"' in page.text and "<canvas" in page.text
 
 
+def test_the_schedulers_plan_is_on_metrics_and_stats(server):
+    """The token budget, the predicted against the measured step time and the draft length (no speculation here:
+    the series is there, empty) on /metrics and in /stats."""
+    http = server
+    before = _metrics(http)
+    with cf.ThreadPoolExecutor(2) as pool:
+        list(pool.map(lambda i: _complete(http, 30 + 20 * i, 10, first=200 + 60 * i), range(2)))
+    after = _wait(http, lambda m: metric_value(m, "roofline:num_requests_running") == 0)
+    steps = metric_value(after, "roofline:steps_total") - metric_value(before, "roofline:steps_total")
+    predicted = (metric_value(after, "roofline:step_predicted_seconds_count")
+                 - metric_value(before, "roofline:step_predicted_seconds_count"))
+    assert steps >= 10 and predicted == steps  # every step predicted (the budget is on by default)
+    assert metric_value(after, "roofline:step_predicted_seconds_sum") > 0
+    assert metric_value(after, "roofline:step_prediction_ratio") > 0
+    # a prompt waiting for tokens: the step got a budget (max_num_batched_tokens when no decode ran)
+    assert metric_value(after, "roofline:step_token_budget_count") > metric_value(before, "roofline:step_token_budget_count")
+    assert "roofline:step_target_seconds" in {k.split("{")[0] for k in after}
+    assert metric_value(after, "roofline:step_draft_length_count") == 0
+    doc = http.get("/stats").json()
+    assert all(st["predicted_ms"] > 0 and st["draft_length"] is None for st in doc["steps"])
+    assert any(st["token_budget"] for st in doc["steps"])
+
+
 def test_bench_serve_reports_the_live_ratio_per_phase(server):
     """`roofline bench serve`'s live roofline: the server's step metrics between two scrapes."""
     import asyncio

@@ -39,3 +39,14 @@ def test_speculative_config_errors_name_the_field():
                  '{"method": "ngram", "num_speculative_tokens": 3, "draft_tensor_parallel_size": 3}')
     with pytest.raises(ValueError, match=r"speculative_config\.draft_tensor_parallel_size"):
         args.create_engine_config()
+
+
+def test_target_itl_ms_flag():
+    assert parse("--target-itl-ms", "40").create_engine_config().scheduler_config.target_itl_ms == 40.0
+    assert parse().create_engine_config().scheduler_config.target_itl_ms is None  # the default target
+    assert parse("--target-itl-ms", "0").create_engine_config().scheduler_config.target_itl_ms == 0.0  # off
+    for argv, why in ((("--target-itl-ms", "-5"), "must be positive"),
+                      (("--target-itl-ms", "40", "--no-enable-chunked-prefill"), "needs chunked prefill"),
+                      (("--target-itl-ms", "40", "--data-parallel-size", "2"), "needs data_parallel_size 1")):
+        with pytest.raises(ValueError, match=f"target_itl_ms {why}"):
+            parse(*argv).create_engine_config()

@@ -37,3 +37,16 @@ def test_heartbeat_keeps_the_last_steps_and_derives_the_device():
     assert s["roofline"]["window_median_ratio"]["decode"] == pytest.approx(17.5)  # median(15, 20), window 2
     assert s["device"]["bandwidth_bytes_per_s"] == pytest.approx(4e9 / 0.002)
     assert s["device"]["peak_flops"] == pytest.approx(2e12 / 0.001)
+
+
+def test_heartbeat_steps_carry_the_schedulers_plan():
+    hb = Heartbeat()
+    planned = StepRoofline(1.0, 0.02, 0.01, 0.01, 0.001, 3e9, 1e9, 1e12, 64, 8, 9, 0.5, 0.018, 72, 0.03, 2)
+    hb.record(IterationStats(timestamp=1.0, engine=replace(Snap(), step_roofline=[planned, _rec(2.0, 0.02, 0.002,
+                                                                                                  0.001, 0, 8)])))
+    s = json.loads(json.dumps(hb.snapshot()))
+    first, second = s["steps"]
+    assert first["predicted_ms"] == pytest.approx(18) and first["token_budget"] == 72
+    assert first["target_ms"] == pytest.approx(30) and first["draft_length"] == 2
+    assert second["predicted_ms"] is None and second["token_budget"] is None and second["target_ms"] is None
+    assert second["draft_length"] is None

@@ -3,7 +3,8 @@ batch makes it compute bound, shorter drafts when acceptance is poor; measured s
 
 from __future__ import annotations
 
-from roofline.spec_decode.draft_length import DraftLengthPolicy, StepTimeModel
+from roofline.core.step_time import StepTimeModel
+from roofline.spec_decode.draft_length import DraftLengthPolicy
 
 
 def roofline(weight_s=0.05, per_token_s=0.005):

@@ -1,0 +1,114 @@
+"""StepBudget: how many prefill tokens join a step's decodes, so that the step stays within an inter-token
+latency target (--target-itl-ms).
+
+A step that carries decodes is one inter-token interval of each of them: prefill tokens that join it
+lengthen every running request's ITL.  Per step the scheduler hands the budget the step's shape -- the
+decodes it will run (each (start, 1 + drafts)) and the prompts that could be prefilled, in the order they
+would get tokens -- and the budget returns the largest number P of prefill tokens for which the predicted
+step time stays within the target:
+
+    T(decodes + the first P tokens of the prompts, in order) <= target
+
+T is the engine's step-time estimate (core/step_time.StepTimeModel: the live roofline's bound for that shape,
+every request at its own context, times the measured ratio of real step time to the bound).  P is found by
+bisection over whole tokens, so every token of slack goes to prefill.  The step's token budget is then
+decodes + P, never more than --max-num-batched-tokens (a hard cap).
+
+The target:
+  - --target-itl-ms given: that, for every step.
+  - default: DEFAULT_ITL_FACTOR (1.5) times the predicted time of the current batch's decodes alone (the
+    measured pure-decode step time, as the estimate calibrates it), so that a step with prefill takes at most
+    half again what the decodes take by themselves: their ITL rises by at most a half while prompts advance.
+    A memory-bound decode step (a GPU below its ridge point) leaves a large slack (the prefill's FLOPs fit under
+    the weight reads); a small batch on a slow device leaves little, so the default gives prefill at least
+    DEFAULT_MIN_PREFILL_TOKENS (256) tokens a step, as far as the cap leaves room beside the decodes: time to
+    first token stays reasonable.
+
+Rules that hold whatever the estimate says:
+  - nothing to protect: a step without decodes gets the cap (time to first token as without the budget);
+  - no starvation: P is at least the minimum chunk (MIN_CHUNK_TOKENS, at least one KV block), so the oldest
+    prompt in prefill advances by that much every step however tight the target (a target below the decodes'
+    own time gives exactly that);
+  - order: prefill tokens go to the oldest first (running prompts in admission order, then swapped ones, then
+    the waiting queue in its order: FCFS or priority), decodes before any of them (the scheduler reserves the
+    decodes' tokens, so a long prompt ahead of them in the running list cannot take their place);
+  - the cap stays hard: when the decodes and the minimum chunk exceed it, the cap wins, as without the budget
+    (the minimum chunk is still given, so decodes behind a prompt in the running list may wait a step).
+
+The step-time estimate is injected (anything with `predictor(decodes) -> (chunks -> seconds)`), so tests
+substitute a fake one; the scheduler sees this class only through `plan()`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Optional, Protocol, Sequence
+
+Chunks = Sequence[tuple[int, int]]  # (start: tokens already computed, new tokens) per request
+
+DEFAULT_ITL_FACTOR = 1.5
+DEFAULT_MIN_PREFILL_TOKENS = 256
+MIN_CHUNK_TOKENS = 32
+
+
+class StepTimeEstimate(Protocol):
+    """core/step_time.StepTimeModel, or a test's fake."""
+
+    def predictor(self, decodes: Chunks) -> Callable[[Chunks], float]:
+        ...
+
+
+@dataclass
+class StepPlan:
+    """One step's budget: tokens in all (decodes + prefill_tokens, at most the cap), the prefill tokens of
+    them, and the step time aimed at (0.0: no decodes to protect, the cap applies)."""
+
+    budget: int
+    prefill_tokens: int
+    target_s: float
+
+
+def first_tokens(prefills: Chunks, p: int) -> list[tuple[int, int]]:
+    """The chunks that give the first p prefill tokens, oldest prompt first."""
+    out = []
+    for start, n in prefills:
+        if p <= 0:
+            break
+        k = min(n, p)
+        out.append((start, k))
+        p -= k
+    return out
+
+
+class StepBudget:
+    def __init__(self, step_time: StepTimeEstimate, target_s: Optional[float] = None, block_size: int = 1,
+                 factor: float = DEFAULT_ITL_FACTOR, default_min_prefill: int = DEFAULT_MIN_PREFILL_TOKENS) -> None:
+        """target_s: the ITL target in seconds (None: the default, factor times the decodes' own time, with
+        default_min_prefill tokens at least).  The minimum chunk is MIN_CHUNK_TOKENS or one KV block."""
+        if target_s is not None and target_s <= 0:
+            raise ValueError(f"target_s must be positive, got {target_s}")
+        self.step_time = step_time
+        self.target_s = target_s
+        self.factor = factor
+        self.min_chunk = max(MIN_CHUNK_TOKENS, block_size)
+        self.min_prefill = self.min_chunk if target_s is not None else max(self.min_chunk, default_min_prefill)
+
+    def plan(self, decodes: Chunks, prefills: Chunks, cap: int) -> StepPlan:
+        """The budget of a step of these decodes, with these prompts waiting for prefill tokens (in order)."""
+        decode_tokens = sum(n for _, n in decodes)
+        if decode_tokens == 0:
+            return StepPlan(cap, cap, 0.0)
+        predict = self.step_time.predictor(decodes)
+        target = self.target_s if self.target_s is not None else self.factor * predict(())
+        room = max(cap - decode_tokens, 0)  # what the cap leaves beside the decodes
+        lo, hi = 0, min(room, sum(n for _, n in prefills))
+        if predict(first_tokens(prefills, hi)) <= target:  # all of it fits (the usual case at low load)
+            lo = hi
+        while lo < hi:  # the largest P whose step is predicted within the target
+            mid = (lo + hi + 1) // 2
+            if predict(first_tokens(prefills, mid)) <= target:
+                lo = mid
+            else:
+                hi = mid - 1
+        prefill = min(max(lo, min(self.min_prefill, room), self.min_chunk), cap)
+        return StepPlan(min(cap, decode_tokens + prefill), prefill, target)

@@ -1,0 +1,90 @@
+"""The shared step-time estimate: the live roofline's bound for a step's shape, times the measured ratio."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+
+from roofline.core.step_time import StepTimeModel, TokenBound
+from roofline.metrics.step_roofline import StepRooflineModel
+from roofline.planner.hardware import get_hardware
+from roofline.planner.model_specs import MODEL_PRESETS, ModelSpec
+
+
+def _roofline_model(name="llama-3-8b", gpu="h100-sxm"):
+    return StepRooflineModel(ModelSpec.from_hf_config(MODEL_PRESETS[name], name=name), get_hardware(gpu), "bf16")
+
+
+def _req(start, n, drafts=0):
+    return SimpleNamespace(num_computed_tokens=start, token_ids=list(range(n)), num_draft_tokens=drafts)
+
+
+@pytest.mark.parametrize("name", ["llama-3-8b", "deepseek-v3"])
+def test_prediction_is_the_roofline_bound_of_the_same_step(name):
+    """Uncalibrated, the estimate of a step's shape is exactly the bound the live roofline records for it."""
+    model = _roofline_model(name, "h200")
+    est = StepTimeModel(model)
+    decodes = [(100, 1), (2000, 1), (37, 4)]  # the last verifies 3 drafts
+    chunks = [(0, 300), (512, 1024)]
+    rec = model.account([_req(s, n, n - 1) for s, n in decodes] + [_req(s, n) for s, n in chunks], 0.1)
+    assert est.predictor(decodes)(chunks) == pytest.approx(rec.bound_s, rel=1e-12)
+    assert est.predictor(decodes)([]) == pytest.approx(model.account([_req(s, n, n - 1) for s, n in decodes],
+                                                                     0.1).bound_s, rel=1e-12)
+    assert model.bound(1000, 2e9, 3e12) == model.record(1000, 2e9, 3e12, 0, 0, 0, 0.0).bound_s
+    assert est.predictor([])([]) == 0.0
+
+
+def test_measured_ratio_scales_the_prediction():
+    model = _roofline_model()
+    est = StepTimeModel(model)
+    predict = est.predictor([(500, 1)] * 32)
+    before, before_large = predict([(0, 200)]), predict([(0, 3000)])
+    rec = model.account([_req(500, 1)] * 32 + [_req(0, 200)], 0.0)
+    est.observe(232, 3.0 * rec.bound_s, rec.bound_s)  # that step took 3x its bound
+    assert predict([(0, 200)]) == pytest.approx(3.0 * before)
+    assert predict([(0, 3000)]) == pytest.approx(3.0 * before_large)  # an unseen bucket borrows the ratio below
+    est.observe(3032, 1.0 * before_large, before_large)
+    assert predict([(0, 3000)]) == pytest.approx(before_large) and predict([(0, 200)]) == pytest.approx(3.0 * before)
+
+
+def test_costs_are_cached_per_shape():
+    calls = []
+
+    class Cost:
+        def request_cost(self, start, n, phase):
+            calls.append((start, n, phase))
+            return float(n), 0.0
+
+        def bound(self, n, kv, attn):
+            return kv
+
+    est = StepTimeModel(Cost())
+    for _ in range(3):
+        assert est.predictor([(10, 1), (11, 1), (10, 1)])([(0, 5)]) == 8.0
+    assert sorted(set(calls)) == sorted(calls) and len(calls) == 3  # each shape computed once
+
+
+def test_token_bound_stands_in_for_the_cost_model():
+    est = StepTimeModel(lambda n: 0.01 * n)
+    assert isinstance(est.cost, TokenBound)
+    assert est(10) == pytest.approx(0.1)
+    assert est.predictor([(5, 1)] * 4)([(0, 6)]) == pytest.approx(0.1)
+    est.observe(10, 0.2)  # no bound given: the token-count bound
+    assert est(10) == pytest.approx(0.2)
+
+
+def test_a_bucket_not_seen_for_a_while_counts_as_unseen():
+    """A ratio measured in a slow spell must not keep a size out of reach forever: once stale, the bucket
+    borrows from the fresh ones, and its next measurement starts it over."""
+    from roofline.core.step_time import STALE_AFTER
+
+    est = StepTimeModel(lambda n: 1.0)
+    est.observe(300, 4.0)  # bucket 9, slow
+    for _ in range(STALE_AFTER):
+        est.observe(200, 0.5)  # bucket 8
+    assert est.ratio(300) == 4.0  # still fresh
+    est.observe(200, 0.5)
+    assert est.ratio(300) == 0.5  # stale: borrows the nearest fresh bucket below
+    est.observe(300, 1.0)
+    assert est.ratio(300) == 1.0  # starts over, no EMA with the old 4.0
