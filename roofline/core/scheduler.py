@@ -51,7 +51,7 @@ from roofline.core.beam_search import BeamGroup, BeamSearch
 from roofline.core.hybrid_kv_cache_manager import HybridKVCacheManager
 from roofline.core.kv_cache_manager import KVCacheManager
 from roofline.core.request import Request, RequestStatus
-from roofline.spec_decode.stats import SpecDecodeStats
+from roofline.core.spec_decode_stats import SpecDecodeStats
 from roofline.kv_transfer.base import KVConnectorScheduler
 from roofline.kv_transfer.tracker import KVTransferTracker
 from roofline.core.scheduler_output import (
