@@ -129,7 +129,7 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
     structured_outputs: Optional[StructuredOutputsParams] = None  # JSON schema / regex / choice / grammar
-    # prefill/decode disaggregation (kv_transfer/config.py KVTransferParams): do_remote_decode, ...
+    # prefill/decode disaggregation (core/kv_connector.py KVTransferParams): do_remote_decode, ...
     kv_transfer_params: Optional[dict] = None
     # beam search (core/beam_search.py): n beams, ranked by cumulative logprob / length ** length_penalty; one
     # output, when the search ends, carrying the n best hypotheses (sampling options do not apply)
