@@ -485,8 +485,6 @@ class EngineArgs:
         except (TypeError, ValueError) as e:
             errors.append(str(e))
         if self.pp_layer_partition is not None and self.pipeline_parallel_size >= 1:
-            from roofline.distributed.layout import parse_partition
-
             try:
                 parse_partition(self.pp_layer_partition, self.pipeline_parallel_size)
             except ValueError as e:
@@ -658,6 +656,22 @@ def finalize_lengths(config: EngineConfig, model_max_len: int) -> None:
             f"with chunked prefill disabled, max_num_batched_tokens ({sc.max_num_batched_tokens}) "
             f"must be >= max_model_len ({sc.max_model_len})"
         )
+
+
+def parse_partition(text: Optional[str], pp: int) -> Optional[list[int]]:
+    """--pp-layer-partition 'a,b,...' -> [a, b, ...] (one positive count per stage, the layers of each pipeline
+    stage: distributed/layout.py's stage_layer_ranges); ValueError naming the flag otherwise."""
+    if text is None or text == "":
+        return None
+    try:
+        counts = [int(part) for part in str(text).split(",")]
+    except ValueError:
+        raise ValueError(f"pp_layer_partition must be comma-separated layer counts, got {text!r}") from None
+    if len(counts) != pp:
+        raise ValueError(f"pp_layer_partition {text!r} has {len(counts)} entries for pipeline_parallel_size={pp}")
+    if any(c < 1 for c in counts):
+        raise ValueError(f"pp_layer_partition {text!r}: every stage needs at least one layer")
+    return counts
 
 
 def env_flag(name: str, default: str = "") -> str:
