@@ -508,6 +508,9 @@ class EngineArgs:
         if self.max_num_batched_tokens is not None and self.max_num_batched_tokens <= 0:
             errors.append(f"max_num_batched_tokens must be positive, got {self.max_num_batched_tokens}")
         if self.roofline_hardware not in (None, "measure"):
+            # An import that runs back up, on purpose: the presets are the planner's own table (its cost model
+            # and the live roofline read them), and the planner sits above config (its probes run the CPU
+            # kernels, which read config).  Lazy, and pure data: checking the flag loads no torch.
             from roofline.planner.hardware import get_hardware
 
             try:
