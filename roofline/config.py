@@ -9,12 +9,12 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import os
+import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal, Optional
 
 from roofline.json_config import json_fields
-from roofline.kv_transfer.config import KVTransferConfig
 
 GiB = 1 << 30
 QUANTIZED_WEIGHTS = ("native", "dequantize")  # how quantized layers (GGUF blocks, FP8 blocks) are computed
@@ -278,6 +278,67 @@ class KVEventsConfig:
         return cls(**json_fields(value, "kv_events_config", {f.name for f in dataclasses.fields(cls)}))
 
 
+KV_CONNECTORS = ("SharedStorageConnector", "P2pConnector")
+KV_ROLES = ("kv_producer", "kv_consumer", "kv_both")
+KV_LOAD_FAILURE_POLICIES = ("recompute", "fail")
+
+
+@dataclass
+class KVTransferConfig:
+    """Which KV connector an engine runs and in what role (`--kv-transfer-config`, vLLM's JSON shape;
+    the connectors are in kv_transfer/):
+
+        --kv-transfer-config '{"kv_connector": "P2pConnector", "kv_role": "kv_producer",
+                               "kv_ip": "127.0.0.1", "kv_port": 14579,
+                               "kv_connector_extra_config": {"send_timeout_s": 120}}'
+
+    Roles: kv_producer computes prompts and hands their KV on (a prefill engine), kv_consumer receives KV
+    (a decode engine), kv_both does both (a colocated engine with a persistent KV tier).
+    """
+
+    kv_connector: str
+    kv_role: str
+    kv_ip: str = "127.0.0.1"
+    kv_port: int = 14579  # P2pConnector: where a producer serves its blocks (0: a free port)
+    engine_id: str = field(default_factory=lambda: uuid.uuid4().hex[:16])
+    # a load that fails (source gone, transfer timed out): recompute the prompt here, or fail the request
+    kv_load_failure_policy: str = "recompute"
+    kv_connector_extra_config: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.kv_connector not in KV_CONNECTORS:
+            raise ValueError(f"kv_transfer_config.kv_connector must be one of {KV_CONNECTORS}, "
+                             f"got {self.kv_connector!r}")
+        if self.kv_role not in KV_ROLES:
+            raise ValueError(f"kv_transfer_config.kv_role must be one of {KV_ROLES}, got {self.kv_role!r}")
+        if self.kv_load_failure_policy not in KV_LOAD_FAILURE_POLICIES:
+            raise ValueError(f"kv_transfer_config.kv_load_failure_policy must be one of {KV_LOAD_FAILURE_POLICIES}, "
+                             f"got {self.kv_load_failure_policy!r}")
+        if not isinstance(self.kv_port, int) or isinstance(self.kv_port, bool) or not 0 <= self.kv_port < 65536:
+            raise ValueError(f"kv_transfer_config.kv_port must be a port number, got {self.kv_port!r}")
+        if not isinstance(self.kv_connector_extra_config, dict):
+            raise ValueError("kv_transfer_config.kv_connector_extra_config must be a JSON object")
+
+    @property
+    def is_producer(self) -> bool:
+        return self.kv_role in ("kv_producer", "kv_both")
+
+    @property
+    def is_consumer(self) -> bool:
+        return self.kv_role in ("kv_consumer", "kv_both")
+
+    def extra(self, key: str, default: Any) -> Any:
+        return self.kv_connector_extra_config.get(key, default)
+
+    @classmethod
+    def from_json(cls, text: str) -> "KVTransferConfig":
+        obj = json_fields(text, "kv_transfer_config", set(cls.__dataclass_fields__))
+        missing = {"kv_connector", "kv_role"} - set(obj)
+        if missing:
+            raise ValueError(f"kv_transfer_config needs {sorted(missing)}")
+        return cls(**obj)
+
+
 
 
 @dataclass
@@ -438,8 +499,6 @@ class EngineArgs:
         except (TypeError, ValueError) as e:
             errors.append(str(e))
         if self.pp_layer_partition is not None and self.pipeline_parallel_size >= 1:
-            from roofline.distributed.layout import parse_partition
-
             try:
                 parse_partition(self.pp_layer_partition, self.pipeline_parallel_size)
             except ValueError as e:
@@ -472,6 +531,9 @@ class EngineArgs:
                 errors.append("target_itl_ms needs data_parallel_size 1 (the DP ranks step in lock step: one "
                               "rank's batch does not predict the step's time)")
         if self.roofline_hardware not in (None, "measure"):
+            # An import that runs back up, on purpose: the presets are the planner's own table (its cost model
+            # and the live roofline read them), and the planner sits above config (its probes run the CPU
+            # kernels, which read config).  Lazy, and pure data: checking the flag loads no torch.
             from roofline.planner.hardware import get_hardware
 
             try:
@@ -645,6 +707,22 @@ def finalize_lengths(config: EngineConfig, model_max_len: int) -> None:
             f"with chunked prefill disabled, max_num_batched_tokens ({sc.max_num_batched_tokens}) "
             f"must be >= max_model_len ({sc.max_model_len})"
         )
+
+
+def parse_partition(text: Optional[str], pp: int) -> Optional[list[int]]:
+    """--pp-layer-partition 'a,b,...' -> [a, b, ...] (one positive count per stage, the layers of each pipeline
+    stage: distributed/layout.py's stage_layer_ranges); ValueError naming the flag otherwise."""
+    if text is None or text == "":
+        return None
+    try:
+        counts = [int(part) for part in str(text).split(",")]
+    except ValueError:
+        raise ValueError(f"pp_layer_partition must be comma-separated layer counts, got {text!r}") from None
+    if len(counts) != pp:
+        raise ValueError(f"pp_layer_partition {text!r} has {len(counts)} entries for pipeline_parallel_size={pp}")
+    if any(c < 1 for c in counts):
+        raise ValueError(f"pp_layer_partition {text!r}: every stage needs at least one layer")
+    return counts
 
 
 def env_flag(name: str, default: str = "") -> str:

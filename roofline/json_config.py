@@ -1,5 +1,5 @@
-"""vLLM-style --*-config flags given as JSON text (or a dict): parsed, checked for unknown fields; a leaf
-module both roofline/config.py and kv_transfer/config.py read."""
+"""vLLM-style --*-config flags given as JSON text (or a dict): parsed, checked for unknown fields (the
+--*-config classes of roofline/config.py read them with it)."""
 
 from __future__ import annotations
 

@@ -168,7 +168,7 @@ W1_SCHEMA = {"type": "object", "properties": {
 
 def structured_compile_times(llm, repeats: int = 200) -> dict[str, float]:
     """W1_SCHEMA's compile: the first one (the tokenizer's tables built beforehand) and cached look-ups."""
-    from roofline.structured_output.params import StructuredOutputsParams
+    from roofline.sampling_params import StructuredOutputsParams
 
     cache = llm.llm_engine.structured_output.cache
     t0 = time.perf_counter()
@@ -217,7 +217,7 @@ def w1(args) -> dict:
         out["ratio_spec_on_off_tok_s"] = res["output_tok_s"] / off["output_tok_s"]
         del base_llm
     if args.structured_fraction > 0:
-        from roofline.structured_output.params import StructuredOutputsParams
+        from roofline.sampling_params import StructuredOutputsParams
 
         out["compile"] = structured_compile_times(llm)
         every = max(1, round(1 / args.structured_fraction))

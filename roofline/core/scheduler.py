@@ -62,11 +62,11 @@ from roofline.config import CacheConfig, SchedulerConfig
 from roofline.core.beam_search import BeamGroup, BeamSearch
 from roofline.core.hybrid_kv_cache_manager import HybridKVCacheManager
 from roofline.core.kv_cache_manager import KVCacheManager
+from roofline.core.kv_connector import KVConnectorScheduler
+from roofline.core.kv_transfer_tracker import KVTransferTracker
 from roofline.core.request import Request, RequestStatus
+from roofline.core.spec_decode_stats import SpecDecodeStats
 from roofline.core.step_budget import StepBudget, StepPlan
-from roofline.spec_decode.stats import SpecDecodeStats
-from roofline.kv_transfer.base import KVConnectorScheduler
-from roofline.kv_transfer.tracker import KVTransferTracker
 from roofline.core.scheduler_output import (
     ModelRunnerOutput,
     NewRequestData,

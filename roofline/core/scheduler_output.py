@@ -8,7 +8,7 @@ from typing import Optional
 
 import msgspec
 
-from roofline.kv_transfer.metadata import KVConnectorMetadata, KVConnectorOutput, merge_connector_outputs
+from roofline.core.kv_connector_messages import KVConnectorMetadata, KVConnectorOutput, merge_connector_outputs
 from roofline.lora_request import LoRARequest
 
 

@@ -124,21 +124,6 @@ class ParallelLayout:
 
 
 # ---- pipeline stages: which layers each holds ---------------------------------------------------
-def parse_partition(text: Optional[str], pp: int) -> Optional[list[int]]:
-    """'a,b,...' -> [a, b, ...] (one positive count per stage); ValueError naming the flag otherwise."""
-    if text is None or text == "":
-        return None
-    try:
-        counts = [int(part) for part in str(text).split(",")]
-    except ValueError:
-        raise ValueError(f"pp_layer_partition must be comma-separated layer counts, got {text!r}") from None
-    if len(counts) != pp:
-        raise ValueError(f"pp_layer_partition {text!r} has {len(counts)} entries for pipeline_parallel_size={pp}")
-    if any(c < 1 for c in counts):
-        raise ValueError(f"pp_layer_partition {text!r}: every stage needs at least one layer")
-    return counts
-
-
 def stage_layer_ranges(num_layers: int, pp: int, partition: Optional[list[int]] = None) -> list[tuple[int, int]]:
     """[start, end) of every stage's layers."""
     if partition is None:

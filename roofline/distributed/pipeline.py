@@ -18,7 +18,7 @@ from typing import Optional
 
 import torch
 
-from roofline.distributed.layout import parse_partition, stage_layer_ranges  # noqa: F401  (re-exported)
+from roofline.distributed.layout import stage_layer_ranges
 from roofline.distributed.parallel_state import get_pp_group
 
 _PARTITION: Optional[list[int]] = None  # set from the configuration before the model is built

@@ -48,6 +48,7 @@ from roofline.core.scheduler_output import (
     StepParallelStats,
     merge_runner_outputs,
 )
+from roofline.core.spec_decode_stats import SpecDecodeStats
 from roofline.engine.output_processor import OutputProcessor
 from roofline.executor.base import ExecutorDeadError
 from roofline.executor.factory import create_executor
@@ -58,7 +59,6 @@ from roofline.outputs import RequestOutput
 from roofline.sampling_params import SamplingParams
 from roofline.spec_decode.draft_length import DraftLengthPolicy
 from roofline.spec_decode.factory import MODEL_BASED_METHODS
-from roofline.spec_decode.stats import SpecDecodeStats
 from roofline.structured_output.manager import StructuredOutputManager
 
 logger = logging.getLogger(__name__)

@@ -29,7 +29,7 @@ import weakref
 from collections import deque
 from typing import Any, Optional
 
-from roofline.config import EngineConfig, env_flag
+from roofline.config import EngineConfig, env_flag, parse_partition
 from roofline.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
 from roofline.distributed.launch import LocalRanks, RankFailure, RankGroup, node_layout, startup_timeout_s
 from roofline.distributed.protocol import (
@@ -77,7 +77,7 @@ def check_tensor_parallel_split(config: EngineConfig) -> None:
     from roofline.distributed import pipeline
 
     pc = config.parallel_config
-    pipeline.set_partition(pipeline.parse_partition(pc.pp_layer_partition, pc.pipeline_parallel_size))
+    pipeline.set_partition(parse_partition(pc.pp_layer_partition, pc.pipeline_parallel_size))
     if hf_config is None:
         return
     arch, cls = resolve_architecture(hf_config)

@@ -1,11 +1,16 @@
 """KV transfer between engines: prefill/decode disaggregation and a persistent KV tier.
 
-  config.py          KVTransferConfig (--kv-transfer-config) and per-request KVTransferParams
-  base.py            the connector interface: scheduler half and worker half
-  metadata.py        the per-step transfer plan and the worker's report (msgspec)
-  tracker.py         the Scheduler's bookkeeping: requests waiting for KV, held prefills, failures
   shared_storage.py  SharedStorageConnector: blocks as safetensors files keyed by prefix hash
   p2p.py             P2pConnector: the decoder pulls blocks from the prefiller's pool over TCP
+
+What they implement and what the scheduler keeps lives below them, so that core never imports a
+connector:
+  config.py (KVTransferConfig)      --kv-transfer-config
+  core/kv_connector.py              the connector interface (scheduler half, worker half) and the
+                                    per-request KVTransferParams
+  core/kv_connector_messages.py     the per-step transfer plan and the worker's report (msgspec)
+  core/kv_transfer_tracker.py       the Scheduler's bookkeeping: requests waiting for KV, held prefills,
+                                    failures
 
 This module only picks the connector; importing it loads no torch.
 """
@@ -14,12 +19,12 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any, Optional
 
-from roofline.kv_transfer.config import KVTransferConfig, KVTransferParams
+from roofline.core.kv_connector import KVTransferParams
 
 if TYPE_CHECKING:
     from roofline.config import EngineConfig
-    from roofline.kv_transfer.base import KVConnectorScheduler, KVConnectorWorker
-    from roofline.kv_transfer.tracker import KVTransferTracker
+    from roofline.core.kv_connector import KVConnectorScheduler, KVConnectorWorker
+    from roofline.core.kv_transfer_tracker import KVTransferTracker
 
 
 def create_scheduler_connector(config: "EngineConfig") -> Optional["KVConnectorScheduler"]:
@@ -61,5 +66,4 @@ def request_params(tracker: Optional["KVTransferTracker"], params: Any, num_comp
     return parsed
 
 
-__all__ = ["KVTransferConfig", "KVTransferParams", "create_scheduler_connector", "create_worker_connector",
-           "request_params"]
+__all__ = ["create_scheduler_connector", "create_worker_connector", "request_params"]

@@ -43,10 +43,10 @@ from typing import Any, Optional, Sequence
 
 import msgspec
 
+from roofline.config import KVTransferConfig
+from roofline.core.kv_connector import KVConnectorScheduler, KVConnectorWorker, KVTransferParams
+from roofline.core.kv_connector_messages import BlockLoad, KVConnectorMetadata, KVConnectorOutput, RemoteSource
 from roofline.core.request import Request
-from roofline.kv_transfer.base import KVConnectorScheduler, KVConnectorWorker
-from roofline.kv_transfer.config import KVTransferConfig, KVTransferParams
-from roofline.kv_transfer.metadata import BlockLoad, KVConnectorMetadata, KVConnectorOutput, RemoteSource
 
 logger = logging.getLogger(__name__)
 

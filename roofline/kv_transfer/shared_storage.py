@@ -17,10 +17,10 @@ import logging
 import os
 from typing import Any, Optional, Sequence
 
+from roofline.config import KVTransferConfig
+from roofline.core.kv_connector import KVConnectorScheduler, KVConnectorWorker
+from roofline.core.kv_connector_messages import BlockLoad, BlockSave, KVConnectorMetadata, KVConnectorOutput
 from roofline.core.request import Request
-from roofline.kv_transfer.base import KVConnectorScheduler, KVConnectorWorker
-from roofline.kv_transfer.config import KVTransferConfig
-from roofline.kv_transfer.metadata import BlockLoad, BlockSave, KVConnectorMetadata, KVConnectorOutput
 
 logger = logging.getLogger(__name__)
 

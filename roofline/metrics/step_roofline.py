@@ -97,6 +97,10 @@ class StepRoofline(msgspec.Struct, array_like=True):
             return "decode"
         return "prefill" if self.prefill_tokens >= self.decode_tokens else "mixed"
 
+    def bound_on(self, bandwidth: float, peak_flops: float) -> float:
+        """The step's bound on other hardware figures (same bytes and FLOPs): max(bytes / BW, FLOPs / F)."""
+        return max(self.bytes_read / bandwidth, self.flops / peak_flops if peak_flops else 0.0)
+
 
 class StepRooflineModel:
     """Per-step bytes, FLOPs and bound for one model on one device (the planner's cost model)."""
@@ -300,11 +304,6 @@ def model_for_engine(hf_config: Any, device: str, dtype: str, kv_cache_dtype: st
 # ---------------------------------------------------------------------------------------------
 # summaries
 # ---------------------------------------------------------------------------------------------
-
-def bound_on(record: StepRoofline, bandwidth: float, peak_flops: float) -> float:
-    """The record's bound on other hardware figures (same bytes and FLOPs): max(bytes / BW, FLOPs / F)."""
-    return max(record.bytes_read / bandwidth, record.flops / peak_flops if peak_flops else 0.0)
-
 
 def phase_medians(records: Iterable[StepRoofline]) -> dict[str, dict[str, float]]:
     """Per phase (and "all"): steps, median ratio, median step and bound (ms), share of memory-bound steps."""

@@ -100,7 +100,7 @@ def _hardware(args):
 
 
 def run_plan(args) -> int:
-    from roofline.distributed.layout import parse_partition
+    from roofline.config import parse_partition
     from roofline.planner.cost_model import PlanInputs, make_plan
     from roofline.planner.hardware import GiB
     from roofline.planner.model_specs import load_model_spec

@@ -76,7 +76,7 @@ def decode_step_seconds(llm: Any, batch: int, prompt_len: int, new_tokens: int, 
     or, if the engine's steps cannot be timed, the metrics-based mean."""
     clock = _clock(device)
     if sampling_params_cls is None:
-        from roofline import SamplingParams as sampling_params_cls
+        from roofline.sampling_params import SamplingParams as sampling_params_cls
 
     rng = random.Random(seed + 1000 * batch)
     hi = max(min(vocab_size, 32000) - 1, 2)
@@ -182,15 +182,13 @@ def _engine_step_records(llm: Any) -> Optional[list]:
 def live_decode_figures(records: Optional[list], hw: HardwareSpec, weight_dtype: str) -> Dict[str, float]:
     """The engine's own accounting of its decode steps (metrics/step_roofline.py): the median live
     ratio (its wall time over its start-up bound) and the median bound recomputed with `hw`."""
-    from roofline.metrics.step_roofline import bound_on
-
     dec = [r for r in records or [] if r.phase == "decode"]
     if not dec:
         return {}
     peak = hw.flops_for(weight_dtype)
     return {"live_steps": len(dec), "live_ratio": statistics.median(r.ratio for r in dec),
             "live_bound_ms": 1e3 * statistics.median(r.bound_s for r in dec),
-            "live_roofline_ms": 1e3 * statistics.median(bound_on(r, hw.hbm_bandwidth, peak) for r in dec)}
+            "live_roofline_ms": 1e3 * statistics.median(r.bound_on(hw.hbm_bandwidth, peak) for r in dec)}
 
 
 def _loadavg() -> Optional[float]:
@@ -240,11 +238,15 @@ def run_measure(
     """Measure decode on the engine and compare with the planner. Returns a dict with the measured
     hardware figures, the per-batch rows and the PlanInputs used for prediction."""
     if engine_factory is None:
-        from roofline import LLM
+        # An import that runs back up, on purpose: --measure runs the engine to check the planner's
+        # prediction, while the engine prices its own steps with the planner's cost model (the live
+        # roofline, metrics/step_roofline.py), so the planner sits below the engine.  Imported when a
+        # measurement starts: importing the planner never loads the engine.
+        from roofline.engine.llm import LLM
 
         engine_factory = LLM
     if sampling_params_cls is None:
-        from roofline import SamplingParams as sampling_params_cls
+        from roofline.sampling_params import SamplingParams as sampling_params_cls
     sp_cls = sampling_params_cls
     # the planner models weights in the engine's dtype, not GGUF blocks: the engine measured against it
     # computes on the same dense weights (--gguf-weights dequantize)

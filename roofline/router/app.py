@@ -32,7 +32,7 @@ import httpx
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from roofline.entrypoints.openai.server import run_cancellable
+from roofline.client_disconnect import run_cancellable
 from roofline.kv_transfer.p2p import release_held_kv
 from roofline.router.backends import Backend, BackendPool
 from roofline.router.policies import make_policy

@@ -7,8 +7,8 @@ keeps the guesses the target model would have produced, exactly in distribution)
     ngram.py              prompt lookup over prompt + output so far
     rejection_sampler.py  greedy and random acceptance, recovered and bonus tokens
     draft_length.py       the per-step number of drafts, from the cost model and the acceptance rate
-    stats.py              acceptance counters (metrics, bench)
 
 The step contract (1 + k tokens per request, rollback of rejected ones) lives in roofline/core
-(scheduler, kv_cache_manager, scheduler_output) and roofline/worker/model_runner.py.
+(scheduler, kv_cache_manager, scheduler_output) and roofline/worker/model_runner.py, and so do the
+acceptance counters the scheduler keeps (core/spec_decode_stats.py: metrics, bench).
 """

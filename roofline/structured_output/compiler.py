@@ -17,8 +17,8 @@ from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Optional
 
+from roofline.sampling_params import StructuredOutputsParams
 from roofline.structured_output.bitmask import bitmask_width
-from roofline.structured_output.params import StructuredOutputsParams
 
 MAX_CACHED_GRAMMARS = 512  # least recently used ones beyond this are dropped
 COMPILE_THREADS = 2

@@ -18,10 +18,10 @@ import concurrent.futures
 from typing import Any, Iterable, NamedTuple, Optional
 
 from roofline.core.scheduler_output import SchedulerOutput
+from roofline.sampling_params import StructuredOutputsParams
 from roofline.structured_output.bitmask import build_step_bitmask
 from roofline.structured_output.compiler import GrammarCache
 from roofline.structured_output.matcher import RequestGrammar
-from roofline.structured_output.params import StructuredOutputsParams
 
 PARAM = "structured_outputs"
 DEAD_END_ERROR = ("structured output: the constraint allows no token after {n} generated token(s): it has no "

@@ -142,7 +142,7 @@ class Worker:
         pc = config.parallel_config
         if pc.enable_eplb:
             from roofline.distributed.parallel_state import get_ep_group
-            from roofline.eplb.state import EplbState
+            from roofline.model_executor.layers.moe.eplb_state import EplbState
 
             self.eplb = EplbState(self.model, pc.eplb, get_ep_group(), num_nodes=pc.nnodes)
         self._collectives_seen: dict[str, list[int]] = {}

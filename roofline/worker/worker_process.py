@@ -42,6 +42,7 @@ from typing import Any, Optional
 import msgspec
 import torch
 
+from roofline.config import parse_partition
 from roofline.core.scheduler_output import ModelRunnerOutput, merge_runner_outputs, runner_output_decoder
 from roofline.distributed import comm, pipeline
 from roofline.distributed.layout import ParallelLayout
@@ -165,7 +166,7 @@ class WorkerProc:
     def _layout(self, boot: Bootstrap) -> ParallelLayout:
         pc = boot.config.parallel_config
         layout = ParallelLayout.from_config(pc)
-        pipeline.set_partition(pipeline.parse_partition(pc.pp_layer_partition, pc.pipeline_parallel_size))
+        pipeline.set_partition(parse_partition(pc.pp_layer_partition, pc.pipeline_parallel_size))
         if (layout.world_size, pc.nnodes) != (self.spec.world_size, self.spec.nnodes):
             raise ValueError(
                 f"node {self.spec.node_rank} was started with a world of {self.spec.world_size} ranks, "

@@ -288,8 +288,8 @@ def test_every_roofline_command_parses():
 
 
 def test_json_flags_parse_with_the_codes_parsers():
+    from roofline.config import KVTransferConfig
     from roofline.entrypoints.engine_flags import engine_args_from
-    from roofline.kv_transfer.config import KVTransferConfig
 
     roles = set()
     for c, *_, sub, ns in _roofline_containers(_all_docs()):

@@ -269,7 +269,7 @@ def test_pull_pacer_keeps_the_pull_to_its_share_of_the_core():
 def test_bad_max_pull_share_fails_at_start_naming_the_field(share):
     import json
 
-    from roofline.kv_transfer.config import KVTransferConfig
+    from roofline.config import KVTransferConfig
     from roofline.kv_transfer.p2p import P2pScheduler
 
     config = KVTransferConfig.from_json(json.dumps(p2p("kv_consumer", max_pull_share=share)))
@@ -298,7 +298,7 @@ def test_torch_distributed_transport_matches_hf(tiny):
 def test_unknown_transport_fails_at_start_naming_the_field():
     import json
 
-    from roofline.kv_transfer.config import KVTransferConfig
+    from roofline.config import KVTransferConfig
     from roofline.kv_transfer.p2p import P2pScheduler
 
     config = KVTransferConfig.from_json(json.dumps(p2p("kv_consumer", transport="carrier-pigeon")))
@@ -310,8 +310,8 @@ def test_producer_frees_a_hold_when_its_consumer_breaks_the_pull():
     """The producer's side alone, with layers far larger than the socket buffers (8 MB a pull each), so
     the consumer's reset lands while the producer is still sending: the hold is reported finished (its
     blocks go back to the pool) at once, and it is served no more."""
-    from roofline.kv_transfer.config import KVTransferConfig
-    from roofline.kv_transfer.metadata import KVConnectorMetadata
+    from roofline.config import KVTransferConfig
+    from roofline.core.kv_connector_messages import KVConnectorMetadata
     from roofline.kv_transfer.p2p import P2pWorker
 
     port = free_port()

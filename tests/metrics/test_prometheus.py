@@ -198,7 +198,7 @@ def test_collectives_and_expert_balancedness_are_exported():
 
 
 def test_spec_decode_counters_follow_the_engine_totals():
-    from roofline.spec_decode.stats import SpecDecodeStats
+    from roofline.core.spec_decode_stats import SpecDecodeStats
 
     spec = SpecDecodeStats(3)
     spec.observe(3, 2)
@@ -230,7 +230,7 @@ def test_vllm_names_equal_ours():
     """Every metric of VLLM_MIRRORED is rendered a second time as vllm:<name> (what a gateway's scorers read)
     with exactly our samples: histograms' buckets, counters' totals, labelled children."""
     from roofline.metrics.prometheus import VLLM_MIRRORED
-    from roofline.spec_decode.stats import SpecDecodeStats
+    from roofline.core.spec_decode_stats import SpecDecodeStats
 
     p = PrometheusStatLogger("m", lora=True)
     snap = Snap()

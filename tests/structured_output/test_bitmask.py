@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 import torch
 
+from roofline.sampling_params import StructuredOutputsParams
 from roofline.structured_output.bitmask import (
     apply_token_bitmask,
     bitmask_tensor,
@@ -15,7 +16,6 @@ from roofline.structured_output.bitmask import (
     build_step_bitmask,
 )
 from roofline.structured_output.matcher import RequestGrammar
-from roofline.structured_output.params import StructuredOutputsParams
 
 
 @pytest.mark.parametrize("vocab", [31, 32, 33, 1000, 49152])

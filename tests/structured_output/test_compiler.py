@@ -7,8 +7,8 @@ import threading
 
 import pytest
 
+from roofline.sampling_params import StructuredOutputsParams
 from roofline.structured_output.compiler import GrammarCache
-from roofline.structured_output.params import StructuredOutputsParams
 
 SCHEMA = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
 

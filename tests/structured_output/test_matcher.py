@@ -13,10 +13,9 @@ from roofline.config import CacheConfig, SchedulerConfig
 from roofline.core.request import Request
 from roofline.core.scheduler import Scheduler
 from roofline.core.scheduler_output import ModelRunnerOutput
-from roofline.sampling_params import SamplingParams
+from roofline.sampling_params import SamplingParams, StructuredOutputsParams
 from roofline.structured_output.bitmask import bitmask_width
 from roofline.structured_output.matcher import RequestGrammar
-from roofline.structured_output.params import StructuredOutputsParams
 
 EOS = 2
 

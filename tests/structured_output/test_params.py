@@ -4,8 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from roofline.sampling_params import SamplingParams
-from roofline.structured_output.params import StructuredOutputsParams
+from roofline.sampling_params import SamplingParams, StructuredOutputsParams
 
 
 def test_exactly_one_constraint():

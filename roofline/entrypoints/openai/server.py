@@ -34,6 +34,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from roofline.client_disconnect import run_cancellable
 from roofline.engine.async_llm import AsyncLLM, RequestAbortedError
 from roofline.entrypoints.openai.access import AccessMiddleware
 from roofline.entrypoints.openai.dashboard import add_dashboard_routes
@@ -145,30 +146,6 @@ def _vocab_size(engine: AsyncLLM, tokenizer: Any) -> Optional[int]:
         return len(tokenizer)
     except Exception:
         return None
-
-
-async def run_cancellable(request: Request, coro: Any) -> Any:
-    """Run a non-streaming handler, cancelling it (and so aborting its requests) if the client
-    disconnects before the answer is ready (then a 499 answer, which nobody reads)."""
-    task = asyncio.ensure_future(coro)
-
-    async def disconnected() -> None:
-        while True:
-            message = await request.receive()
-            if message["type"] == "http.disconnect":
-                return
-
-    watcher = asyncio.ensure_future(disconnected())
-    try:
-        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        watcher.cancel()
-    if not task.done():
-        task.cancel()
-        with contextlib.suppress(BaseException):
-            await task
-        return Response(status_code=499)
-    return task.result()
 
 
 def build_app(engine: AsyncLLM, config: Optional[ServerConfig] = None, *, shutdown_engine: bool = True) -> FastAPI:

@@ -16,8 +16,7 @@ import asyncio
 from typing import Any, Optional
 
 from roofline.entrypoints.openai.serving_engine import bad_request
-from roofline.sampling_params import SamplingParams
-from roofline.structured_output.params import StructuredOutputsParams
+from roofline.sampling_params import SamplingParams, StructuredOutputsParams
 
 GUIDED_FIELDS = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice",
                  "guided_grammar": "grammar"}
@@ -67,7 +66,7 @@ def structured_outputs_of(req: Any) -> tuple[Optional[str], Optional[StructuredO
 
 
 def _named(message: str, field: str) -> str:
-    """Rename params.py's / compiler.py's "invalid structured_outputs.<kind>: ..." after the request field."""
+    """Rename sampling_params.py's / compiler.py's "invalid structured_outputs.<kind>: ..." after the request field."""
     if field != "structured_outputs" and message.startswith("invalid structured_outputs") and ":" in message:
         return f"invalid {field}:" + message.split(":", 1)[1]
     return message

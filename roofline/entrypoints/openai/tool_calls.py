@@ -28,7 +28,7 @@ from typing import Any, Optional
 from roofline.entrypoints.openai.reasoning.base import ReasoningParser
 from roofline.entrypoints.openai.serving_engine import bad_request
 from roofline.entrypoints.openai.tool_parsers.base import ToolCall, ToolParser
-from roofline.structured_output.params import StructuredOutputsParams
+from roofline.sampling_params import StructuredOutputsParams
 
 NAME_RE = re.compile(r"^[A-Za-z0-9_.:-]{1,64}$")
 

@@ -12,7 +12,7 @@ Under expert parallelism (distributed/layout.py's EP group, size > 1) a rank ins
 token to its experts' ranks and back.  The tensor-parallel ranks of one batch each send their own
 share of its tokens, so the layer's output is again a partial sum over the TP group (rows of the
 other TP ranks' shares are zero) and the same one all-reduce completes it.  `expert_load` counts the
-tokens routed to each logical expert (from this rank's share) for EPLB (eplb/state.py).
+tokens routed to each logical expert (from this rank's share) for EPLB (eplb_state.py).
 
 FP8 block checkpoints (quantization/fp8.py): on the CPU in fp32 with the native kernels both stacks stay in
 their blocks (`w13_quant` [E, 2I, H] and `w2_quant` [E, H, I], the dense parameters then meta tensors), or
@@ -92,7 +92,7 @@ class FusedMoE(nn.Module):
         self.activation = activation
         self.w13_bias = nn.Parameter(torch.empty(slots, 2 * self.inter_local), requires_grad=False) if bias else None
         self.w2_bias = nn.Parameter(torch.empty(slots, hidden_size), requires_grad=False) if bias else None
-        self.expert_load: Optional[torch.Tensor] = None  # [num_experts] token counts, set by eplb.state
+        self.expert_load: Optional[torch.Tensor] = None  # [num_experts] token counts, set by eplb_state
         self.cpu_experts: Optional[CpuExperts] = None  # set by prepare_cpu after loading
         self.w13_quant: Optional[Fp8BlockTensor] = None  # the stacks kept in FP8 blocks (see the module doc)
         self.w2_quant: Optional[Fp8BlockTensor] = None

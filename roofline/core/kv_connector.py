@@ -1,4 +1,6 @@
-"""The KV connector interface, in two halves.
+"""The KV connector interface, in two halves, and what a request asks of it (KVTransferParams).  The
+connectors themselves (shared storage, P2P) are in roofline/kv_transfer/; core defines what the
+Scheduler and the worker call, so that the scheduler never imports a connector.
 
 Scheduler half (`KVConnectorScheduler`, pure Python, lives beside the Scheduler):
   * get_num_new_matched_tokens: how many prompt tokens past those already computed here a remote
@@ -8,7 +10,7 @@ Scheduler half (`KVConnectorScheduler`, pure Python, lives beside the Scheduler)
   * request_finished: a finished prefill; say whether its blocks must be held until they are sent, and
     which kv_transfer_params the client gets back for the decoding engine;
   * build_connector_meta: the step's transfer plan (loads, saves, sends to serve, releases).
-The Scheduler keeps the requests waiting for KV and the held blocks (kv_transfer/tracker.py).
+The Scheduler keeps the requests waiting for KV and the held blocks (core/kv_transfer_tracker.py).
 
 Worker half (`KVConnectorWorker`, lives beside the KV pool on the worker):
   * register_kv_caches (constructor): the pool's per-layer tensors, shaped by the model's KV cache
@@ -22,13 +24,58 @@ Worker half (`KVConnectorWorker`, lives beside the KV pool on the worker):
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
 from typing import Any, Optional, Sequence
 
+from roofline.config import KVTransferConfig
+from roofline.core.kv_connector_messages import KVConnectorMetadata, KVConnectorOutput
 from roofline.core.request import Request
-from roofline.kv_transfer.config import KVTransferConfig, KVTransferParams
-from roofline.kv_transfer.metadata import KVConnectorMetadata, KVConnectorOutput
 
 DEFAULT_SEND_TIMEOUT_S = 120.0  # a held prefill's blocks are freed when nobody took them by then
+
+
+@dataclass
+class KVTransferParams:
+    """One request's transfer instructions (vLLM's field names).
+
+    do_remote_decode: this engine prefills; another decodes (hold the KV until it is taken, and
+    answer with the parameters the decoder needs).  do_remote_prefill: another engine prefilled this
+    prompt; load its KV from remote_host:remote_port (P2P) or the shared storage, keyed by block hash.
+    """
+
+    do_remote_decode: bool = False
+    do_remote_prefill: bool = False
+    remote_engine_id: Optional[str] = None
+    remote_request_id: Optional[str] = None
+    remote_block_ids: list[int] = field(default_factory=list)
+    remote_host: Optional[str] = None
+    remote_port: Optional[int] = None
+
+    @classmethod
+    def parse(cls, obj: Any) -> "KVTransferParams":
+        """Validate a request's kv_transfer_params; ValueError names the offending field."""
+        if not isinstance(obj, dict):
+            raise ValueError("kv_transfer_params must be a JSON object")
+        known = set(cls.__dataclass_fields__)
+        for key, value in obj.items():
+            if key not in known:
+                continue  # a newer client's field: ignored, as the API ignores unknown fields
+            name = f"kv_transfer_params.{key}"
+            if key in ("do_remote_decode", "do_remote_prefill") and not isinstance(value, bool):
+                raise ValueError(f"{name} must be true or false, got {value!r}")
+            if key in ("remote_engine_id", "remote_request_id", "remote_host") and not (
+                    value is None or isinstance(value, str)):
+                raise ValueError(f"{name} must be a string, got {value!r}")
+            if key == "remote_port" and not (value is None or (isinstance(value, int) and not isinstance(value, bool)
+                                                             and 0 < value < 65536)):
+                raise ValueError(f"{name} must be a port number, got {value!r}")
+            if key == "remote_block_ids" and not (isinstance(value, list) and all(
+                    isinstance(b, int) and not isinstance(b, bool) and b >= 0 for b in value)):
+                raise ValueError(f"{name} must be a list of non-negative integers")
+        params = cls(**{k: v for k, v in obj.items() if k in known and v is not None})
+        if params.do_remote_decode and params.do_remote_prefill:
+            raise ValueError("kv_transfer_params: do_remote_decode and do_remote_prefill exclude each other")
+        return params
 
 
 class KVConnectorScheduler(ABC):

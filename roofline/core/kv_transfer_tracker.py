@@ -14,9 +14,9 @@ import time
 from typing import Any, Optional
 
 from roofline.core.kv_cache_manager import KVCacheManager
+from roofline.core.kv_connector import KVConnectorScheduler
+from roofline.core.kv_connector_messages import KVConnectorMetadata, KVConnectorOutput
 from roofline.core.request import Request, RequestStatus
-from roofline.kv_transfer.base import KVConnectorScheduler
-from roofline.kv_transfer.metadata import KVConnectorMetadata, KVConnectorOutput
 
 logger = logging.getLogger(__name__)
 
