@@ -20,7 +20,7 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from roofline.cpu import gguf_quant
+from roofline.cpu import gguf_quant, ops as cpu_ops
 from roofline.cpu.gguf_quant import QuantizedTensor
 from roofline.model_executor.layers.quantization import mxfp4
 
@@ -114,9 +114,15 @@ def gguf_weights(file: str, hf_config, show_progress: bool = True,
                 raise ValueError(f"GGUF tensor {t.name!r}: {e}") from e
             yield name, w
             continue
-        arr = gguf.quants.dequantize(t.data, t.tensor_type)
-        w = _permuted_rows(torch.from_numpy(np.array(arr, dtype=np.float32).reshape(shape)), name, permute_qk,
-                           n_head, n_kv)
+        if len(shape) == 2 and gguf_quant.supported(int(t.tensor_type)) and cpu_ops.available():
+            # the kernels' expansion: gguf's values bit for bit (test_expansion_is_exactly_gguf_dequantize),
+            # ~10x faster than gguf's numpy (the default model's Q8_0 embedding: 0.43 s)
+            raw = torch.from_numpy(np.array(t.data, dtype=np.uint8).reshape(shape[0], -1))
+            dense = gguf_quant.dequantize_native(QuantizedTensor(raw, int(t.tensor_type), shape[1]))
+        else:
+            dense = torch.from_numpy(np.array(gguf.quants.dequantize(t.data, t.tensor_type), dtype=np.float32)
+                                     .reshape(shape))
+        w = _permuted_rows(dense, name, permute_qk, n_head, n_kv)
         yield name, gguf_archs.adjust(arch, name, w) if mapped else w
 
 
