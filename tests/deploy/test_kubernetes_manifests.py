@@ -114,24 +114,24 @@ def test_every_resource_validates(path, index, doc):
     validate(doc)
 
 
-def test_validation_rejects_bad_manifests():
-    """The validators do fail: an unknown field, a wrong type, an unknown LWS field."""
-    dep = next(copy.deepcopy(d) for _, _, d in RESOURCE_DOCS if d["kind"] == "Deployment")
-    dep["spec"]["template"]["spec"]["containers"][0]["readinessProbes"] = {}
+BAD_EDITS = [  # (kind, path to the field, bad value): an unknown field, a wrong type, unknown LWS fields
+    ("Deployment", ("spec", "template", "spec", "containers", 0, "readinessProbes"), {}),
+    ("Deployment", ("spec", "replicas"), "two"),
+    ("LeaderWorkerSet", ("spec", "leaderWorkerTemplate", "sizes"), 2),
+    ("LeaderWorkerSet", ("spec", "startupPolicy"), "LeaderHappy"),
+]
+
+
+@pytest.mark.parametrize("kind,path,value", BAD_EDITS, ids=[f"{k}-{p[-1]}" for k, p, _ in BAD_EDITS])
+def test_validation_rejects_bad_manifests(kind, path, value):
+    """The validators do fail."""
+    doc = next(copy.deepcopy(d) for _, _, d in RESOURCE_DOCS if d["kind"] == kind)
+    parent = doc
+    for key in path[:-1]:
+        parent = parent[key]
+    parent[path[-1]] = value
     with pytest.raises(AssertionError):
-        validate(dep)
-    dep = next(copy.deepcopy(d) for _, _, d in RESOURCE_DOCS if d["kind"] == "Deployment")
-    dep["spec"]["replicas"] = "two"
-    with pytest.raises(AssertionError):
-        validate(dep)
-    lws = next(copy.deepcopy(d) for _, _, d in RESOURCE_DOCS if d["kind"] == "LeaderWorkerSet")
-    lws["spec"]["leaderWorkerTemplate"]["sizes"] = 2
-    with pytest.raises(AssertionError):
-        validate(lws)
-    lws = next(copy.deepcopy(d) for _, _, d in RESOURCE_DOCS if d["kind"] == "LeaderWorkerSet")
-    lws["spec"]["startupPolicy"] = "LeaderHappy"
-    with pytest.raises(AssertionError):
-        validate(lws)
+        validate(doc)
 
 
 # ------------------------------------------------------------------ kustomize

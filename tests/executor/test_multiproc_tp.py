@@ -128,6 +128,8 @@ def test_worker_death_fails_fast(tiny_models):
         assert elapsed < 15, elapsed
         assert all("rank 1" in e for e in errors), errors
         assert not engine.is_healthy
+        stats = core.get_stats()  # the dead executor's requests were aborted in the core: every block is back
+        assert stats.num_free_blocks == stats.num_total_blocks and stats.num_running == 0
         with pytest.raises(RuntimeError, match="rank 1"):
             core.check_health()
         with pytest.raises(RuntimeError, match="rank 1"):
