@@ -350,6 +350,11 @@ class Scheduler:
                 other_tokens += left
         return self.draft_length_policy.choose(num_decodes, min(other_tokens, max(budget - num_decodes, 0)))
 
+    @staticmethod
+    def _in_prefill(req: Request) -> bool:
+        """More than one known token left to compute: its tokens come out of the step's prefill tokens."""
+        return req.num_tokens - req.num_computed_tokens > 1
+
     def _plan_step(self, cap: int, max_requests: int) -> Optional[StepPlan]:
         """The step's token budget from the step-time estimate (core/step_budget.py): the decodes this step
         runs and the prompts that would get prefill tokens, oldest first (at most max_requests of them; a
@@ -359,28 +364,24 @@ class Scheduler:
             return None
         decodes: list[tuple[int, int]] = []
         prefills: list[tuple[int, int]] = []
-        prefill_total = 0
-        for r in self.running:
-            if len(decodes) + len(prefills) >= max_requests:
-                break
-            if r.request_id in self.in_flight:
-                continue
+
+        def add(r: Request) -> None:  # a waiting beam or forked sibling with one token left is a decode too
             start, left = r.num_computed_tokens, r.num_tokens - r.num_computed_tokens
             if left == 1:
                 decodes.append((start, 1 + min(len(r.spec_token_ids), self.step_draft_len)))
             elif left > 1:
                 prefills.append((start, left))
-                prefill_total += left
+
+        for r in self.running:
+            if len(decodes) + len(prefills) >= max_requests:
+                break
+            if r.request_id not in self.in_flight:
+                add(r)
         seats = len(self.running) < self.config.max_num_seqs
         for r in itertools.chain(self.swapped, self.waiting) if seats else ():
-            if prefill_total >= cap or len(decodes) + len(prefills) >= max_requests:
+            if sum(n for _, n in prefills) >= cap or len(decodes) + len(prefills) >= max_requests:
                 break  # behind these nothing gets a token this step
-            start, left = r.num_computed_tokens, r.num_tokens - r.num_computed_tokens
-            if left == 1:  # a beam or forked sibling waiting for its next token: a decode
-                decodes.append((start, 1))
-            elif left > 1:
-                prefills.append((start, left))
-                prefill_total += left
+            add(r)
         if not prefills:
             return None
         return self.step_budget.plan(decodes, prefills, cap)
@@ -409,7 +410,7 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0 and len(scheduled) < cap:
             req = self.running[i]
-            prefill = req.num_tokens - req.num_computed_tokens > 1
+            prefill = self._in_prefill(req)
             n = 0 if req.request_id in self.in_flight else self._num_new_tokens(
                 req, min(budget, prefill_left) if prefill else budget)
             if n <= 0:
@@ -449,7 +450,7 @@ class Scheduler:
             req = self.swapped[0]
             if self._lora_blocked(req):
                 break
-            prefill = req.num_tokens - req.num_computed_tokens > 1
+            prefill = self._in_prefill(req)
             n = self._num_new_tokens(req, min(budget, prefill_left) if prefill else budget)
             if n <= 0:
                 break  # a prompt in prefill, and this step's prefill tokens are spent
