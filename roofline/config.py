@@ -737,6 +737,21 @@ def cache_dir() -> Path:
     return Path(base) / "roofline"
 
 
+def write_cache_file(path: Path, write) -> bool:
+    """One cache entry, atomically: write(tmp) fills a temporary file beside path, which is then renamed
+    onto it, so a reader never sees half an entry.  False when the cache cannot be written (the caller
+    carries on without it)."""
+    tmp = path.with_name(f"{path.name}.tmp{os.getpid()}")
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        write(str(tmp))
+        os.replace(tmp, path)
+        return True
+    except OSError:
+        tmp.unlink(missing_ok=True)
+        return False
+
+
 class Switch:
     """A process-wide on/off switch for an optional fast path: on unless set off.  The engine sets each
     from its EngineConfig field (worker.apply_cpu_settings); tests and A/B benchmarks force them."""

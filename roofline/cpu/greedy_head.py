@@ -167,33 +167,24 @@ def _cache_path(weight: torch.Tensor, vocab: int):
 
 
 def _load(path, vocab: int, k: int) -> GreedyScreen:
-    from safetensors.torch import load_file
     from safetensors import safe_open
 
     with safe_open(str(path), framework="pt") as f:
-        meta = f.metadata()
-    t = load_file(str(path))
+        meta, t = f.metadata(), {name: f.get_tensor(name) for name in f.keys()}
     if int(meta["vocab"]) != vocab or int(meta["k"]) != k:
         raise ValueError(f"cache entry for {meta['vocab']}x{meta['k']}, wanted {vocab}x{k}")
     return GreedyScreen(vocab, k, t["panels"], t["scales"], t["bound_w"], t["bound_q"], float(meta["wnorm_max"]))
 
 
 def _save(screen: GreedyScreen, path) -> None:
-    """Write to a temporary name, then rename: a reader never sees half an entry."""
-    import os
-
     from safetensors.torch import save_file
 
-    tmp = path.with_suffix(f".tmp{os.getpid()}")
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        save_file({"panels": screen.panels, "scales": screen.scales, "bound_w": screen.bound_w,
-                   "bound_q": screen.bound_q}, str(tmp),
-                  metadata={"vocab": str(screen.vocab), "k": str(screen.k), "wnorm_max": repr(screen.wnorm_max)})
-        os.replace(tmp, path)
-    except OSError:
-        logger.warning("could not write the greedy head cache %s", path, exc_info=True)
-        tmp.unlink(missing_ok=True)
+    from roofline.config import write_cache_file
+
+    tensors = {"panels": screen.panels, "scales": screen.scales, "bound_w": screen.bound_w, "bound_q": screen.bound_q}
+    meta = {"vocab": str(screen.vocab), "k": str(screen.k), "wnorm_max": repr(screen.wnorm_max)}
+    if not write_cache_file(path, lambda tmp: save_file(tensors, tmp, metadata=meta)):
+        logger.warning("could not write the greedy head cache %s", path)
 
 
 def route_runs_for(rows: torch.Tensor, weight: torch.Tensor, packed: Optional[torch.Tensor]) -> Optional[int]:

@@ -247,9 +247,9 @@ def _measured_on_this_machine(device: str, dtype: str, fresh: bool = False) -> H
     else measured now and saved there: a restart does not probe again (--roofline-hardware measure does,
     and refreshes the entry)."""
     import json
-    import os
+    from pathlib import Path
 
-    from roofline.config import cache_dir
+    from roofline.config import cache_dir, write_cache_file
 
     path = cache_dir() / f"hardware-{_machine_key(device, dtype)}.json"
     try:
@@ -262,14 +262,10 @@ def _measured_on_this_machine(device: str, dtype: str, fresh: bool = False) -> H
     except (OSError, ValueError, KeyError, TypeError, AttributeError):
         pass
     hw = _measure(device, dtype)
-    tmp = path.with_suffix(f".tmp{os.getpid()}")
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp.write_text(json.dumps({"name": hw.name, "hbm_bandwidth": hw.hbm_bandwidth, "peak_flops": hw.peak_flops,
-                                   "description": hw.description}))
-        os.replace(tmp, path)
-    except OSError:
-        logger.warning("could not cache the hardware probes in %s", path, exc_info=True)
+    entry = json.dumps({"name": hw.name, "hbm_bandwidth": hw.hbm_bandwidth, "peak_flops": hw.peak_flops,
+                        "description": hw.description})
+    if not write_cache_file(path, lambda tmp: Path(tmp).write_text(entry)):
+        logger.warning("could not cache the hardware probes in %s", path)
     return hw
 
 
