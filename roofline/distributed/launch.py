@@ -114,14 +114,17 @@ def heartbeat_timeout_s() -> float:
     return float(env_flag("ROOFLINE_HEARTBEAT_TIMEOUT", "5"))
 
 
-def threads_per_rank(nproc: int) -> int:
+def threads_per_rank(nproc: int, cores: Optional[int] = None) -> int:
+    """CPU threads for each of nproc ranks sharing `cores` (default: this process's): ROOFLINE_WORKER_THREADS
+    when set."""
     forced = env_flag("ROOFLINE_WORKER_THREADS")
     if forced:
         return max(1, int(forced))
-    try:
-        cores = len(os.sched_getaffinity(0))
-    except AttributeError:  # pragma: no cover - not Linux
-        cores = os.cpu_count() or 1
+    if cores is None:
+        try:
+            cores = len(os.sched_getaffinity(0))
+        except AttributeError:  # pragma: no cover - not Linux
+            cores = os.cpu_count() or 1
     return max(1, cores // nproc)
 
 

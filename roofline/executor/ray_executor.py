@@ -21,6 +21,7 @@ the rank, its actor and its node.  A placement group that cannot be satisfied is
 
 from __future__ import annotations
 
+import hmac
 import logging
 import os
 import secrets
@@ -33,7 +34,7 @@ from typing import Any, Optional
 import msgspec
 
 from roofline.config import EngineConfig, env_flag
-from roofline.distributed.launch import RankGroup, dist_timeout_s, startup_timeout_s
+from roofline.distributed.launch import RankGroup, dist_timeout_s, startup_timeout_s, threads_per_rank
 from roofline.distributed.protocol import RankHandle, WorkerSpec, encoder
 from roofline.executor.multiproc import MultiprocExecutor
 from roofline.worker.ray_actor import HANDSHAKE_TIMEOUT_S, RankActor, handshake_digest
@@ -162,7 +163,6 @@ class RayRanks(RankGroup):
         per_node: dict[str, int] = {}
         for w in wheres:
             per_node[w["node_id"]] = per_node.get(w["node_id"], 0) + 1
-        forced = env_flag("ROOFLINE_WORKER_THREADS")
         secret = env_flag("ROOFLINE_DIST_SECRET") or secrets.token_hex(16)
         backend = pc.distributed_backend or ("nccl" if device == "cuda" else "gloo")
         level = logging.getLogger().getEffectiveLevel()
@@ -174,7 +174,7 @@ class RayRanks(RankGroup):
                     pc.ray_placement_strategy, master_addr, master_port)
         for p in self.procs:
             w = p.where
-            threads = int(forced) if forced else max(1, w["node_cpus"] // per_node[w["node_id"]])
+            threads = threads_per_rank(per_node[w["node_id"]], cores=w["node_cpus"])
             spec = WorkerSpec(
                 rank=p.rank, world_size=world, local_rank=0, node_rank=0, nnodes=1, master_addr=master_addr,
                 master_port=master_port, secret=secret, backend=backend, device=device, timeout_s=dist_timeout_s(),
@@ -209,8 +209,6 @@ class RayRanks(RankGroup):
                 if not conn.poll(HANDSHAKE_TIMEOUT_S):
                     raise ValueError("no handshake")
                 rank, digest = msgspec.msgpack.decode(conn.recv_bytes(), type=tuple[int, bytes])
-                import hmac
-
                 if not hmac.compare_digest(digest, handshake_digest(secret, nonce)) or rank not in by_rank:
                     raise ValueError("bad handshake")
             except (ValueError, OSError, EOFError, msgspec.DecodeError) as e:
