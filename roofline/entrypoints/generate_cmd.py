@@ -46,4 +46,5 @@ def run(args: argparse.Namespace) -> int:
                               "num_tokens": len(c.token_ids)}))
         else:
             print(f"### {prompt}\n{c.text}\n[{c.finish_reason}, {len(c.token_ids)} tokens]\n")
+    llm.llm_engine.shutdown()  # worker processes stop here: the console script ends the process at once
     return 0
