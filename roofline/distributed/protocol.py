@@ -52,7 +52,7 @@ class Bootstrap(msgspec.Struct):
 
     config: EngineConfig  # model_config.hf_config is None here; it travels as JSON below
     model: Optional[str]  # the model argument as the user gave it; each rank resolves it locally
-    hf_config_json: str  # the engine's HF config (transformers' own JSON form), so ranks need not parse it again
+    hf_config_json: str  # the engine's HF config as a ConfigSnapshot's JSON: ranks never import transformers
 
 
 class RankStatus(msgspec.Struct):
@@ -116,17 +116,21 @@ status_decoder = msgspec.msgpack.Decoder(RankStatus)
 
 def encode_bootstrap(config: EngineConfig) -> bytes:
     mc = replace(config.model_config, hf_config=None)
-    hf_json = config.model_config.hf_config.to_json_string(use_diff=False)
-    return encoder.encode(Bootstrap(config=replace(config, model_config=mc), model=mc.model, hf_config_json=hf_json))
+    return encoder.encode(Bootstrap(config=replace(config, model_config=mc), model=mc.model,
+                                    hf_config_json=encode_hf_config(config.model_config.hf_config)))
+
+
+def encode_hf_config(hf_config: Any) -> str:
+    """An HF config (a ConfigSnapshot, or a transformers config given directly) for another process."""
+    from roofline.model_executor.loader.config_snapshot import snapshot
+
+    return snapshot(hf_config).to_json()
 
 
 def decode_hf_config(hf_config_json: str):
-    import json
+    from roofline.model_executor.loader.config_snapshot import ConfigSnapshot
 
-    from transformers import AutoConfig
-
-    d = json.loads(hf_config_json)
-    return AutoConfig.for_model(d.pop("model_type"), **d)
+    return ConfigSnapshot.from_json(hf_config_json)
 
 
 # ---- starting worker processes ---------------------------------------------------------------------

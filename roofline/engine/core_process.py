@@ -196,7 +196,7 @@ class CoreProcess:
 
 
 def run_core_process(start: CoreStart, conn) -> int:
-    from roofline.distributed.protocol import decode_hf_config  # noqa: F401  (import check before loading)
+    from roofline.distributed.protocol import encode_hf_config
     from roofline.engine.engine_core import EngineCore
 
     logging.basicConfig(level=start.log_level, format="%(asctime)s %(levelname)s [engine core] %(name)s: %(message)s")
@@ -211,7 +211,7 @@ def run_core_process(start: CoreStart, conn) -> int:
         return 1
     mc = core.model_config
     ready = CoreReady(ModelConfig(**{**{f: getattr(mc, f) for f in ModelConfig.__dataclass_fields__}, "hf_config": None}),
-                      mc.hf_config.to_json_string(use_diff=False))
+                      encode_hf_config(mc.hf_config))
     code = 0
     try:
         conn.send_bytes(encoder.encode(ready))

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import glob
 import hashlib
+import importlib.metadata
 import importlib.util
 import logging
 import os
@@ -119,14 +120,12 @@ def gguf_metadata_dir(src: ModelSource) -> Optional[str]:
     read those small files (a file without a tokenizer leaves none there).  Without a writable cache the
     GGUF is parsed every time, as before.
     """
-    import transformers
-
     from roofline.config import cache_dir
     from roofline.model_executor.loader import gguf_archs
 
     gguf_path = _gguf_path(src)
     st = os.stat(gguf_path)
-    ident = (f"{gguf_path}|{st.st_size}|{st.st_mtime_ns}|{transformers.__version__}|"
+    ident = (f"{gguf_path}|{st.st_size}|{st.st_mtime_ns}|{importlib.metadata.version('transformers')}|"
              f"gguf-archs-{gguf_archs.MAPPING_VERSION}")
     target = cache_dir() / f"gguf-{hashlib.sha256(ident.encode()).hexdigest()[:16]}"
     if (target / "config.json").exists():
@@ -151,23 +150,42 @@ def gguf_metadata_dir(src: ModelSource) -> Optional[str]:
 
 
 def load_hf_config(src: ModelSource) -> Any:
-    from transformers import AutoConfig
+    """The model's config as a ConfigSnapshot (config_snapshot.py): read without importing transformers
+    once this machine has read the same config.json before."""
+    from roofline.model_executor.loader.config_snapshot import load_config_dir, snapshot
 
     if src.fmt == "gguf":
         cached = gguf_metadata_dir(src)
-        if cached is not None:
-            config = AutoConfig.from_pretrained(cached)
-            config._name_or_path = src.path  # as if read from the GGUF itself
-            return config
-        return _gguf_config(src)
-    return AutoConfig.from_pretrained(src.path)
+        if cached is None:
+            return snapshot(_gguf_config(src))
+        config = load_config_dir(cached)
+        config._name_or_path = config.name_or_path = src.path  # as if read from the GGUF itself
+        return config
+    return load_config_dir(src.path)
+
+
+def _load_cached_tokenizer(cached: str):
+    """The tokenizer gguf_metadata_dir saved: its own class (transformers' TokenizersBackend) read directly,
+    which is what AutoTokenizer resolves to, without AutoTokenizer first building transformers' import
+    table of every model (about 0.4 s); any other class through AutoTokenizer."""
+    import json
+
+    with open(os.path.join(cached, "tokenizer_config.json"), encoding="utf-8") as f:
+        cls = json.load(f).get("tokenizer_class")
+    if cls == "TokenizersBackend":
+        from transformers import TokenizersBackend
+
+        return TokenizersBackend.from_pretrained(cached)
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(cached)
 
 
 def load_tokenizer(src: ModelSource, tokenizer: Optional[str] = None):
     """The model's tokenizer, or None when the directory has none (token-id prompts only)."""
-    from transformers import AutoTokenizer
-
     if tokenizer is not None:
+        from transformers import AutoTokenizer
+
         return AutoTokenizer.from_pretrained(tokenizer)
     if src.fmt == "gguf":
         cached = gguf_metadata_dir(src)
@@ -176,7 +194,7 @@ def load_tokenizer(src: ModelSource, tokenizer: Optional[str] = None):
                 logger.warning("GGUF file %s has no tokenizer metadata: only token-id prompts will be accepted",
                                src.gguf_file)
                 return None
-            tok = AutoTokenizer.from_pretrained(cached)
+            tok = _load_cached_tokenizer(cached)
             tok.name_or_path = src.path
             return tok
         tok = _gguf_tokenizer(src)
@@ -187,4 +205,6 @@ def load_tokenizer(src: ModelSource, tokenizer: Optional[str] = None):
     if not any(os.path.exists(os.path.join(src.path, f)) for f in _TOKENIZER_FILES):
         logger.warning("no tokenizer files in %s: only token-id prompts will be accepted", src.path)
         return None
+    from transformers import AutoTokenizer
+
     return AutoTokenizer.from_pretrained(src.path)
