@@ -6,10 +6,12 @@ over a paged cache filled with random latents and index keys (no prefill needed 
 CPU).  The same layer runs with its indexer (DSA: scores over the context, top-k, attention over the kept
 rows) and without it (dense MLA over every row), on the engine's backend for the device (the CPU's native
 kernels here).  Attention per token = the layer's time at that context minus its time at a 16-token context
-(the projections), times `--layers`; medians over `--rounds` measurements that alternate DSA and
-dense, so a slow spell of a shared machine hits both.  The planner's prediction for the same shapes (cost_model.attention_time: ModelSpec's
-DSA-aware cache bytes and FLOPs against the measured copy bandwidth and the native attention kernel's measured
-FLOP/s, probes.measure_attention_flops) is printed beside it.
+(the projections, measured in every round beside it), times `--layers`; medians over `--rounds` measurements
+that alternate DSA and dense, so a slow spell of a shared machine hits both (with `--threads 1`, times are the
+thread's CPU time, as the probes take them).  The planner's prediction for the same shapes
+(cost_model.attention_time: ModelSpec's DSA-aware cache bytes and FLOPs against the measured copy bandwidth and
+the measured FLOP/s of the kernels that run: probes.measure_attention_flops, measure_indexer_flops,
+measure_sparse_attention_flops) is printed beside it.
 """
 
 from __future__ import annotations
@@ -17,7 +19,6 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import time
 from types import SimpleNamespace
 
 
@@ -53,8 +54,11 @@ def _layer(cfg):
 
 
 def time_decode(attn, context: int, block_size: int, repeats: int) -> float:
-    """Median seconds of one decode token at position `context` over random caches."""
+    """Median seconds of one decode token at position `context` over random caches (the probes' clock: the
+    thread's CPU time when torch runs one thread, else the wall clock)."""
     import torch
+
+    from roofline.planner.probes import median_time
 
     from roofline.attention.backend import AttentionMetadata
 
@@ -70,60 +74,63 @@ def time_decode(attn, context: int, block_size: int, repeats: int) -> float:
     x = torch.randn(1, attn.q_a_proj.weight.shape[1], generator=g)
     positions = torch.tensor([context])
     cos_sin = attn.rotary.cos_sin(positions, x.dtype)
-    times = []
     with torch.inference_mode():
         attn(positions, x, caches, meta, cos_sin)
-        for _ in range(repeats):
-            t = time.perf_counter()
-            attn(positions, x, caches, meta, cos_sin)
-            times.append(time.perf_counter() - t)
-    return statistics.median(times)
+        return median_time(lambda: attn(positions, x, caches, meta, cos_sin), "cpu", repeats)
 
 
-def predicted_attention_s(cfg, context: int, bandwidth: float, attention_flops: float, indexer_flops: float) -> float:
+def predicted_attention_s(cfg, context: int, bandwidth: float, rates: dict) -> float:
     """The planner's attention time per token (all layers) at this context (cost_model.attention_time: its
-    DSA-aware cache bytes and FLOPs at the measured bandwidth and attention rate)."""
+    DSA-aware cache bytes and FLOPs at the measured bandwidth and the rates of the kernels that run)."""
     from roofline.planner.cost_model import attention_time
     from roofline.planner.model_specs import ModelSpec
 
-    return attention_time(ModelSpec.from_hf_config(_hf_dict(cfg)), context, 4, bandwidth, attention_flops,
-                          indexer_flops)
+    return attention_time(ModelSpec.from_hf_config(_hf_dict(cfg)), context, 4, bandwidth, **rates)
 
 
 def run(args) -> int:
-    from roofline.planner.probes import measure_attention_flops, measure_bandwidth, measure_indexer_flops
+    import torch
 
-    bandwidth, attention_flops, indexer_flops = measure_bandwidth("cpu"), measure_attention_flops(), measure_indexer_flops()
+    from roofline.planner import probes
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+
+    bandwidth = probes.measure_bandwidth("cpu")
+    rates = {"attention_flops": probes.measure_attention_flops(),
+             "indexer_flops": probes.measure_indexer_flops(topk=args.index_topk),
+             "sparse_attention_flops": probes.measure_sparse_attention_flops(topk=args.index_topk)}
     rows = []
     layers = {}
     for dense in (False, True):
         layers[dense] = _layer(_config(args, dense))
-    base = {dense: time_decode(layers[dense], 16, args.block_size, args.repeats) for dense in (False, True)}
     for context in args.contexts:
         row = {"context": context}
         times = {False: [], True: []}
-        for _ in range(args.rounds):  # DSA and dense alternate, so a slow spell of the machine hits both
-            for dense in (False, True):
+        base = {False: [], True: []}
+        for _ in range(args.rounds):  # DSA and dense (and each one's projections alone) alternate, so a slow
+            for dense in (False, True):  # spell of the machine hits all of them
                 times[dense].append(time_decode(layers[dense], context, args.block_size, args.repeats))
+                base[dense].append(time_decode(layers[dense], 16, args.block_size, args.repeats))
         for dense, name in ((False, "dsa"), (True, "dense")):
             t = statistics.median(times[dense])
             row[f"{name}_layer_ms"] = t * 1e3
-            row[f"{name}_attention_ms_per_token"] = max(t - base[dense], 0.0) * 1e3 * args.layers
+            row[f"{name}_attention_ms_per_token"] = max(t - statistics.median(base[dense]), 0.0) * 1e3 * args.layers
             row[f"{name}_predicted_ms_per_token"] = predicted_attention_s(_config(args, dense), context, bandwidth,
-                                                                          attention_flops, indexer_flops) * 1e3
+                                                                          rates) * 1e3
         row["speedup"] = row["dense_attention_ms_per_token"] / max(row["dsa_attention_ms_per_token"], 1e-9)
         rows.append(row)
     print(f"DeepSeek-V3.2-shaped attention: hidden {args.hidden}, {args.heads} MLA heads, latent 512 + 64, "
           f"indexer 64 x 128, index_topk {args.index_topk}, {args.layers} layers; one decoding stream")
-    print(f"measured CPU: copy {bandwidth / 1e9:.1f} GB/s, MLA decode kernel {attention_flops / 1e9:.1f} GFLOP/s, "
-          f"indexer kernel {indexer_flops / 1e9:.1f} GFLOP/s")
+    print(f"measured CPU: copy {bandwidth / 1e9:.1f} GB/s, MLA decode kernel {rates['attention_flops'] / 1e9:.1f} "
+          f"GFLOP/s, sparse MLA decode {rates['sparse_attention_flops'] / 1e9:.1f} GFLOP/s, indexer (scores + top-k) "
+          f"{rates['indexer_flops'] / 1e9:.1f} GFLOP/s")
     print(f"{'context':>8} | {'dense ms/tok':>12} {'planner':>8} | {'DSA ms/tok':>10} {'planner':>8} | {'speedup':>7}")
     for r in rows:
         print(f"{r['context']:>8} | {r['dense_attention_ms_per_token']:12.1f} {r['dense_predicted_ms_per_token']:8.1f} | "
               f"{r['dsa_attention_ms_per_token']:10.1f} {r['dsa_predicted_ms_per_token']:8.1f} | {r['speedup']:7.2f}")
     if args.json:
-        print(json.dumps({"rows": rows, "bandwidth": bandwidth, "attention_flops": attention_flops,
-                          "indexer_flops": indexer_flops}))
+        print(json.dumps({"rows": rows, "bandwidth": bandwidth, **rates}))
     return 0
 
 
@@ -140,5 +147,7 @@ def register(sub) -> None:
     p.add_argument("--repeats", type=int, default=7, help="timed decodes per measurement (their median)")
     p.add_argument("--rounds", type=int, default=3, help="measurements per context, DSA and dense alternating "
                                                          "(their median)")
+    p.add_argument("--threads", type=int, default=0, help="torch threads (0: as set); with one, every time is the "
+                                                           "thread's CPU time (a shared machine's neighbours left out)")
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=run)

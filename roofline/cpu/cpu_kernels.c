@@ -1850,39 +1850,37 @@ int llama_stack_f32(const float *x, float *out, int64_t N, const int64_t *layers
  * Every head of a work item reads a latent row once (scores for all of its heads, then the weighted
  * sums), so the cache is streamed once per item.  Items are (sequence, group of heads): whole
  * sequences when there are enough of them for the threads, else each sequence's heads are split. */
-#define MLA_TILE 16  /* latent rows per tile: scored and summed together (dsa_kernels.c's KEY_TILE) */
-#define MLA_HEADS 4  /* heads per pass over a tile (HEAD_TILE) */
-void score_tile_f32(const float *q, int64_t dim, const float *kt, float sums[MLA_HEADS][MLA_TILE]);
+#define DOT_ROWS 6    /* dsa_kernels.c's score tiles: 6 rows ... */
+#define DOT_HEADS 16  /* ... by 16 heads (their queries transposed: transpose_heads_f32) */
+void dot_tile_f32(const float *qt, const float *const rows[DOT_ROWS], int64_t dim, float sums[DOT_ROWS][DOT_HEADS]);
+void transpose_heads_f32(const float *q, int64_t heads, int64_t dim, float *qt);
+void prefetch_row(const float *row, int64_t n);
+#define MLA_TILE 16   /* latent rows per tile of pass 3 */
+#define MLA_HEADS 4   /* heads per pass over a tile in pass 3: 4 x 16 values of L in registers */
 
 /* pos (DSA's sparse decode): the S positions to attend to (the first S of the row's kept positions), or 0 for
- * positions 0 .. S-1.  Rows are taken MLA_TILE at a time: pass 1 transposes a tile into kt [W x 16] (in L1/L2)
- * and scores it four heads at a time in registers (score_tile_f32); pass 3 adds each head's weighted rows of a
- * tile into its sums, eight (sixteen) values of L at a time kept in registers across the tile's rows. */
+ * positions 0 .. S-1.  Pass 1 scores the rows six at a time for sixteen heads at a time (dot_tile_f32, the
+ * queries transposed once into qt, the rows read in place and the next six prefetched); pass 3 adds the
+ * weighted rows of a tile of sixteen (the next sixteen prefetched) into the sums of four heads at a time,
+ * sixteen values of L in registers. */
 static void mla_item(const float *q, float *out, const float *cache, const int32_t *bt, const int64_t *pos, int64_t S,
                      int64_t nh, int64_t L, int64_t W, int64_t bs, float scale, float *scores, float *acc, float *mx,
-                     float *kt, float *qpad) {
-    const float *rows[MLA_TILE];
+                     float *qt) {
+#define MLA_ROW(t) (cache + ((int64_t)bt[(pos ? pos[t] : (t)) / bs] * bs + (pos ? pos[t] : (t)) % bs) * W)
+    transpose_heads_f32(q, nh, W, qt);
     for (int64_t g = 0; g < nh; g++) mx[g] = -INFINITY;
-    for (int64_t t0 = 0; t0 < S; t0 += MLA_TILE) {  /* pass 1: scores, a tile of rows for all heads */
-        const int64_t nt = S - t0 < MLA_TILE ? S - t0 : MLA_TILE;
-        for (int64_t j = 0; j < MLA_TILE; j++) {
-            const int64_t pt = pos ? pos[t0 + (j < nt ? j : 0)] : t0 + (j < nt ? j : 0);
-            const float *row = cache + ((int64_t)bt[pt / bs] * bs + pt % bs) * W;
-            for (int64_t i = 0; i < W; i++) kt[i * MLA_TILE + j] = j < nt ? row[i] : 0.f;
-        }
-        for (int64_t g0 = 0; g0 < nh; g0 += MLA_HEADS) {
-            const int64_t ng = nh - g0 < MLA_HEADS ? nh - g0 : MLA_HEADS;
-            const float *qg = q + g0 * W;
-            if (ng < MLA_HEADS) {
-                memset(qpad, 0, (size_t)(MLA_HEADS * W) * sizeof(float));
-                memcpy(qpad, qg, (size_t)(ng * W) * sizeof(float));
-                qg = qpad;
-            }
-            float sums[MLA_HEADS][MLA_TILE];
-            score_tile_f32(qg, W, kt, sums);
+    for (int64_t t0 = 0; t0 < S; t0 += DOT_ROWS) {  /* pass 1: scores, a tile of rows for all heads */
+        const int64_t nt = S - t0 < DOT_ROWS ? S - t0 : DOT_ROWS;
+        const float *rows[DOT_ROWS];
+        for (int64_t j = 0; j < DOT_ROWS; j++) rows[j] = MLA_ROW(t0 + (j < nt ? j : nt - 1));
+        for (int64_t t = t0 + DOT_ROWS; t < t0 + 2 * DOT_ROWS && t < S; t++) prefetch_row(MLA_ROW(t), W);
+        for (int64_t g0 = 0; g0 < nh; g0 += DOT_HEADS) {
+            const int64_t ng = nh - g0 < DOT_HEADS ? nh - g0 : DOT_HEADS;
+            float sums[DOT_ROWS][DOT_HEADS];
+            dot_tile_f32(qt + g0 * W, rows, W, sums);
             for (int64_t g = 0; g < ng; g++)
                 for (int64_t j = 0; j < nt; j++) {
-                    const float d = sums[g][j] * scale;
+                    const float d = sums[j][g] * scale;
                     scores[(g0 + g) * S + t0 + j] = d;
                     if (d > mx[g0 + g]) mx[g0 + g] = d;
                 }
@@ -1900,25 +1898,48 @@ static void mla_item(const float *q, float *out, const float *cache, const int32
     memset(acc, 0, (size_t)(nh * L) * sizeof(float));
     for (int64_t t0 = 0; t0 < S; t0 += MLA_TILE) {  /* pass 3: weighted latent rows, a tile at a time */
         const int64_t nt = S - t0 < MLA_TILE ? S - t0 : MLA_TILE;
-        for (int64_t j = 0; j < nt; j++) {
-            const int64_t pt = pos ? pos[t0 + j] : t0 + j;
-            rows[j] = cache + ((int64_t)bt[pt / bs] * bs + pt % bs) * W;
+        const float *rows[MLA_TILE];
+        for (int64_t j = 0; j < nt; j++) rows[j] = MLA_ROW(t0 + j);
+        for (int64_t t = t0 + MLA_TILE; t < t0 + 2 * MLA_TILE && t < S; t++) prefetch_row(MLA_ROW(t), L);
+        int64_t g0 = 0;
+#if defined(__AVX2__) && defined(__FMA__)
+        for (; g0 + MLA_HEADS <= nh; g0 += MLA_HEADS) {  /* four heads by sixteen values of L */
+            const float *p = scores + g0 * S + t0;
+            int64_t i = 0;
+            for (; i + 16 <= L; i += 16) {
+                __m256 v[MLA_HEADS][2];
+                for (int g = 0; g < MLA_HEADS; g++) {
+                    v[g][0] = _mm256_loadu_ps(acc + (g0 + g) * L + i);
+                    v[g][1] = _mm256_loadu_ps(acc + (g0 + g) * L + i + 8);
+                }
+                for (int64_t j = 0; j < nt; j++) {
+                    const __m256 r0 = _mm256_loadu_ps(rows[j] + i), r1 = _mm256_loadu_ps(rows[j] + i + 8);
+                    for (int g = 0; g < MLA_HEADS; g++) {
+                        const __m256 pj = _mm256_broadcast_ss(p + g * S + j);
+                        v[g][0] = _mm256_fmadd_ps(pj, r0, v[g][0]);
+                        v[g][1] = _mm256_fmadd_ps(pj, r1, v[g][1]);
+                    }
+                }
+                for (int g = 0; g < MLA_HEADS; g++) {
+                    _mm256_storeu_ps(acc + (g0 + g) * L + i, v[g][0]);
+                    _mm256_storeu_ps(acc + (g0 + g) * L + i + 8, v[g][1]);
+                }
+            }
+            for (int g = 0; g < MLA_HEADS; g++)  /* the last values of L (L not a multiple of 16) */
+                for (int64_t l = i; l < L; l++) {
+                    float x = acc[(g0 + g) * L + l];
+                    for (int64_t j = 0; j < nt; j++) x = fmaf(p[g * S + j], rows[j][l], x);
+                    acc[(g0 + g) * L + l] = x;
+                }
         }
-        for (int64_t g = 0; g < nh; g++) {
+#endif
+        for (int64_t g = g0; g < nh; g++) {  /* the other heads, one at a time */
             const float *p = scores + g * S + t0;
             float *a = acc + g * L;
-            int64_t i = 0;
-#if defined(__AVX2__) && defined(__FMA__)
-            for (; i + 8 <= L; i += 8) {
-                __m256 v = _mm256_loadu_ps(a + i);
-                for (int64_t j = 0; j < nt; j++) v = _mm256_fmadd_ps(_mm256_set1_ps(p[j]), _mm256_loadu_ps(rows[j] + i), v);
-                _mm256_storeu_ps(a + i, v);
-            }
-#endif
-            for (; i < L; i++) {
-                float v = a[i];
-                for (int64_t j = 0; j < nt; j++) v = fmaf(p[j], rows[j][i], v);
-                a[i] = v;
+            for (int64_t l = 0; l < L; l++) {
+                float x = a[l];
+                for (int64_t j = 0; j < nt; j++) x = fmaf(p[j], rows[j][l], x);
+                a[l] = x;
             }
         }
     }
@@ -1926,6 +1947,7 @@ static void mla_item(const float *q, float *out, const float *cache, const int32
         const float inv = 1.0f / mx[g];
         for (int64_t i = 0; i < L; i++) out[g * L + i] = acc[g * L + i] * inv;
     }
+#undef MLA_ROW
 }
 
 static void mla_decode(const float *q, float *out, const float *cache, const int32_t *block_tables, int64_t bt_stride,
@@ -1967,8 +1989,8 @@ static void mla_decode(const float *q, float *out, const float *cache, const int
         float *scores = NULL;
         float *acc = (float *)kernel_scratch((size_t)(per * latent_rank) * sizeof(float));
         float *mx = (float *)kernel_scratch((size_t)per * sizeof(float));
-        float *kt = (float *)kernel_scratch((size_t)(width * MLA_TILE) * sizeof(float));
-        float *qpad = (float *)kernel_scratch((size_t)(MLA_HEADS * width) * sizeof(float));
+        float *qt = (float *)kernel_scratch((size_t)((per + DOT_HEADS - 1) / DOT_HEADS * DOT_HEADS * width)
+                                            * sizeof(float));
 #pragma omp for schedule(dynamic, 1)
         for (int64_t it = 0; it < items; it++) {
             const int64_t s = it / groups, h0 = (it % groups) * per;
@@ -1982,13 +2004,12 @@ static void mla_decode(const float *q, float *out, const float *cache, const int
             }
             mla_item(q + (s * num_heads + h0) * width, out + (s * num_heads + h0) * latent_rank, cache,
                      block_tables + s * bt_stride, positions ? positions + s * pos_stride : 0, S, nh, latent_rank,
-                     width, block_size, scale, scores, acc, mx, kt, qpad);
+                     width, block_size, scale, scores, acc, mx, qt);
         }
         free(scores);
         free(acc);
         free(mx);
-        free(kt);
-        free(qpad);
+        free(qt);
     }
 }
 /* ==== end of MLA latent decode ================================================================ */

@@ -308,14 +308,19 @@ def kv_budget(p: PlanInputs) -> Dict[str, float]:
 
 
 def attention_time(model, context: float, kv_dtype_bytes: float, bandwidth: float, attention_flops: float,
-                   indexer_flops: Optional[float] = None, tp: int = 1) -> float:
+                   indexer_flops: Optional[float] = None, sparse_attention_flops: Optional[float] = None,
+                   tp: int = 1) -> float:
     """Seconds of one decode token's attention over all layers at this context: its cache reads at the copy
-    bandwidth, or its FLOPs at the kernels' measured rates (probes.measure_attention_flops: MLA's over its
-    attended rows, and DSA's indexer over the whole context at its own rate), whichever is longer."""
+    bandwidth, or its FLOPs at the kernels' measured rates, whichever is longer.  The rates are those of the
+    kernels that run (probes.py): MLA's over its attended rows (measure_attention_flops), and where DSA's
+    indexer restricts them (a context past index_topk) its scores and top-k over the whole context
+    (measure_indexer_flops) and the attention over the kept rows, gathered one by one
+    (measure_sparse_attention_flops); a rate not given is attention_flops."""
     nbytes = model.kv_bytes_read_per_token(context, kv_dtype_bytes, tp)
     indexer = model.indexer_flops_per_token(context)
     attention = model.attention_flops_per_token(context, "decode") - indexer
-    compute = attention / attention_flops + indexer / (indexer_flops or attention_flops)
+    attention_rate = (sparse_attention_flops or attention_flops) if indexer else attention_flops
+    compute = attention / attention_rate + indexer / (indexer_flops or attention_flops)
     return max(nbytes / bandwidth, compute)
 
 

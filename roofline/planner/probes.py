@@ -36,7 +36,8 @@ def _clock(device: str):
     return time.thread_time if cpu_time_clock(device) else time.perf_counter
 
 
-def _median_time(fn, device: str, repeats: int) -> float:
+def median_time(fn, device: str, repeats: int) -> float:
+    """Median seconds of `repeats` calls of fn on the probes' clock (cpu_time_clock)."""
     clock = _clock(device)
     times = []
     for _ in range(repeats):
@@ -59,7 +60,7 @@ def measure_bandwidth(device: str = "cpu", nbytes: Optional[int] = None, repeats
     dst = torch.empty_like(src)
     dst.copy_(src)  # warm up / fault pages in
     _sync(device)
-    t = _median_time(lambda: dst.copy_(src), device, repeats)
+    t = median_time(lambda: dst.copy_(src), device, repeats)
     del src, dst
     return 2 * n * 4 / t
 
@@ -76,7 +77,34 @@ def measure_matmul_flops(device: str = "cpu", dtype: str = "float32", n: Optiona
     b = torch.randn(n, n, device=device).to(tdt)
     a @ b
     _sync(device)
-    return 2.0 * n ** 3 / _median_time(lambda: a @ b, device, repeats)
+    return 2.0 * n ** 3 / median_time(lambda: a @ b, device, repeats)
+
+
+def _kernel_rate(fn, flops: float, repeats: int, sample_s: float = 0.05) -> float:
+    """FLOP/s of a native CPU kernel call `fn` of `flops` FLOPs: the median of `repeats` samples, each as many
+    calls as take about `sample_s` (a short call timed alone on a shared machine reads a whole time slice of
+    a neighbour as its own)."""
+    fn()  # warm up: pages faulted in, scratch allocated
+    t0 = time.perf_counter()
+    fn()
+    calls = max(1, round(sample_s / max(time.perf_counter() - t0, 1e-6)))
+
+    def sample():
+        for _ in range(calls):
+            fn()
+
+    return flops * calls / median_time(sample, "cpu", repeats)
+
+
+def _latent_cache(positions: int, heads: int):
+    """A paged cache of `positions` random rows of DeepSeek's latent (512 + 64), its block table and an absorbed
+    query of `heads` heads (the probes of the latent decode)."""
+    import torch
+
+    bs, width = 16, 576
+    nblocks = positions // bs
+    cache = torch.randn(1, nblocks, bs, 1, width) * 0.1
+    return cache, torch.arange(nblocks, dtype=torch.int32)[None], torch.randn(1, heads, width)
 
 
 def measure_attention_flops(positions: int = 4096, heads: int = 64, repeats: int = 5) -> float:
@@ -89,19 +117,32 @@ def measure_attention_flops(positions: int = 4096, heads: int = 64, repeats: int
 
     if not cpu_ops.available():
         raise RuntimeError("native CPU kernels unavailable: no attention rate to measure")
-    bs, width, latent = 16, 576, 512
-    nblocks = positions // bs
-    cache = torch.randn(1, nblocks, bs, 1, width) * 0.1
-    q = torch.randn(1, heads, width)
-    tables = torch.arange(nblocks, dtype=torch.int32)[None]
+    cache, tables, q = _latent_cache(positions, heads)
     lens = torch.tensor([positions])
-    t = _median_time(lambda: cpu_ops.mla_decode(q, cache, tables, lens, latent, 0.1), "cpu", repeats)
-    return 2.0 * positions * heads * (width + latent) / t
+    return _kernel_rate(lambda: cpu_ops.mla_decode(q, cache, tables, lens, 512, 0.1),
+                        2.0 * positions * heads * (576 + 512), repeats)
 
 
-def measure_indexer_flops(positions: int = 16384, heads: int = 64, dim: int = 128, repeats: int = 5) -> float:
-    """FLOP/s of DSA's native indexer scores (cpu_dsa.index_scores: one query token, heads x dim, over
-    `positions` paged keys)."""
+def measure_sparse_attention_flops(topk: int = 2048, positions: int = 16384, heads: int = 64,
+                                   repeats: int = 5) -> float:
+    """FLOP/s of DSA's sparse latent decode (cpu_dsa.sparse_mla_decode: one query over `topk` rows scattered
+    over a `positions`-row cache, as the indexer's top-k leaves them): the rate of a DSA decode's attention
+    FLOPs, whose rows are gathered through the block table one by one."""
+    import torch
+
+    from roofline.cpu import dsa as cpu_dsa
+
+    cache, tables, q = _latent_cache(positions, heads)
+    kept = torch.randperm(positions, generator=torch.Generator().manual_seed(0))[:topk][None]
+    return _kernel_rate(lambda: cpu_dsa.sparse_mla_decode(q, cache, tables, kept, 0.1, 512),
+                        2.0 * topk * heads * (576 + 512), repeats)
+
+
+def measure_indexer_flops(positions: int = 16384, heads: int = 64, dim: int = 128, topk: int = 2048,
+                          repeats: int = 5) -> float:
+    """FLOP/s of DSA's native indexer as a decode runs it: its scores (cpu_dsa.index_scores: one query token,
+    heads x dim, over `positions` paged keys) and their top-`topk` (cpu_dsa.topk_positions), per FLOP of the
+    scores."""
     import torch
 
     from roofline.cpu import dsa as cpu_dsa
@@ -111,8 +152,11 @@ def measure_indexer_flops(positions: int = 16384, heads: int = 64, dim: int = 12
     cache = torch.randn(1, nblocks, bs, 1, dim)
     q, w = torch.randn(1, heads, dim), torch.randn(1, heads)
     table = torch.arange(nblocks, dtype=torch.int32)
-    t = _median_time(lambda: cpu_dsa.index_scores(q, w, cache, table, positions - 1, positions, 0.1), "cpu", repeats)
-    return 2.0 * positions * heads * dim / t
+
+    def indexer():
+        cpu_dsa.topk_positions(cpu_dsa.index_scores(q, w, cache, table, positions - 1, positions, 0.1), topk)
+
+    return _kernel_rate(indexer, 2.0 * positions * heads * dim, repeats)
 
 
 def measure_hardware(device: str = "cpu", dtype: str = "float32", name: Optional[str] = None) -> HardwareSpec:

@@ -56,7 +56,8 @@ def test_indexer_keeps_the_top_scores_of_the_causal_context():
 
 
 @native
-@pytest.mark.parametrize("rows,s,heads,d", [(1, 300, 16, 32), (9, 100, 4, 64), (3, 40, 64, 128)])
+@pytest.mark.parametrize("rows,s,heads,d", [(1, 300, 16, 32), (9, 100, 4, 64), (3, 40, 64, 128),
+                                             (120, 250, 20, 16)])  # passes of 32 rows; chunks no row reaches
 def test_native_scores_and_topk_equal_the_reference(rows, s, heads, d):
     g = torch.Generator().manual_seed(rows * s)
     keys = torch.randn(s, d, generator=g)
@@ -74,9 +75,9 @@ def test_native_scores_and_topk_equal_the_reference(rows, s, heads, d):
     assert sorted(short[0, :7].tolist()) == list(range(7)) and short[0, 7:].tolist() == [-1] * 3
 
 
-def sparse_case(seed: int = 0):
+def sparse_case(seed: int = 0, h: int = 4, lat: int = 32):
     g = torch.Generator().manual_seed(seed)
-    n, h, lat, rope, bs, blocks = 3, 4, 32, 8, 4, 12
+    n, rope, bs, blocks = 3, 8, 4, 12
     cache = torch.randn(1, blocks, bs, 1, lat + rope, generator=g)
     tables = torch.stack([torch.randperm(blocks, generator=g)[:8] for _ in range(n)]).int()
     lens = [30, 17, 9]
@@ -107,9 +108,10 @@ def test_sparse_latent_attention_is_dense_attention_over_the_kept_rows():
 
 
 @native
-def test_native_sparse_decode_reads_only_the_kept_rows():
+@pytest.mark.parametrize("h,lat", [(4, 32), (22, 40)])  # 22 heads: blocks of 16 and 4 and single heads; L % 16
+def test_native_sparse_decode_reads_only_the_kept_rows(h, lat):
     """The same function; and rows of the context that were not kept may hold anything (NaN here)."""
-    q, cache, tables, lens, positions, lat = sparse_case(3)
+    q, cache, tables, lens, positions, lat = sparse_case(3, h, lat)
     want = dense_over_kept(q, cache, tables, lens, positions, lat, 0.3)
     kept = {int(tables[i, p // 4]) * 4 + p % 4 for i in range(len(lens)) for p in positions[i].tolist() if p >= 0}
     poisoned = cache.clone()

@@ -75,7 +75,7 @@ def test_absorbed_decode_equals_up_projected_prefill():
 
 
 @pytest.mark.skipif(not cpu_ops.available(), reason="native CPU kernels did not load (no C compiler)")
-@pytest.mark.parametrize("heads,threads", [(4, 1), (16, 2), (3, 2)])
+@pytest.mark.parametrize("heads,threads", [(4, 1), (16, 2), (3, 2), (22, 1)])
 def test_native_latent_decode_matches_torch(heads, threads):
     specs = [(40, 1), (3, 1), (100, 1)] if threads == 2 else [(70, 1)]
     meta, q_nope, q_pe, cache, new_rows, w = mla_batch(specs, heads=heads, seed=heads)

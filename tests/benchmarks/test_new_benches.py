@@ -29,7 +29,7 @@ def test_dsa_against_dense_with_the_planner(capsys):
     from roofline.benchmarks import sparse_attention
 
     args = argparse.Namespace(contexts=[48, 96], hidden=64, heads=4, q_lora_rank=32, index_topk=32, layers=1,
-                              block_size=16, repeats=1, rounds=1, json=False)
+                              block_size=16, repeats=1, rounds=1, threads=0, json=False)
     assert sparse_attention.run(args) == 0
     out = capsys.readouterr().out
     assert "speedup" in out and out.count("\n") >= 5

@@ -30,6 +30,19 @@ def test_micro_benchmarks_are_sane():
     assert hw.measured and hw.name == "cpu" and hw.hbm_bandwidth > 0 and hw.flops_for("fp32") > 0
 
 
+def test_attention_kernel_probes_are_sane():
+    """The rates of the native latent decode, DSA's sparse decode and its indexer (scores and top-k)."""
+    from roofline.cpu import ops as cpu_ops
+    from roofline.planner import probes
+
+    if not cpu_ops.available():
+        pytest.skip("native CPU kernels unavailable (no C compiler)")
+    rates = [probes.measure_attention_flops(positions=256, heads=4, repeats=1),
+             probes.measure_sparse_attention_flops(topk=32, positions=256, heads=4, repeats=1),
+             probes.measure_indexer_flops(positions=256, heads=4, dim=16, topk=32, repeats=1)]
+    assert all(1e7 < r < 1e14 for r in rates)
+
+
 def test_empty_model_config_keeps_layers():
     from transformers import LlamaConfig
 

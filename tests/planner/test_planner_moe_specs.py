@@ -95,3 +95,21 @@ def test_fp8_block_checkpoints_count_one_byte_per_weight_plus_scales():
     assert weight_bytes_per_gpu(p) == pytest.approx(spec.total_params() * (1 + 4 / 16384) / 8)
     bf16 = PlanInputs(spec, get_hardware("h100-sxm"), tp=8, weight_dtype="bf16")
     assert bf16.weight_bytes == 2  # dequantized: no scales
+
+
+def test_dsa_attention_time_takes_the_rate_of_each_kernel_that_runs():
+    """cost_model.attention_time (compute-bound here): a DSA decode past index_topk runs its indexer at the
+    indexer's rate and its attention over the kept rows at the sparse decode's; within index_topk it is dense
+    MLA at the dense rate; a rate not given is the dense one."""
+    from roofline.planner.cost_model import attention_time
+
+    spec = load_model_spec("deepseek-v3.2")
+    fast_bw, dense, indexer, sparse = 1e30, 2e10, 8e10, 1e10
+    short, long = spec.index_topk // 2, 16 * spec.index_topk
+    assert attention_time(spec, short, 4, fast_bw, dense, indexer, sparse) == pytest.approx(
+        spec.attention_flops_per_token(short) / dense)
+    idx = spec.indexer_flops_per_token(long)
+    assert idx > 0
+    attn = spec.attention_flops_per_token(long) - idx
+    assert attention_time(spec, long, 4, fast_bw, dense, indexer, sparse) == pytest.approx(attn / sparse + idx / indexer)
+    assert attention_time(spec, long, 4, fast_bw, dense) == pytest.approx((attn + idx) / dense)
