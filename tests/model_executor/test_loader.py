@@ -71,6 +71,14 @@ def test_gguf_config_and_tokenizer_are_cached_in_hf_format(tmp_path, monkeypatch
     from roofline.model_executor.loader import source as source_mod
 
     src = resolve_source(None)
+    # each of the two GGUF parses (config, tokenizer) runs once: the cache is filled from the same objects
+    parsed = {}
+    for name in ("_gguf_config", "_gguf_tokenizer"):
+        def once(s, name=name, parse=getattr(source_mod, name)):
+            if name not in parsed:
+                parsed[name] = parse(s)
+            return parsed[name]
+        monkeypatch.setattr(source_mod, name, once)
     blocked = tmp_path / "not-a-dir"
     blocked.write_text("")
     monkeypatch.setenv("XDG_CACHE_HOME", str(blocked))  # cache_dir() cannot be created: parse the GGUF
