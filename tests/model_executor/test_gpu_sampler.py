@@ -9,19 +9,12 @@ import random
 import pytest
 import torch
 
-from roofline.core.scheduler_output import SamplingSpec
 from roofline.model_executor.layers import gpu_sampler
 from roofline.model_executor.layers.gpu_sampler import GpuSampler
 from roofline.model_executor.layers.sampler import Sampler, SamplingState, prompt_logprobs_rows
+from tests.reference.sampling_specs import spec
 
 VOCAB = 97
-
-
-def spec(**kw) -> SamplingSpec:
-    base = dict(temperature=1.0, top_p=1.0, top_k=0, min_p=0.0, repetition_penalty=1.0, presence_penalty=0.0,
-                frequency_penalty=0.0, seed=None, min_tokens=0, stop_token_ids=[], logprobs=None, prompt_logprobs=None)
-    base.update(kw)
-    return SamplingSpec(**base)
 
 
 def states_pair(specs, seed=0, rng=None):

@@ -6,16 +6,8 @@ import random
 
 import torch
 
-from roofline.core.scheduler_output import SamplingSpec
 from roofline.model_executor.layers.sampler import SamplingState, _apply_penalties
-
-
-def spec(**kw) -> SamplingSpec:
-    base = dict(temperature=1.0, top_p=1.0, top_k=0, min_p=0.0, repetition_penalty=1.0, presence_penalty=0.0,
-                frequency_penalty=0.0, seed=None, min_tokens=0, stop_token_ids=[], logprobs=None,
-                prompt_logprobs=None)
-    base.update(kw)
-    return SamplingSpec(**base)
+from tests.reference.sampling_specs import spec
 
 
 def one_row_at_a_time(logits: torch.Tensor, states: list[SamplingState]) -> None:

@@ -18,19 +18,12 @@ import torch
 from roofline.core.scheduler_output import SamplingSpec
 from roofline.model_executor.layers.sampler import SamplingState, adjusted_logits, sampling_probs
 from roofline.spec_decode.rejection_sampler import RejectionSampler, position_states
+from tests.reference.sampling_specs import spec
 
 V = 6
 N = 30000
 PROMPT = [3]
 OUTPUT = [1, 1, 2]
-
-
-def spec(**kw) -> SamplingSpec:
-    base = dict(temperature=1.0, top_p=1.0, top_k=0, min_p=0.0, repetition_penalty=1.0, presence_penalty=0.0,
-                frequency_penalty=0.0, seed=None, min_tokens=0, stop_token_ids=[], logprobs=None,
-                prompt_logprobs=None)
-    base.update(kw)
-    return SamplingSpec(**base)
 
 
 PARAMS = {
