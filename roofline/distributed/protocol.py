@@ -122,13 +122,13 @@ def encode_bootstrap(config: EngineConfig) -> bytes:
 
 def encode_hf_config(hf_config: Any) -> str:
     """An HF config (a ConfigSnapshot, or a transformers config given directly) for another process."""
-    from roofline.model_executor.loader.config_snapshot import snapshot
+    from roofline.hf_config import snapshot
 
     return snapshot(hf_config).to_json()
 
 
 def decode_hf_config(hf_config_json: str):
-    from roofline.model_executor.loader.config_snapshot import ConfigSnapshot
+    from roofline.hf_config import ConfigSnapshot
 
     return ConfigSnapshot.from_json(hf_config_json)
 

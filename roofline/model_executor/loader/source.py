@@ -150,9 +150,9 @@ def gguf_metadata_dir(src: ModelSource) -> Optional[str]:
 
 
 def load_hf_config(src: ModelSource) -> Any:
-    """The model's config as a ConfigSnapshot (config_snapshot.py): read without importing transformers
+    """The model's config as a ConfigSnapshot (hf_config.py): read without importing transformers
     once this machine has read the same config.json before."""
-    from roofline.model_executor.loader.config_snapshot import load_config_dir, snapshot
+    from roofline.hf_config import load_config_dir, snapshot
 
     if src.fmt == "gguf":
         cached = gguf_metadata_dir(src)

@@ -12,7 +12,7 @@ import warnings
 import pytest
 import torch
 
-from roofline.model_executor.loader.config_snapshot import (
+from roofline.hf_config import (
     _SKIPPED,
     ConfigSnapshot,
     load_config_dir,
