@@ -36,7 +36,7 @@ class ModelConfig:
     max_model_len: Optional[int] = None
     served_model_name: Optional[str] = None
     trust_remote_code: bool = False
-    hf_config: Any = None  # transformers PretrainedConfig, filled by the loader
+    hf_config: Any = None  # the model's HF config (hf_config.ConfigSnapshot), filled by the loader
     # Resolved at config time
     model_path: Optional[str] = None  # directory holding config/tokenizer
     gguf_file: Optional[str] = None  # file name inside model_path when loading GGUF
