@@ -176,7 +176,6 @@ def _alone(kind: str, rank: int = 0) -> GroupCoordinator:
 _LAYOUT = ParallelLayout()
 _GROUPS: dict[str, GroupCoordinator] = {k: _alone(k) for k in GROUP_KINDS}
 _CONTROL_GROUP: Optional[object] = None
-_STORE_SOCKET: Optional[socket.socket] = None  # rank 0's listening socket for the rendezvous store
 
 
 def get_layout() -> ParallelLayout:
@@ -281,13 +280,17 @@ def rendezvous_store(rank: int, world_size: int, host: str, port: int, secret: s
     """The world's key-value store: rank 0 serves it on host:port alone, every rank's keys live under a
     prefix derived from the launch's shared secret, so a process that does not know the secret can
     neither join the world nor read or overwrite its keys."""
-    global _STORE_SOCKET
     if not secret:
         raise ValueError("joining a distributed world needs its shared secret (ROOFLINE_DIST_SECRET)")
     timeout = timedelta(seconds=timeout_s)
     if rank == 0:
-        _STORE_SOCKET = _store_listener(host, port)
-        store = dist.TCPStore(host, port, world_size, True, timeout, master_listen_fd=_STORE_SOCKET.fileno())
+        listener = _store_listener(host, port)
+        try:
+            store = dist.TCPStore(host, port, world_size, True, timeout, master_listen_fd=listener.fileno())
+        except BaseException:
+            listener.close()
+            raise
+        listener.detach()  # the store's server owns the socket now and closes it when the store goes
     else:
         store = dist.TCPStore(host, port, world_size, False, timeout)
     return dist.PrefixStore(f"roofline-{secret}/", store)
@@ -326,7 +329,7 @@ def init_model_parallel(layout: ParallelLayout) -> None:
 
 
 def destroy_distributed() -> None:
-    global _CONTROL_GROUP, _STORE_SOCKET, _LAYOUT, _GROUPS
+    global _CONTROL_GROUP, _LAYOUT, _GROUPS
     _LAYOUT, _GROUPS = ParallelLayout(), {k: _alone(k) for k in GROUP_KINDS}
     _CONTROL_GROUP = None
     _finish_sends(SEND_DRAIN_S)  # a receiver still takes what was sent; a broken world's sends are dropped
@@ -335,9 +338,6 @@ def destroy_distributed() -> None:
             dist.destroy_process_group()
         except Exception:  # a broken world (dead peer) may fail to tear down cleanly
             logger.debug("destroy_process_group failed", exc_info=True)
-    if _STORE_SOCKET is not None:
-        _STORE_SOCKET.close()
-        _STORE_SOCKET = None
 
 
 # Sends in flight: (work, tensor) -- the tensor must live until its send completes.

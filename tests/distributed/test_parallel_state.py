@@ -89,3 +89,28 @@ def test_layout_as_builds_as_a_rank_without_a_world():
         assert ps.get_ep_group().rank_in_group == 3 and ps.get_dp_group().ranks == [1, 3]
         assert ps.get_layout().ep == 4
     assert ps.get_tp_size() == 1 and ps.get_layout().world_size == 1
+
+
+def test_the_store_owns_its_listening_socket():
+    """TCPStore(master_listen_fd=...) closes the socket it was handed when it goes: rank 0 must not close
+    that descriptor again (its number may by then be another file's)."""
+    import gc
+    import os
+    import socket
+
+    port = free_port()
+    store = ps.rendezvous_store(0, 1, "127.0.0.1", port, "test-secret", 10.0)
+    store.set("k", "v")
+    assert store.get("k") == b"v"
+    del store
+    gc.collect()  # the store's server closes the listening socket here
+    r, w = os.pipe()  # likely to take the freed descriptor numbers
+    try:
+        ps.destroy_distributed()
+        os.fstat(r), os.fstat(w)  # still open: nothing closed them behind their back
+        with socket.socket() as s:  # and the port is free again
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            s.bind(("127.0.0.1", port))
+    finally:
+        os.close(r)
+        os.close(w)
