@@ -85,10 +85,10 @@ class ConfigSnapshot:
 
     # ---- the wire/cache form: JSON with tagged values ------------------------------------------------
     def to_wire(self) -> dict[str, Any]:
-        as_dict, _, class_name, text = self._snapshot_meta
+        _, _, class_name, text = self._snapshot_meta
         values = {k: v for k, v in vars(self).items() if k != "_snapshot_meta"}
-        return {"class": class_name, "as_dict": _encode(self.to_dict() if values else as_dict),
-                "values": _encode(values), "text_config": text.to_wire() if text is not None else None}
+        return {"class": class_name, "as_dict": _encode(self.to_dict()), "values": _encode(values),
+                "text_config": text.to_wire() if text is not None else None}
 
     @classmethod
     def from_wire(cls, d: dict[str, Any]) -> "ConfigSnapshot":

@@ -170,8 +170,11 @@ def _load_cached_tokenizer(cached: str):
     table of every model (about 0.4 s); any other class through AutoTokenizer."""
     import json
 
-    with open(os.path.join(cached, "tokenizer_config.json"), encoding="utf-8") as f:
-        cls = json.load(f).get("tokenizer_class")
+    try:
+        with open(os.path.join(cached, "tokenizer_config.json"), encoding="utf-8") as f:
+            cls = json.load(f).get("tokenizer_class")
+    except (OSError, ValueError):
+        cls = None  # no (readable) tokenizer_config.json: AutoTokenizer decides
     if cls == "TokenizersBackend":
         from transformers import TokenizersBackend
 
