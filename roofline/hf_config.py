@@ -26,6 +26,7 @@ import json
 import logging
 import os
 import warnings
+from pathlib import Path
 from typing import Any, Callable, Optional
 
 logger = logging.getLogger(__name__)
@@ -216,11 +217,6 @@ def load_config_dir(path: str, read: Optional[Callable[[str], Any]] = None) -> C
         read = AutoConfig.from_pretrained
     snap = snapshot(read(path))
     text = snap.to_json()
-
-    def write(tmp: str) -> None:
-        with open(tmp, "w", encoding="utf-8") as f:
-            f.write(text)
-
-    if not write_cache_file(entry, write):
+    if not write_cache_file(entry, lambda tmp: Path(tmp).write_text(text, encoding="utf-8")):
         logger.debug("config snapshot of %s not cached", path)
     return snap

@@ -100,30 +100,33 @@ def gguf_weights(file: str, hf_config, show_progress: bool = True,
         if name is None:
             continue
         shape = tuple(int(d) for d in reversed(t.shape))  # ggml lists the fastest dim first
-        if (keep_quantized and len(shape) == 2 and gguf_quant.supported(int(t.tensor_type))
-                and name.startswith("model.layers.") and name.endswith(".weight")):
-            raw = torch.from_numpy(np.array(t.data, dtype=np.uint8).reshape(shape[0], -1))
-            w = QuantizedTensor(_permuted_rows(raw, name, permute_qk, n_head, n_kv), int(t.tensor_type), shape[1])
+        in_blocks = len(shape) == 2 and gguf_quant.supported(int(t.tensor_type))  # a format gguf_quant takes
+        if keep_quantized and in_blocks and name.startswith("model.layers.") and name.endswith(".weight"):
+            w = QuantizedTensor(_permuted_rows(_byte_rows(t, shape), name, permute_qk, n_head, n_kv),
+                                int(t.tensor_type), shape[1])
             yield name, w
             continue
         if t.tensor_type == gguf.GGMLQuantizationType.MXFP4:  # HF's blocks again, then HF's dequantization
-            raw = torch.from_numpy(np.array(t.data, dtype=np.uint8).reshape(*shape[:-1], -1))
             try:
-                w = mxfp4.from_ggml(raw).dequantize(torch.float32)
+                w = mxfp4.from_ggml(_byte_rows(t, shape)).dequantize(torch.float32)
             except ValueError as e:
                 raise ValueError(f"GGUF tensor {t.name!r}: {e}") from e
             yield name, w
             continue
-        if len(shape) == 2 and gguf_quant.supported(int(t.tensor_type)) and cpu_ops.available():
+        if in_blocks and cpu_ops.available():
             # the kernels' expansion: gguf's values bit for bit (test_expansion_is_exactly_gguf_dequantize),
             # ~10x faster than gguf's numpy (the default model's Q8_0 embedding: 0.43 s)
-            raw = torch.from_numpy(np.array(t.data, dtype=np.uint8).reshape(shape[0], -1))
-            dense = gguf_quant.dequantize_native(QuantizedTensor(raw, int(t.tensor_type), shape[1]))
+            dense = gguf_quant.dequantize_native(QuantizedTensor(_byte_rows(t, shape), int(t.tensor_type), shape[1]))
         else:
             dense = torch.from_numpy(np.array(gguf.quants.dequantize(t.data, t.tensor_type), dtype=np.float32)
                                      .reshape(shape))
         w = _permuted_rows(dense, name, permute_qk, n_head, n_kv)
         yield name, gguf_archs.adjust(arch, name, w) if mapped else w
+
+
+def _byte_rows(t, shape: tuple[int, ...]) -> torch.Tensor:
+    """A GGUF tensor's bytes copied out of the file's mapping, one row per index of its leading dims."""
+    return torch.from_numpy(np.array(t.data, dtype=np.uint8).reshape(*shape[:-1], -1))
 
 
 def _permuted_rows(w: torch.Tensor, name: str, permute_qk: bool, n_head: int, n_kv: int) -> torch.Tensor:
