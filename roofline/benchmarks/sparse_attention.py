@@ -39,8 +39,6 @@ def _hf_dict(cfg: SimpleNamespace) -> dict:
 
 
 def _layer(cfg):
-    import torch
-
     from roofline.attention.selector import get_attention_backend
     from roofline.model_executor.layers import cpu_prepare
     from roofline.model_executor.loader.weights import init_dummy_weights

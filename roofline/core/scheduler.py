@@ -53,7 +53,6 @@ the step's time); the engine gives no budget there and the cap alone holds.
 from __future__ import annotations
 
 import itertools
-import time
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Iterable, Optional, Sequence

@@ -52,7 +52,7 @@ import time
 from typing import Any, Dict, List, Optional, Sequence
 
 from roofline.planner.cost_model import PlanInputs, decode_at, make_plan
-from roofline.planner.hardware import GiB, HardwareSpec, cpu_placeholder
+from roofline.planner.hardware import HardwareSpec
 from roofline.planner.model_specs import ModelSpec
 from roofline.planner.probes import (  # noqa: F401  (re-exported: measure's public API)
     cpu_time_clock,

@@ -145,7 +145,7 @@ class FakeProducer:
             except OSError:
                 return
             self.conns.append(conn)
-            pull = recv_msg(conn, Pull)
+            recv_msg(conn, Pull)  # the pull itself: this fake answers whatever it asks
             self.pulls += 1
             if self.mode == "die_mid_layer":
                 send_msg(conn, PullReply(True, num_layers=2))
