@@ -5,7 +5,7 @@
 
 What they implement and what the scheduler keeps lives below them, so that core never imports a
 connector:
-  config.py (KVTransferConfig)      --kv-transfer-config
+  roofline/config.py                KVTransferConfig (--kv-transfer-config)
   core/kv_connector.py              the connector interface (scheduler half, worker half) and the
                                     per-request KVTransferParams
   core/kv_connector_messages.py     the per-step transfer plan and the worker's report (msgspec)
