@@ -184,8 +184,8 @@ def test_gemm_reads_strided_rows():
 
 @pytest.mark.parametrize("qtype", [2, 3, 8])  # the formats with hand-vectorized GEMVs: Q4_0, Q4_1, Q8_0
 def test_every_vector_build_gives_the_gemvs_the_same_values(qtype):
-    """The AVX2 build (eight lanes, rows in groups of three) and the AVX-512 build (sixteen lanes, every
-    row in one pass): for 1..8 rows each row's values are the one-row GEMV's, and the two builds agree bit
+    """The AVX2 build (eight lanes, up to six rows at a time in passes over a block's groups) and the AVX-512
+    build (sixteen lanes, every row in one pass): for 1..8 rows each row's values are the one-row GEMV's, and the two builds agree bit
     for bit -- the same products in the same order -- so --cpu-isa never changes a token."""
     rows, cols = 37, 768
     g = torch.Generator().manual_seed(qtype)
