@@ -1168,11 +1168,99 @@ static void prefill_attention_tiles(const float *q, int64_t q_row_stride, float 
 
 #define DECODE_LIKE_ROWS 8  /* requests of up to this many rows attend as decodes */
 
+/* Attention of short requests (a decode with its speculative drafts: request r's rows are its last
+ * qsl[r+1] - qsl[r] <= DECODE_LIKE_ROWS tokens, row i attending causally to the keys before and at it),
+ * each row exactly decode_attention's at its own causal length, bit for bit, with the request's K and V
+ * read once for all its rows rather than once per row.  One work item = a request and one KV head: its
+ * rows' query heads of that group (rows x G of them) go through every block that all the rows see in
+ * full as one group of heads (scores_tile and values_tile give a head the same value whatever tile it
+ * shares); the last blocks, which rows see in part, go row by row with each row's own token count (a
+ * block's last tokens past a multiple of 4 take scores_tile's one-token route, so the split follows the
+ * row's length, as a decode's does).  No AttentionOptions here (those requests attend as decodes). */
+static void rows_attention(const float *q, int64_t q_row_stride, float *out, const float *key_cache,
+                           const float *value_cache, const int32_t *block_tables, int64_t bt_stride,
+                           const int32_t *qsl, const int32_t *seq_lens, int64_t num_reqs, int64_t num_heads,
+                           int64_t num_kv_heads, int64_t head_dim, int64_t block_size, float scale, int nthreads) {
+    const int64_t G = num_heads / num_kv_heads, D = head_dim, tok_stride = num_kv_heads * D;
+    const int64_t items = num_reqs * num_kv_heads;
+#pragma omp parallel num_threads(nthreads) if (items > 1)
+    {
+        int64_t cap = 0;
+        float *scores = NULL;
+        float *qb = (float *)kernel_scratch((size_t)(DECODE_LIKE_ROWS * G * D) * sizeof(float));
+        float *acc = (float *)kernel_scratch((size_t)(DECODE_LIKE_ROWS * G * D) * sizeof(float));
+        float *mx = (float *)kernel_scratch((size_t)(DECODE_LIKE_ROWS * G) * sizeof(float));
+        float *sum = (float *)kernel_scratch((size_t)(DECODE_LIKE_ROWS * G) * sizeof(float));
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t it = 0; it < items; it++) {
+            const int64_t r = it / num_kv_heads, h = it % num_kv_heads;
+            const int64_t first = qsl[r], R = qsl[r + 1] - first, nh = R * G;
+            const int64_t S = seq_lens[r], S0 = S - R + 1;  /* the last row's causal length; the first's */
+            if (R <= 0) continue;
+            if (S * nh > cap) {
+                cap = S * nh;
+                free(scores);
+                scores = (float *)kernel_scratch((size_t)cap * sizeof(float));
+            }
+            const int32_t *bt = block_tables + r * bt_stride;
+            for (int64_t i = 0; i < R; i++)  /* head i * G + g: row i's query head h * G + g */
+                memcpy(qb + i * G * D, q + (first + i) * q_row_stride + h * G * D, (size_t)(G * D) * sizeof(float));
+            const int64_t shared = S0 / block_size;  /* blocks every row sees in full */
+            for (int64_t g = 0; g < nh; g++) mx[g] = -INFINITY;
+            for (int64_t b = 0; b < shared; b++) {  /* pass 1: scores */
+                const float *kb = key_cache + (int64_t)bt[b] * block_size * tok_stride + h * D;
+                ahead_t none = NOTHING_AHEAD;
+                block_scores(qb, kb, tok_stride, block_size, nh, nh, D, scale, scores, S, b * block_size, mx, &none);
+            }
+            for (int64_t i = 0; i < R; i++) {
+                const int64_t Si = S0 + i;
+                for (int64_t b = shared, t0 = shared * block_size; t0 < Si; b++, t0 += block_size) {
+                    const int64_t nt = Si - t0 < block_size ? Si - t0 : block_size;
+                    const float *kb = key_cache + (int64_t)bt[b] * block_size * tok_stride + h * D;
+                    ahead_t none = NOTHING_AHEAD;
+                    block_scores(qb + i * G * D, kb, tok_stride, nt, G, G, D, scale, scores + i * G * S, S, t0,
+                                 mx + i * G, &none);
+                }
+                for (int64_t g = i * G; g < (i + 1) * G; g++) sum[g] = softmax_numerators(scores + g * S, Si, mx[g]);
+            }
+            memset(acc, 0, (size_t)(nh * D) * sizeof(float));
+            for (int64_t b = 0; b < shared; b++) {  /* pass 3: weighted values */
+                const float *vb = value_cache + (int64_t)bt[b] * block_size * tok_stride + h * D;
+                ahead_t none = NOTHING_AHEAD;
+                block_values(scores, vb, tok_stride, block_size, nh, nh, D, S, b * block_size, acc, &none);
+            }
+            for (int64_t i = 0; i < R; i++) {
+                const int64_t Si = S0 + i;
+                for (int64_t b = shared, t0 = shared * block_size; t0 < Si; b++, t0 += block_size) {
+                    const int64_t nt = Si - t0 < block_size ? Si - t0 : block_size;
+                    const float *vb = value_cache + (int64_t)bt[b] * block_size * tok_stride + h * D;
+                    ahead_t none = NOTHING_AHEAD;
+                    block_values(scores + i * G * S, vb, tok_stride, nt, G, G, D, S, t0, acc + i * G * D, &none);
+                }
+                for (int64_t g = 0; g < G; g++) {
+                    float *o = out + ((first + i) * num_heads + h * G + g) * D;
+                    const float inv = 1.0f / sum[i * G + g];
+                    const float *a = acc + (i * G + g) * D;
+                    for (int64_t e = 0; e < D; e++) o[e] = a[e] * inv;
+                }
+            }
+        }
+        free(scores);
+        free(qb);
+        free(acc);
+        free(mx);
+        free(sum);
+    }
+}
+
+
 /* Causal attention of requests' query rows (prefill chunks, or a decode with its speculative drafts):
  * request r's rows qsl[r] .. qsl[r+1] are the last of its seq_lens[r] cached tokens.  A request of at
  * most DECODE_LIKE_ROWS rows attends as that many decodes, row i with its own causal length (the decode
- * kernel reads K and V in place where the tiles would transpose every key first; a verified draft's
- * attention is then a plain decode's, bit for bit); longer ones by the tiles above.  Consecutive
+ * kernels read K and V in place where the tiles would transpose every key first; a verified draft's
+ * attention is then a plain decode's, bit for bit): rows_attention, which reads the request's K and V once
+ * for all its rows, or with AttentionOptions decode_attention over one table row per query row.  Longer
+ * requests go by the tiles above.  Consecutive
  * requests of one kind go in one call. */
 static void prefill_attention(const float *q, int64_t q_row_stride, float *out, const float *key_cache,
                               const float *value_cache, const int32_t *block_tables, int64_t bt_stride,
@@ -1188,6 +1276,10 @@ static void prefill_attention(const float *q, int64_t q_row_stride, float *out, 
             prefill_attention_tiles(q, q_row_stride, out, key_cache, value_cache, block_tables + r0 * bt_stride,
                                     bt_stride, qsl + r0, seq_lens + r0, r1 - r0, num_heads, num_kv_heads,
                                     head_dim, block_size, scale, opts, nthreads);
+        } else if (!opts) {  /* each request's K and V read once for all its rows */
+            rows_attention(q, q_row_stride, out, key_cache, value_cache, block_tables + r0 * bt_stride, bt_stride,
+                           qsl + r0, seq_lens + r0, r1 - r0, num_heads, num_kv_heads, head_dim, block_size, scale,
+                           nthreads);
         } else {  /* one table row and causal length per query row */
             const int64_t first = qsl[r0], rows = qsl[r1] - first;
             vt = (int32_t *)realloc(vt, (size_t)(rows * bt_stride) * sizeof(int32_t));

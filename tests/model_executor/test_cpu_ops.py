@@ -171,14 +171,19 @@ def test_prefill_chunks_native(block_size, num_heads, num_kv_heads, head_dim, th
     torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
 
 
-@pytest.mark.parametrize("rows", [2, 6, 8])
-def test_a_few_rows_attend_exactly_as_decodes(rows):
+@pytest.mark.parametrize("rows,heads,kv_heads,head_dim", [(2, 9, 3, 64), (6, 9, 3, 64), (8, 9, 3, 64),
+                                                       (5, 4, 4, 32), (7, 8, 2, 48), (3, 14, 2, 64)])
+def test_a_few_rows_attend_exactly_as_decodes(rows, heads, kv_heads, head_dim):
     """A request of up to 8 query rows (a decode verifying its drafts) attends as that many decodes:
     each row's output is, bit for bit, a decode's at that row's causal length -- so speculation leaves a
-    verified token's attention what it would have been without it.  A longer request keeps the tiles
-    (same values within rounding, not bit for bit)."""
-    specs = [(40, 1), (70, rows), (33, 20)]
-    meta, q, k, v, cache, _ = make_batch(specs, block_size=16, num_heads=9, num_kv_heads=3, head_dim=64, seed=rows)
+    verified token's attention what it would have been without it -- though the request's K and V are read
+    once for all its rows (the rows share the blocks they all see in full; the last blocks go row by row).
+    Rows that end inside one block, rows that cross a block boundary, a first row at a block boundary,
+    neighbouring short requests and every GQA shape.  A longer request keeps the tiles (same values within
+    rounding, not bit for bit)."""
+    specs = [(40, 1), (70, rows), (27, rows), (32, 2), (3, rows), (33, 20)]
+    meta, q, k, v, cache, _ = make_batch(specs, block_size=16, num_heads=heads, num_kv_heads=kv_heads,
+                                         head_dim=head_dim, seed=rows)
     write_kv_torch(k, v, cache, meta.slot_mapping)
     scale = 0.125
     got = torch.empty_like(q)
