@@ -376,14 +376,22 @@ class Scheduler:
                 break
             if r.request_id not in self.in_flight:
                 add(r)
-        seats = len(self.running) < self.config.max_num_seqs
-        for r in itertools.chain(self.swapped, self.waiting) if seats else ():
+        seats = self.config.max_num_seqs - len(self.running)  # free: for waiting (and swapped) requests
+        queue = itertools.chain(self.swapped, self.waiting) if seats > 0 else iter(())
+        queued = 0  # of the queue, taken into this step's prompts
+        for r in queue:
             if sum(n for _, n in prefills) >= cap or len(decodes) + len(prefills) >= max_requests:
                 break  # behind these nothing gets a token this step
             add(r)
+            queued += 1
         if not prefills:
             return None
-        return self.step_budget.plan(decodes, prefills, cap)
+        # the batch being built (the default ITL target's reference): these prompts and the queue behind them
+        # as far as seats are free, each a decode at its prompt's length once prefilled
+        joining = [(start + left, 1) for start, left in prefills]
+        for r in itertools.islice(itertools.chain(self.swapped, self.waiting), queued, max(seats, queued)):
+            joining.append((r.num_tokens, 1))
+        return self.step_budget.plan(decodes, prefills, cap, joining)
 
     def schedule(self, max_requests: Optional[int] = None) -> SchedulerOutput:
         """max_requests: at most this many requests in the step (batches in flight); None: no cap

@@ -16,13 +16,17 @@ decodes + P, never more than --max-num-batched-tokens (a hard cap).
 
 The target:
   - --target-itl-ms given: that, for every step.
-  - default: DEFAULT_ITL_FACTOR (1.5) times the predicted time of the current batch's decodes alone (the
-    measured pure-decode step time, as the estimate calibrates it), so that a step with prefill takes at most
-    half again what the decodes take by themselves: their ITL rises by at most a half while prompts advance.
+  - default: DEFAULT_ITL_FACTOR (1.5) times the predicted decode-only step of the batch being built: the running
+    decodes plus the requests that join them as decodes once prefilled (the prompts in prefill and the waiting
+    queue behind them, as far as max_num_seqs leaves seats; the scheduler passes them as `joining`).  A step
+    with prefill then takes at most half again what a decode step of that batch takes, so no stream's ITL
+    rises by more than half its steady-state value while prompts advance.  A burst of prompts meeting few
+    decodes is admitted at the pace the full batch will run at: with the running decodes alone as the
+    reference, the first few decodes of a burst (a 2-core CPU: 1-15 decodes at 14-80 ms a step, beside 32
+    arriving prompts at ~1.7 ms a prefill token) would have left prefill only the minimum chunk, and any larger
+    floor made those steps 5-30x their decodes' own time (W2s: P99 ITL 450-640 ms against 100 ms steady).
     A memory-bound decode step (a GPU below its ridge point) leaves a large slack (the prefill's FLOPs fit under
-    the weight reads); a small batch on a slow device leaves little, so the default gives prefill at least
-    DEFAULT_MIN_PREFILL_TOKENS (256) tokens a step, as far as the cap leaves room beside the decodes: time to
-    first token stays reasonable.
+    the weight reads).
 
 Rules that hold whatever the estimate says:
   - nothing to protect: a step without decodes gets the cap (time to first token as without the budget);
@@ -47,7 +51,6 @@ from typing import Callable, Optional, Protocol, Sequence
 Chunks = Sequence[tuple[int, int]]  # (start: tokens already computed, new tokens) per request
 
 DEFAULT_ITL_FACTOR = 1.5
-DEFAULT_MIN_PREFILL_TOKENS = 256
 MIN_CHUNK_TOKENS = 32
 
 
@@ -82,24 +85,29 @@ def first_tokens(prefills: Chunks, p: int) -> list[tuple[int, int]]:
 
 class StepBudget:
     def __init__(self, step_time: StepTimeEstimate, target_s: Optional[float] = None, block_size: int = 1,
-                 factor: float = DEFAULT_ITL_FACTOR, default_min_prefill: int = DEFAULT_MIN_PREFILL_TOKENS) -> None:
-        """target_s: the ITL target in seconds (None: the default, factor times the decodes' own time, with
-        default_min_prefill tokens at least).  The minimum chunk is MIN_CHUNK_TOKENS or one KV block."""
+                 factor: float = DEFAULT_ITL_FACTOR) -> None:
+        """target_s: the ITL target in seconds (None: the default, factor times the decode step of the batch
+        being built).  The minimum chunk is MIN_CHUNK_TOKENS or one KV block."""
         if target_s is not None and target_s <= 0:
             raise ValueError(f"target_s must be positive, got {target_s}")
         self.step_time = step_time
         self.target_s = target_s
         self.factor = factor
         self.min_chunk = max(MIN_CHUNK_TOKENS, block_size)
-        self.min_prefill = self.min_chunk if target_s is not None else max(self.min_chunk, default_min_prefill)
 
-    def plan(self, decodes: Chunks, prefills: Chunks, cap: int) -> StepPlan:
-        """The budget of a step of these decodes, with these prompts waiting for prefill tokens (in order)."""
+    def plan(self, decodes: Chunks, prefills: Chunks, cap: int, joining: Chunks = ()) -> StepPlan:
+        """The budget of a step of these decodes, with these prompts waiting for prefill tokens (in order);
+        joining: the decodes the prompts in prefill and the waiting ones with a seat become (each (its
+        context, 1)), which the default target counts in the batch being built."""
         decode_tokens = sum(n for _, n in decodes)
         if decode_tokens == 0:
             return StepPlan(cap, cap, 0.0)
         predict = self.step_time.predictor(decodes)
-        target = self.target_s if self.target_s is not None else self.factor * predict(())
+        if self.target_s is not None:
+            target = self.target_s
+        else:
+            target = self.factor * (self.step_time.predictor(list(decodes) + list(joining))(()) if joining
+                                    else predict(()))
         room = max(cap - decode_tokens, 0)  # what the cap leaves beside the decodes
         lo, hi = 0, min(room, sum(n for _, n in prefills))
         if predict(first_tokens(prefills, hi)) <= target:  # all of it fits (the usual case at low load)
@@ -110,5 +118,5 @@ class StepBudget:
                 lo = mid
             else:
                 hi = mid - 1
-        prefill = min(max(lo, min(self.min_prefill, room), self.min_chunk), cap)
+        prefill = min(max(lo, self.min_chunk), cap)
         return StepPlan(min(cap, decode_tokens + prefill), prefill, target)

@@ -43,8 +43,9 @@ _HELP = {
     "target_itl_ms": "inter-token latency target of a step that runs decodes, in ms: prefill chunks join the "
                      "decodes while the cost model (calibrated by measured steps) predicts the step within it, "
                      "at least a minimum chunk, at most --max-num-batched-tokens; a step without decodes gets "
-                     "--max-num-batched-tokens. Unset: 1.5x the predicted time of the batch's decodes alone "
-                     "(at least 256 prefill tokens a step); 0: off (--max-num-batched-tokens every step)",
+                     "--max-num-batched-tokens. Unset: 1.5x the predicted decode step of the batch being built (the "
+                     "running decodes and the requests that join them, as far as --max-num-seqs leaves seats); "
+                     "0: off (--max-num-batched-tokens every step)",
     "scheduling_policy": "fcfs | priority",
     "attention_backend": "auto | torch | cpu | triton",
     "tensor_parallel_size": "ranks (processes, one device each) to split every layer over, across all nodes",

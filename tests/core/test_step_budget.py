@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 from roofline.config import CacheConfig, SchedulerConfig
 from roofline.core.request import Request, RequestStatus
 from roofline.core.scheduler import Scheduler
-from roofline.core.step_budget import DEFAULT_ITL_FACTOR, DEFAULT_MIN_PREFILL_TOKENS, MIN_CHUNK_TOKENS, StepBudget
+from roofline.core.step_budget import DEFAULT_ITL_FACTOR, MIN_CHUNK_TOKENS, StepBudget
 from roofline.core.step_time import StepTimeModel
 from roofline.sampling_params import SamplingParams
 from tests.core.test_scheduler_properties import VOCAB, SimDevice, next_token, request_specs, run
@@ -111,9 +111,40 @@ def test_default_target_is_a_multiple_of_the_decodes_alone():
     decodes_alone = 0.25
     assert plan.target_s == DEFAULT_ITL_FACTOR * decodes_alone
     assert plan.prefill_tokens == (DEFAULT_ITL_FACTOR - 1) * decodes_alone * 4096 == 512
-    # a small batch: the floor, as far as the cap leaves room beside the decodes
-    assert StepBudget(est).plan([(100, 1)], [(0, 5000)], cap=8192).prefill_tokens == DEFAULT_MIN_PREFILL_TOKENS
+    # a small batch with nothing joining it: the minimum chunk, as far as the cap leaves room beside the decodes
+    assert StepBudget(est).plan([(100, 1)], [(0, 5000)], cap=8192).prefill_tokens == MIN_CHUNK_TOKENS
     assert StepBudget(est).plan([(100, 1)] * 50, [(0, 5000)], cap=100).budget == 100
+
+
+def test_default_target_counts_the_batch_being_built():
+    """A burst of prompts meeting few decodes: the default target is a multiple of the decode step of the
+    batch they are building (the running decodes and every prompt that joins them), so the burst is admitted
+    at the pace the full batch will run at, not one minimum chunk a step."""
+    est = FakeStepTime(base=0.0, per_decode=2**-10, per_prefill=2**-12)
+    decodes, prompts = [(100, 1)] * 4, [(0, 128)] * 60
+    joining = [(128, 1)] * 252  # the 60 prompts in the step's list and the queue behind them: 256 decodes in all
+    plan = StepBudget(est).plan(decodes, prompts, cap=8192, joining=joining)
+    assert plan.target_s == DEFAULT_ITL_FACTOR * 256 * 2**-10
+    # 4 decodes (2**-8 s) + P prefill tokens within 0.375 s: P = (0.375 - 2**-8) * 4096 = 1520
+    assert plan.prefill_tokens == 1520
+    # the 4 decodes alone as the reference: 1.5 x 2**-8 s leaves 8 prefill tokens, so the minimum chunk
+    assert StepBudget(est).plan(decodes, prompts, cap=8192).prefill_tokens == MIN_CHUNK_TOKENS
+
+
+def test_the_scheduler_passes_the_batch_being_built():
+    """The scheduler's `joining`: the step's prompts and the waiting queue behind them, as far as max_num_seqs
+    leaves seats -- 2 decodes, 30 prompts of 100 tokens waiting, 16 seats: 14 join (6 of them this step's
+    prompts, under the 512-token cap)."""
+    est = FakeStepTime(base=0.0, per_decode=2**-10, per_prefill=2**-12)
+    sched = _sched(StepBudget(est), cap=512, max_seqs=16)
+    dev = SimDevice(1024, 0, 16)
+    _decoding(sched, dev, 2)
+    for i in range(30):
+        sched.add_request(_req(f"p{i}", 100))
+    out = sched.schedule()
+    assert out.target_step_s == DEFAULT_ITL_FACTOR * (2 + 14) * 2**-10
+    # 2 decodes + P tokens within 24 * 2**-10 s: P = 22 * 4 = 88 (above the minimum chunk)
+    assert out.token_budget == 2 + 88
 
 
 def test_budget_follows_the_model_when_steps_get_slower_or_faster():
