@@ -22,6 +22,7 @@ TEST_COMMAND = "bash scripts/setup.sh && .venv/bin/python -m pytest -q"
 # flags of other tools that the docs quote
 OTHER_TOOLS_FLAGS = {
     "--ignore-eos": "vLLM's benchmark client (W2s)",
+    "--backend": "vLLM's benchmark client (W2s)",
     "--engine-core-in-thread": "this repository's pytest option (tests/conftest.py)",
     "--strict": "mkdocs build",
     "--continuous-batching": "transformers serve (the README's feature table)",
