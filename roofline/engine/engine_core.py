@@ -206,7 +206,7 @@ class EngineCore:
             budget = StepBudget(self.step_time, target, cc.block_size)
             logger.info("per-step token budget: prefill joins the decodes within %s, %d tokens at most",
                         f"{sc.target_itl_ms:g} ms" if target is not None else
-                        f"{budget.factor:g}x their own step time", sc.max_num_batched_tokens)
+                        f"{budget.factor:g}x the decode step of the batch being built", sc.max_num_batched_tokens)
         max_loras = config.lora_config.max_loras if config.lora_config is not None else None
         schedulers = [Scheduler(sc, cc, num_blocks, num_swap, seed=mc.seed, draft_length_policy=policy,
                                 num_lookahead_slots=lookahead, kv_connector=create_scheduler_connector(config),
