@@ -6,7 +6,8 @@ Prefill chunks go to cpu_ops.paged_prefill_attention: causal attention as two sm
 (request, KV head, tile of query rows) on the same register tiles as the projections, K/V read
 through the block tables (~2.5x torch's SDPA on gathered copies at 64-256-token prompts); a request
 of at most 8 rows (a decode verifying its drafts) attends there as that many decodes, each row bit for
-bit a decode's at its causal length (faster than the tiles at any context measured).  Cache
+bit a decode's at its causal length, its K and V read once for all its rows (faster than the tiles at
+any context measured).  Cache
 writes are one memcpy per token row.  Chosen by attention_backend="auto" on CPU whenever the kernels
 load; fp32 only (anything else falls back to the torch code).  AttentionOptions (sliding window: blocks
 wholly before a query's window are not read; soft-cap; sinks) go to the same kernels.
