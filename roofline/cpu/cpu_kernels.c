@@ -1206,10 +1206,10 @@ static void rows_attention(const float *q, int64_t q_row_stride, float *out, con
             for (int64_t i = 0; i < R; i++)  /* head i * G + g: row i's query head h * G + g */
                 memcpy(qb + i * G * D, q + (first + i) * q_row_stride + h * G * D, (size_t)(G * D) * sizeof(float));
             const int64_t shared = S0 / block_size;  /* blocks every row sees in full */
+            ahead_t none = NOTHING_AHEAD;  /* no prefetching here: the kernels are handed nothing ahead */
             for (int64_t g = 0; g < nh; g++) mx[g] = -INFINITY;
             for (int64_t b = 0; b < shared; b++) {  /* pass 1: scores */
                 const float *kb = key_cache + (int64_t)bt[b] * block_size * tok_stride + h * D;
-                ahead_t none = NOTHING_AHEAD;
                 block_scores(qb, kb, tok_stride, block_size, nh, nh, D, scale, scores, S, b * block_size, mx, &none);
             }
             for (int64_t i = 0; i < R; i++) {
@@ -1217,7 +1217,6 @@ static void rows_attention(const float *q, int64_t q_row_stride, float *out, con
                 for (int64_t b = shared, t0 = shared * block_size; t0 < Si; b++, t0 += block_size) {
                     const int64_t nt = Si - t0 < block_size ? Si - t0 : block_size;
                     const float *kb = key_cache + (int64_t)bt[b] * block_size * tok_stride + h * D;
-                    ahead_t none = NOTHING_AHEAD;
                     block_scores(qb + i * G * D, kb, tok_stride, nt, G, G, D, scale, scores + i * G * S, S, t0,
                                  mx + i * G, &none);
                 }
@@ -1226,7 +1225,6 @@ static void rows_attention(const float *q, int64_t q_row_stride, float *out, con
             memset(acc, 0, (size_t)(nh * D) * sizeof(float));
             for (int64_t b = 0; b < shared; b++) {  /* pass 3: weighted values */
                 const float *vb = value_cache + (int64_t)bt[b] * block_size * tok_stride + h * D;
-                ahead_t none = NOTHING_AHEAD;
                 block_values(scores, vb, tok_stride, block_size, nh, nh, D, S, b * block_size, acc, &none);
             }
             for (int64_t i = 0; i < R; i++) {
@@ -1234,7 +1232,6 @@ static void rows_attention(const float *q, int64_t q_row_stride, float *out, con
                 for (int64_t b = shared, t0 = shared * block_size; t0 < Si; b++, t0 += block_size) {
                     const int64_t nt = Si - t0 < block_size ? Si - t0 : block_size;
                     const float *vb = value_cache + (int64_t)bt[b] * block_size * tok_stride + h * D;
-                    ahead_t none = NOTHING_AHEAD;
                     block_values(scores + i * G * S, vb, tok_stride, nt, G, G, D, S, t0, acc + i * G * D, &none);
                 }
                 for (int64_t g = 0; g < G; g++) {
