@@ -66,7 +66,10 @@ class GrammarCache:
             if self._compiler is None:
                 import xgrammar as xgr
 
-                info = xgr.TokenizerInfo.from_huggingface(self.tokenizer, vocab_size=self.vocab_size)
+                from roofline.model_executor.loader.tokenizer_snapshot import as_transformers_tokenizer
+
+                info = xgr.TokenizerInfo.from_huggingface(as_transformers_tokenizer(self.tokenizer),
+                                                          vocab_size=self.vocab_size)
                 # our own cache holds the results (one entry per key, failures included)
                 self._compiler = xgr.GrammarCompiler(info, max_threads=self._threads, cache_enabled=False)
             return self._compiler

@@ -121,12 +121,12 @@ def gguf_metadata_dir(src: ModelSource) -> Optional[str]:
     GGUF is parsed every time, as before.
     """
     from roofline.config import cache_dir
-    from roofline.model_executor.loader import gguf_archs
+    from roofline.model_executor.loader import gguf_archs, tokenizer_snapshot
 
     gguf_path = _gguf_path(src)
     st = os.stat(gguf_path)
     ident = (f"{gguf_path}|{st.st_size}|{st.st_mtime_ns}|{importlib.metadata.version('transformers')}|"
-             f"gguf-archs-{gguf_archs.MAPPING_VERSION}")
+             f"gguf-archs-{gguf_archs.MAPPING_VERSION}|tokenizer-snapshot-{tokenizer_snapshot.SNAPSHOT_VERSION}")
     target = cache_dir() / f"gguf-{hashlib.sha256(ident.encode()).hexdigest()[:16]}"
     if (target / "config.json").exists():
         return str(target)
@@ -141,6 +141,8 @@ def gguf_metadata_dir(src: ModelSource) -> Optional[str]:
         tok = _gguf_tokenizer(src)
         if tok is not None:
             tok.save_pretrained(tmp)
+            # what later loads get: transformers' class read back from these files, and its snapshot
+            tokenizer_snapshot.write_snapshot(_load_cached_tokenizer(tmp), tmp)
         os.rename(tmp, target)  # atomic: a concurrent loader sees all of it or none
     except OSError as e:  # full disk, or another process renamed its copy first
         logger.debug("GGUF metadata not cached (%s)", e)
@@ -165,10 +167,16 @@ def load_hf_config(src: ModelSource) -> Any:
 
 
 def _load_cached_tokenizer(cached: str):
-    """The tokenizer gguf_metadata_dir saved: its own class (transformers' TokenizersBackend) read directly,
-    which is what AutoTokenizer resolves to, without AutoTokenizer first building transformers' import
-    table of every model (about 0.4 s); any other class through AutoTokenizer."""
+    """The tokenizer gguf_metadata_dir saved: its snapshot when it has one (tokenizer_snapshot.py: no
+    transformers import); else its own class (transformers' TokenizersBackend) read directly, which is what
+    AutoTokenizer resolves to, without AutoTokenizer first building transformers' import table of every
+    model (about 0.4 s); any other class through AutoTokenizer."""
     import json
+
+    from roofline.model_executor.loader import tokenizer_snapshot
+
+    if tokenizer_snapshot.has_snapshot(cached):
+        return tokenizer_snapshot.TokenizerSnapshot(cached)
 
     try:
         with open(os.path.join(cached, "tokenizer_config.json"), encoding="utf-8") as f:
