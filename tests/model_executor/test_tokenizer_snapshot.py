@@ -59,14 +59,62 @@ def test_vocabulary_and_special_tokens_are_transformers_own(pair):
     assert snap.convert_tokens_to_ids("<|im_end|>") == hf.convert_tokens_to_ids("<|im_end|>")
 
 
-def test_the_rest_is_transformers_class_on_the_same_files(pair):
-    """What the snapshot does not serve itself goes to transformers' class: chat templates, options it does
-    not take, tensors; a per-thread copy is independent; xgrammar gets transformers' object."""
+TEMPLATES = {
+    "helpers": (  # namespace, dict, loop controls, tojson with options, strftime_now, raise_exception, variables
+        "{% set ns = namespace(n=0, seen=dict(a=1)) %}{{ bos_token }}{% for m in messages %}"
+        "{% if m.role not in ['system', 'user', 'assistant'] %}{{ raise_exception('bad role ' + m.role) }}{% endif %}"
+        "{% set ns.n = ns.n + 1 %}[{{ m.role | upper }}#{{ ns.n }}] {{ m.content | trim }}{{ eos_token }}\n"
+        "{% if loop.index >= 3 %}{% break %}{% endif %}{% endfor %}{{ {'k': messages | length, 'x': 'é<>'} | "
+        "tojson(indent=2, sort_keys=True) }}{{ ns.seen | tojson }} {{ strftime_now('%Y') }}"
+        "{% if enable_thinking is defined and not enable_thinking %}<no-think>{% endif %}"
+        "\n  {% if add_generation_prompt %}\n<assistant>\n  {% endif %}\n{%- if true %} end{% endif %}"),
+    "generation-tag": ("{% for m in messages %}{% if m.role == 'assistant' %}{% generation %}{{ m.content }}"
+                       "{% endgeneration %}{% else %}{{ m.content }}{% endif %}{% endfor %}"),
+    "reasoning": "{% for m in messages %}{{ m.role }}:{{ m.reasoning_content }}|{{ m.thinking }}|{{ m.content }}\n{% endfor %}",
+}
+CONVERSATIONS = [
+    [{"role": "user", "content": "héllo 你好"}],
+    [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "  hi  "},
+     {"role": "assistant", "content": "Hello!"}, {"role": "user", "content": "and again"}],
+]
+
+
+def test_chat_templates_render_as_transformers_renders_them(pair):
+    """The model's template and others through every helper: the snapshot's own rendering of a plain
+    conversation is transformers' text; what it does not render itself (a `{% generation %}` tag, reasoning
+    fields, tools, a continued message) is transformers' rendering too; a template's exception is raised."""
+    import jinja2
+
     snap, hf = pair
-    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "héllo 你好"}]
-    for gen in (True, False):
-        assert snap.apply_chat_template(messages, tokenize=False, add_generation_prompt=gen) == \
-            hf.apply_chat_template(messages, tokenize=False, add_generation_prompt=gen)
+    assert snap._compiled(snap.chat_template) is not None and snap._compiled(TEMPLATES["helpers"]) is not None
+    assert snap._compiled(TEMPLATES["generation-tag"]) is None  # transformers' extension: its class renders it
+    cases = [dict(chat_template=None), dict(chat_template=TEMPLATES["helpers"]),
+             dict(chat_template=TEMPLATES["helpers"], enable_thinking=False),
+             dict(chat_template=TEMPLATES["generation-tag"])]
+    for conv in CONVERSATIONS:
+        for kw in cases:
+            for gen in (True, False):
+                assert snap.apply_chat_template(conv, tokenize=False, add_generation_prompt=gen, **kw) == \
+                    hf.apply_chat_template(conv, tokenize=False, add_generation_prompt=gen, **kw), (conv, kw)
+    reasoning = [{"role": "user", "content": "q"}, {"role": "assistant", "reasoning": "r", "content": "a"}]
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {}}}}]
+    continued = [{"role": "user", "content": "q"}, {"role": "assistant", "content": "The answer is"}]
+    for conv, kw in ((reasoning, dict(chat_template=TEMPLATES["reasoning"])), (CONVERSATIONS[1], dict(tools=tools)),
+                     (continued, dict(continue_final_message=True)), (CONVERSATIONS[0], dict(tokenize=True))):
+        kw.setdefault("tokenize", False)
+        assert snap.apply_chat_template(conv, **kw) == hf.apply_chat_template(conv, **kw), kw
+    bad = [{"role": "tool", "content": "x"}]
+    for tok in (snap, hf):
+        with pytest.raises(jinja2.TemplateError, match="bad role tool"):
+            tok.apply_chat_template(bad, tokenize=False, chat_template=TEMPLATES["helpers"])
+        with pytest.raises(jinja2.exceptions.SecurityError):  # namespaces refuse underscore attributes
+            tok.apply_chat_template(bad, tokenize=False, chat_template="{% set ns = namespace(_x=1) %}x")
+
+
+def test_the_rest_is_transformers_class_on_the_same_files(pair):
+    """What the snapshot does not serve itself goes to transformers' class: options it does not take,
+    tensors; a per-thread copy is independent; xgrammar gets transformers' object."""
+    snap, hf = pair
     assert snap.encode("Hello world", truncation=True, max_length=1) == hf.encode("Hello world", truncation=True,
                                                                                  max_length=1)
     import torch
@@ -87,6 +135,7 @@ def test_loading_the_default_models_tokenizer_does_not_import_transformers():
             "tok = load_tokenizer(resolve_source(None))\n"
             "assert tok.decode(tok.encode('Hello world')) == 'Hello world'\n"
             "assert tok.eos_token_id is not None and tok.chat_template\n"
+            "assert tok.apply_chat_template([{'role': 'user', 'content': 'Hi'}], tokenize=False).endswith('Hi<|im_end|>\\n')\n"
             "print(sorted(m for m in sys.modules if m.split('.')[0] == 'transformers'))\n")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
                          env=dict(os.environ, PYTHONWARNINGS="ignore"))

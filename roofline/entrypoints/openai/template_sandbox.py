@@ -13,7 +13,8 @@ server runs with --trust-request-chat-template; then each one renders here:
 
 Messages in and out are msgpack (msgspec) over the child's stdin/stdout, never pickle.  The template
 sees what a chat template expects: messages, add_generation_prompt, tools, the model's special tokens,
-the caller's extra variables, and the helpers raise_exception, strftime_now and the tojson filter.
+the caller's extra variables, and the helpers raise_exception, strftime_now and the tojson filter
+(roofline/chat_template_env.py).
 """
 
 from __future__ import annotations
@@ -28,6 +29,8 @@ import threading
 from typing import Any, Optional
 
 import msgspec
+
+from roofline.chat_template_env import chat_template_environment
 
 logger = logging.getLogger(__name__)
 
@@ -65,27 +68,6 @@ def _read(stream) -> Optional[bytes]:
 
 
 # ---- the child ----------------------------------------------------------------------------------
-def _environment():
-    import json
-    from datetime import datetime
-
-    import jinja2
-    import jinja2.ext
-    from jinja2.sandbox import ImmutableSandboxedEnvironment
-
-    def raise_exception(message):
-        raise jinja2.exceptions.TemplateError(message)
-
-    def tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
-        return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
-
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols])
-    env.filters["tojson"] = tojson
-    env.globals["raise_exception"] = raise_exception
-    env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
-    return env
-
-
 def render_limited(env, job: RenderJob) -> RenderResult:
     """Render job.template, stopping once the output passes job.max_chars (the child's own limit)."""
     try:
@@ -110,7 +92,7 @@ def child_main() -> int:
         resource.setrlimit(resource.RLIMIT_AS, (MEMORY_LIMIT_BYTES, MEMORY_LIMIT_BYTES))
     except (ValueError, OSError):  # pragma: no cover - platforms without RLIMIT_AS
         pass
-    env = _environment()
+    env = chat_template_environment()
     decoder = msgspec.msgpack.Decoder(RenderJob)
     encoder = msgspec.msgpack.Encoder()
     stdin, stdout = sys.stdin.buffer, sys.stdout.buffer

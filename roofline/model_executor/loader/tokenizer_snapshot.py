@@ -12,7 +12,10 @@ from that:
 - encode, decode, convert_ids_to_tokens, convert_tokens_to_ids, get_vocab, len, the special tokens and
   their ids, chat_template: the same calls transformers' TokenizersBackend makes on the same backend state,
   so the same results (tests/model_executor/test_tokenizer_snapshot.py checks them against it);
-- everything else (apply_chat_template, batch calls, options it does not take): transformers' own class,
+- apply_chat_template for a plain conversation rendered to text (apply_chat_template's docstring): the
+  model's template in the environment transformers renders it in (roofline/chat_template_env.py) with the
+  variables transformers passes; checked against transformers on several templates;
+- everything else (other conversations, batch calls, options it does not take): transformers' own class,
   loaded from the same directory on first use (`transformers_tokenizer()`), so nothing behaves differently.
 
 Only tokenizers of class TokenizersBackend without decode clean-up get a snapshot; any other directory
@@ -29,6 +32,7 @@ from typing import Any, Optional
 SNAPSHOT_FILE = "roofline-tokenizer.json"  # the backend tokenizer as transformers holds it
 STATE_FILE = "roofline-tokenizer-state.json"  # what transformers derives from its config
 SNAPSHOT_VERSION = 1
+_REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")  # transformers copies these into each other
 _SPECIAL = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
 
 
@@ -135,6 +139,45 @@ class TokenizerSnapshot:
     bos_token_id, eos_token_id, unk_token_id, pad_token_id = (_special_token(n, "special_token_ids") for n in (
         "bos_token", "eos_token", "unk_token", "pad_token"))
 
+    def apply_chat_template(self, conversation: Any, tools: Any = None, documents: Any = None,
+                            chat_template: Optional[str] = None, add_generation_prompt: bool = False,
+                            continue_final_message: bool = False, tokenize: bool = True, **kwargs) -> Any:
+        """A plain conversation (messages of string fields, no reasoning fields), rendered to text without tools,
+        documents or a continued final message, and with scalar template variables: rendered here, as
+        transformers renders it (the same environment, chat_template_env.py, and the same variables: the
+        messages, tools=None, documents=None, add_generation_prompt, the special tokens, the variables).
+        Anything else, and a template this environment cannot compile (transformers' `{% generation %}`):
+        transformers' class."""
+        template = chat_template if chat_template is not None else self.chat_template
+        plain = (not tokenize and tools is None and documents is None and not continue_final_message
+                 and isinstance(template, str) and isinstance(conversation, list) and conversation
+                 and all(type(m) is dict and all(type(k) is str and type(v) is str and k not in _REASONING_FIELDS
+                                                 for k, v in m.items()) for m in conversation)
+                 and all(v is None or type(v) in (str, int, float, bool) for v in kwargs.values()))
+        compiled = self._compiled(template) if plain else None
+        if compiled is None:
+            return self.transformers_tokenizer().apply_chat_template(
+                conversation, tools=tools, documents=documents, chat_template=chat_template,
+                add_generation_prompt=add_generation_prompt, continue_final_message=continue_final_message,
+                tokenize=tokenize, **kwargs)
+        special = {name: tok for name, tok in self._state["special_tokens"].items() if tok is not None}
+        return compiled.render(messages=[dict(m) for m in conversation], tools=None, documents=None,
+                               add_generation_prompt=add_generation_prompt, **{**special, **kwargs})
+
+    def _compiled(self, template: str) -> Any:
+        """The template compiled in chat_template_env's environment, or None where it does not compile there."""
+        cache = self.__dict__.setdefault("_templates", {})
+        if template not in cache:
+            import jinja2
+
+            from roofline.chat_template_env import chat_template_environment
+
+            try:
+                cache[template] = chat_template_environment().from_string(template)
+            except jinja2.TemplateSyntaxError:  # e.g. transformers' own `{% generation %}` tag
+                cache[template] = None
+        return cache[template]
+
     # ---- everything else: transformers' own class ------------------------------------------------
     def transformers_tokenizer(self) -> Any:
         """transformers' TokenizersBackend for the same directory (imports transformers on first use)."""
@@ -147,7 +190,7 @@ class TokenizerSnapshot:
         return self._full
 
     def __getattr__(self, name: str) -> Any:
-        if name.startswith("__") or name in ("_dir", "_full", "_backend", "_state"):
+        if name.startswith("__") or name in ("_dir", "_full", "_backend", "_state", "_templates"):
             raise AttributeError(name)  # copy / pickle protocols, and a half-built object, stay ours
         return getattr(self.transformers_tokenizer(), name)
 
