@@ -103,28 +103,34 @@ def prefill_only(prefill_url: str, p: list[int]) -> dict:
     return r.json()["kv_transfer_params"]
 
 
-@pytest.mark.parametrize("policy", ["recompute", "fail"])
-def test_prefill_engine_gone_before_the_pull(tiny, policy):
+def test_prefill_engine_gone_before_the_pull(tiny):
+    """One prefill engine hands a prompt each to a decode engine of either kv_load_failure_policy, then goes
+    away before they pull: "recompute" gives HF's tokens, "fail" a clear error, every block back in both."""
     path, hf = tiny
     prefill = start_engine(path, p2p("kv_producer", free_port()))
-    decode = start_engine(path, p2p("kv_consumer", policy=policy, transfer_timeout_s=2.0))
+    decodes = {policy: start_engine(path, p2p("kv_consumer", policy=policy, transfer_timeout_s=2.0))
+               for policy in ("recompute", "fail")}
     try:
-        p = prompt(33)
-        params = prefill_only(prefill.url, p)
-        assert params["do_remote_prefill"] and len(params["remote_block_ids"]) == 4
+        handed = {}
+        for salt, policy in enumerate(decodes):
+            p = prompt(33, salt=salt)
+            params = prefill_only(prefill.url, p)
+            assert params["do_remote_prefill"] and len(params["remote_block_ids"]) == 4, (policy, params)
+            handed[policy] = p, params
         stop(prefill)
-        body = dict(prompt=p, max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True, logprobs=0,
-                    kv_transfer_params=params)
-        r = httpx.post(decode.url + "/v1/completions", json=body, timeout=30)
-        if policy == "recompute":
-            assert r.status_code == 200, r.text
-            toks = [int(t.split(":")[1]) for t in r.json()["choices"][0]["logprobs"]["tokens"]]
-            assert toks == hf_greedy(hf, p, MAX_TOKENS)
-        else:
-            assert r.status_code == 500 and r.json()["error"]["code"] == "request_failed", r.text
-        assert_kv_idle(decode)
+        for policy, (p, params) in handed.items():
+            body = dict(prompt=p, max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True, logprobs=0,
+                        kv_transfer_params=params)
+            r = httpx.post(decodes[policy].url + "/v1/completions", json=body, timeout=30)
+            if policy == "recompute":
+                assert r.status_code == 200, (policy, r.text)
+                toks = [int(t.split(":")[1]) for t in r.json()["choices"][0]["logprobs"]["tokens"]]
+                assert toks == hf_greedy(hf, p, MAX_TOKENS), policy
+            else:
+                assert r.status_code == 500 and r.json()["error"]["code"] == "request_failed", (policy, r.text)
+            assert_kv_idle(decodes[policy])
     finally:
-        stop(decode)
+        stop(*decodes.values())
 
 
 class FakeProducer:
