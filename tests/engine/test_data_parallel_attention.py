@@ -13,7 +13,6 @@ import pytest
 from roofline import LLM, SamplingParams
 from roofline.config import EngineArgs
 from roofline.metrics.prometheus import metric_value
-from tests.engine.test_expert_parallel_models import moe_models  # noqa: F401  (fixture)
 from tests.engine.test_feature_invariance import GREEDY
 from tests.reference.hf_models import hf_greedy, random_prompts
 from tests.router.cluster import assert_kv_idle, completion, metrics, start_engine, stop
@@ -30,27 +29,35 @@ def _check_pools_idle(llm: LLM) -> None:
         assert rank.kv.pool.num_free_blocks == rank.kv.pool.num_blocks and not rank.requests
 
 
-def test_dp2_expert_parallel_greedy_matches_hf_with_an_idle_rank(moe_models):  # noqa: F811
-    path, prompts, reference = moe_models["mixtral"]
+@pytest.fixture(scope="module")
+def mixtral_dp2(moe_models):
+    """One DP=2 expert-parallel engine on the tiny Mixtral for the tests below, in file order: the greedy
+    check (its first use: the per-rank request counts start at zero), the poisoned request, and last the
+    killed rank (which ends it)."""
+    path, _, _ = moe_models["mixtral"]
     llm = _llm(path, data_parallel_size=2, enable_expert_parallel=True)
-    try:
-        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY, use_tqdm=False)
-        assert [o.outputs[0].token_ids for o in outs] == reference
-        assert llm.llm_engine.scheduler.requests_assigned == [3, 2]
-        _check_pools_idle(llm)
-        # one request: the other DP rank has nothing to run for every step and joins the exchanges
-        steps_before = llm.llm_engine.get_stats().parallel_steps
-        out = llm.generate([{"prompt_token_ids": prompts[1]}], GREEDY, use_tqdm=False)[0]
-        assert out.outputs[0].token_ids == reference[1]
-        stats = llm.llm_engine.get_stats()
-        assert stats.parallel_steps - steps_before >= GREEDY.max_tokens
-        assert stats.collectives["ep.all_to_all"][0] == 4 * 2 * stats.parallel_steps  # 4 per MoE layer, every step
-        _check_pools_idle(llm)
-    finally:
-        llm.llm_engine.shutdown()
+    yield llm
+    llm.llm_engine.shutdown()
 
 
-def test_dp2_tp2_uneven_lengths_greedy_matches_hf(moe_models):  # noqa: F811
+def test_dp2_expert_parallel_greedy_matches_hf_with_an_idle_rank(moe_models, mixtral_dp2):
+    _, prompts, reference = moe_models["mixtral"]
+    llm = mixtral_dp2
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == reference
+    assert llm.llm_engine.scheduler.requests_assigned == [3, 2]
+    _check_pools_idle(llm)
+    # one request: the other DP rank has nothing to run for every step and joins the exchanges
+    steps_before = llm.llm_engine.get_stats().parallel_steps
+    out = llm.generate([{"prompt_token_ids": prompts[1]}], GREEDY, use_tqdm=False)[0]
+    assert out.outputs[0].token_ids == reference[1]
+    stats = llm.llm_engine.get_stats()
+    assert stats.parallel_steps - steps_before >= GREEDY.max_tokens
+    assert stats.collectives["ep.all_to_all"][0] == 4 * 2 * stats.parallel_steps  # 4 per MoE layer, every step
+    _check_pools_idle(llm)
+
+
+def test_dp2_tp2_uneven_lengths_greedy_matches_hf(moe_models):
     """Four ranks; requests of very different lengths, so one DP rank finishes early and idles."""
     path, prompts, full = moe_models["qwen3_moe"]
     lengths = [2, 20, 3, 18, 5]
@@ -78,7 +85,7 @@ def test_dense_model_dp2_greedy_matches_hf(tiny_models):
         llm.llm_engine.shutdown()
 
 
-def test_server_spreads_requests_over_dp_ranks(moe_models):  # noqa: F811
+def test_server_spreads_requests_over_dp_ranks(moe_models):
     path, prompts, reference = moe_models["mixtral"]
     srv = start_engine(path, num_kv_blocks=64, data_parallel_size=2, enable_expert_parallel=True)
     try:
@@ -99,7 +106,7 @@ def test_data_parallel_with_pipeline_stages_is_refused():
         EngineArgs(data_parallel_size=2, pipeline_parallel_size=2).create_engine_config()
 
 
-def test_dp2_eplb_rebalances_mid_generation_greedy_unchanged(moe_models):  # noqa: F811
+def test_dp2_eplb_rebalances_mid_generation_greedy_unchanged(moe_models):
     """Token counts from both DP ranks' own batches feed the rebalance; weights move while serving."""
     path, prompts, reference = moe_models["qwen2_moe"]
     llm = _llm(path, data_parallel_size=2, enable_expert_parallel=True, enable_eplb=True,
@@ -114,51 +121,46 @@ def test_dp2_eplb_rebalances_mid_generation_greedy_unchanged(moe_models):  # noq
         llm.llm_engine.shutdown()
 
 
-def test_dp2_a_failing_request_fails_alone_and_every_pool_gets_its_blocks_back(moe_models, monkeypatch):  # noqa: F811
+def test_dp2_a_failing_request_fails_alone_and_every_pool_gets_its_blocks_back(moe_models, mixtral_dp2,
+                                                                                monkeypatch):
     """Fault isolation re-runs a data-parallel step in halves (each DP rank's part restricted alike, the
     idle rank joining the exchanges): the poisoned request fails, the others keep HF's tokens."""
-    path, prompts, reference = moe_models["mixtral"]
-    llm = _llm(path, data_parallel_size=2, enable_expert_parallel=True)
-    try:
-        engine = llm.llm_engine
-        real = engine.executor.execute
-        poisoned = set()
+    _, prompts, reference = moe_models["mixtral"]
+    llm = mixtral_dp2
+    engine = llm.llm_engine
+    real = engine.executor.execute
+    poisoned = set()
 
-        def execute(out):
-            if any(s.req_id in poisoned for s in out.scheduled):
-                raise ValueError("poisoned request")
-            return real(out)
+    def execute(out):
+        if any(s.req_id in poisoned for s in out.scheduled):
+            raise ValueError("poisoned request")
+        return real(out)
 
-        monkeypatch.setattr(engine.executor, "execute", execute)
-        poisoned.add(f"llm-{next(llm._counter) + 3}")  # the third prompt of the next call
-        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY, use_tqdm=False)
-        assert outs[2].error and "poisoned request" in outs[2].error
-        assert outs[2].outputs[0].finish_reason == "error"
-        for i in (0, 1, 3, 4):
-            assert outs[i].error is None and outs[i].outputs[0].token_ids == reference[i]
-        _check_pools_idle(llm)
-    finally:
-        llm.llm_engine.shutdown()
+    monkeypatch.setattr(engine.executor, "execute", execute)
+    poisoned.add(f"llm-{next(llm._counter) + 3}")  # the third prompt of the next call
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY, use_tqdm=False)
+    assert outs[2].error and "poisoned request" in outs[2].error
+    assert outs[2].outputs[0].finish_reason == "error"
+    for i in (0, 1, 3, 4):
+        assert outs[i].error is None and outs[i].outputs[0].token_ids == reference[i]
+    _check_pools_idle(llm)
 
 
-def test_dp2_a_killed_rank_gives_a_clear_error_not_a_hang(moe_models):  # noqa: F811
+def test_dp2_a_killed_rank_gives_a_clear_error_not_a_hang(moe_models, mixtral_dp2):
     """SIGKILL DP rank 1 mid-generation: rank 0 waits for its output (or in an exchange with it); the
     engine fails naming rank 1, fast."""
     import threading
     import time
 
-    path, prompts, _ = moe_models["mixtral"]
-    llm = _llm(path, data_parallel_size=2, enable_expert_parallel=True)
-    try:
-        llm.generate([{"prompt_token_ids": prompts[0]}], GREEDY, use_tqdm=False)
-        killer = threading.Timer(0.5, llm.llm_engine.executor.ranks.by_rank(1).proc.kill)
-        killer.start()
-        t0 = time.monotonic()
-        with pytest.raises(RuntimeError, match="rank 1"):
-            while time.monotonic() - t0 < 30:
-                llm.generate([{"prompt_token_ids": p} for p in prompts],
-                             SamplingParams(temperature=0, max_tokens=64, ignore_eos=True), use_tqdm=False)
-        killer.join()
-        assert time.monotonic() - t0 < 20
-    finally:
-        llm.llm_engine.shutdown()
+    _, prompts, _ = moe_models["mixtral"]
+    llm = mixtral_dp2
+    llm.generate([{"prompt_token_ids": prompts[0]}], GREEDY, use_tqdm=False)
+    killer = threading.Timer(0.5, llm.llm_engine.executor.ranks.by_rank(1).proc.kill)
+    killer.start()
+    t0 = time.monotonic()
+    with pytest.raises(RuntimeError, match="rank 1"):
+        while time.monotonic() - t0 < 30:
+            llm.generate([{"prompt_token_ids": p} for p in prompts],
+                         SamplingParams(temperature=0, max_tokens=64, ignore_eos=True), use_tqdm=False)
+    killer.join()
+    assert time.monotonic() - t0 < 20

@@ -10,44 +10,52 @@ import pytest
 
 from roofline import LLM
 from roofline.eplb.algorithm import initial_placement
-from tests.engine.test_feature_invariance import GREEDY, shared_prefix_prompts
-from tests.reference.hf_models import TINY_MOE, build_tiny_model, hf_greedy
-
-
-@pytest.fixture(scope="module")
-def moe_models(tmp_path_factory):
-    """arch -> (checkpoint dir, prompts, HF greedy outputs)."""
-    out = {}
-    for arch in TINY_MOE:
-        path = str(tmp_path_factory.mktemp(f"tiny-{arch}"))
-        model = build_tiny_model(arch, path, seed=2)
-        prompts = shared_prefix_prompts(model.config.vocab_size, n=5, seed=1)
-        out[arch] = (path, prompts, [hf_greedy(model, p, GREEDY.max_tokens) for p in prompts])
-    return out
+from tests.engine.test_feature_invariance import GREEDY
+from tests.reference.hf_models import TINY_MOE
 
 
 def _moe_layers(arch: str) -> int:
     return 2  # every tiny MoE config has two sparse layers (qwen2_moe: 1 and 5)
 
 
+def _ep_llm(path, **kw) -> LLM:
+    return LLM(path, dtype="float32", device="cpu", num_kv_blocks=256, show_progress=False,
+               enable_expert_parallel=True, **kw)
+
+
+def _run(llm, prompts):
+    outs = [o.outputs[0].token_ids for o in llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY,
+                                                          use_tqdm=False)]
+    stats = llm.llm_engine.get_stats()
+    assert stats.num_free_blocks == stats.num_total_blocks
+    placements = llm.llm_engine.executor.expert_placements()
+    return outs, stats, placements
+
+
 def _generate(path, prompts, **kw):
-    llm = LLM(path, dtype="float32", device="cpu", num_kv_blocks=256, show_progress=False,
-              enable_expert_parallel=True, **kw)
+    llm = _ep_llm(path, **kw)
     try:
-        outs = [o.outputs[0].token_ids for o in llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY,
-                                                              use_tqdm=False)]
-        stats = llm.llm_engine.get_stats()
-        assert stats.num_free_blocks == stats.num_total_blocks
-        placements = llm.llm_engine.executor.expert_placements()
-        return outs, stats, placements
+        return _run(llm, prompts)
     finally:
         llm.llm_engine.shutdown()
 
 
+@pytest.fixture(scope="module")
+def mixtral_ep2(moe_models):
+    """EP=2 (TP=2) on the tiny Mixtral: checked against HF by test_ep2_greedy_matches_hf, then the same
+    engine has a rank killed by the last test of the module."""
+    llm = _ep_llm(moe_models["mixtral"][0], tensor_parallel_size=2)
+    yield llm
+    llm.llm_engine.shutdown()
+
+
 @pytest.mark.parametrize("arch", list(TINY_MOE))
-def test_ep2_greedy_matches_hf(moe_models, arch):
+def test_ep2_greedy_matches_hf(moe_models, arch, request):
     path, prompts, reference = moe_models[arch]
-    outs, stats, placements = _generate(path, prompts, tensor_parallel_size=2)
+    if arch == "mixtral":  # its first run (the collective counts below are the engine's totals)
+        outs, stats, placements = _run(request.getfixturevalue("mixtral_ep2"), prompts)
+    else:
+        outs, stats, placements = _generate(path, prompts, tensor_parallel_size=2)
     assert outs == reference
     assert placements == [[list(range(0, 4))] * 2, [list(range(4, 8))] * 2]  # whole experts, 4 per rank
     # all_to_all: counts, slots, hidden states out, outputs back: 4 per MoE layer per step
@@ -87,29 +95,25 @@ def test_eplb_rebalances_mid_generation_and_greedy_is_unchanged(moe_models):
     assert stats.collectives["ep.all_reduce"][0] == stats.eplb_rebalances  # the window's counts, once each
 
 
-def test_a_killed_rank_mid_generation_gives_a_clear_error_not_a_hang(moe_models):
+def test_a_killed_rank_mid_generation_gives_a_clear_error_not_a_hang(moe_models, mixtral_ep2):
     """SIGKILL rank 1 while its peer waits in the expert all-to-all: the request fails naming rank 1, fast."""
     import threading
     import time
 
     from roofline import SamplingParams
 
-    path, prompts, _ = moe_models["mixtral"]
-    llm = LLM(path, dtype="float32", device="cpu", num_kv_blocks=256, show_progress=False,
-              enable_expert_parallel=True, tensor_parallel_size=2)
-    try:
-        llm.generate([{"prompt_token_ids": prompts[0]}], GREEDY, use_tqdm=False)  # warm: the world works
-        victim = llm.llm_engine.executor.ranks.by_rank(1).proc
-        killer = threading.Timer(0.5, victim.kill)
-        killer.start()
-        t0 = time.monotonic()
-        with pytest.raises(RuntimeError, match="rank 1"):
-            while time.monotonic() - t0 < 30:  # generating until the kill lands, mid-step or between steps
-                llm.generate([{"prompt_token_ids": p} for p in prompts],
-                             SamplingParams(temperature=0, max_tokens=64, ignore_eos=True), use_tqdm=False)
-        killer.join()
-        assert time.monotonic() - t0 < 20
-        with pytest.raises(RuntimeError, match=r"rank 1 \(pid \d+\) was killed by SIGKILL"):
-            llm.llm_engine.check_health()
-    finally:
-        llm.llm_engine.shutdown()
+    _, prompts, _ = moe_models["mixtral"]
+    llm = mixtral_ep2
+    llm.generate([{"prompt_token_ids": prompts[0]}], GREEDY, use_tqdm=False)  # warm: the world works
+    victim = llm.llm_engine.executor.ranks.by_rank(1).proc
+    killer = threading.Timer(0.5, victim.kill)
+    killer.start()
+    t0 = time.monotonic()
+    with pytest.raises(RuntimeError, match="rank 1"):
+        while time.monotonic() - t0 < 30:  # generating until the kill lands, mid-step or between steps
+            llm.generate([{"prompt_token_ids": p} for p in prompts],
+                         SamplingParams(temperature=0, max_tokens=64, ignore_eos=True), use_tqdm=False)
+    killer.join()
+    assert time.monotonic() - t0 < 20
+    with pytest.raises(RuntimeError, match=r"rank 1 \(pid \d+\) was killed by SIGKILL"):
+        llm.llm_engine.check_health()

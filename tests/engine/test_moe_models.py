@@ -10,22 +10,10 @@ from __future__ import annotations
 import pytest
 
 from roofline import LLM
-from tests.engine.test_feature_invariance import GREEDY, run, shared_prefix_prompts
-from tests.reference.hf_models import TINY_MOE, build_tiny_model, hf_greedy
+from tests.engine.test_feature_invariance import GREEDY, run
+from tests.reference.hf_models import TINY_MOE
 
 ARCHS = list(TINY_MOE)
-
-
-@pytest.fixture(scope="module")
-def moe_models(tmp_path_factory):
-    """arch -> (checkpoint dir, prompts, HF greedy outputs)."""
-    out = {}
-    for arch in ARCHS:
-        path = str(tmp_path_factory.mktemp(f"tiny-{arch}"))
-        model = build_tiny_model(arch, path, seed=2)
-        prompts = shared_prefix_prompts(model.config.vocab_size, n=5, seed=1)
-        out[arch] = (path, prompts, [hf_greedy(model, p, GREEDY.max_tokens) for p in prompts])
-    return out
 
 
 VARIANTS = {

@@ -16,16 +16,22 @@ from roofline.metrics.prometheus import metric_value, parse_metrics
 
 
 @pytest.fixture(scope="module")
-def server(tiny_models):
+def engine(tiny_models):
+    """The module's engine: under the open server below, and under the API-key test's server of its own."""
     path = tiny_models["llama"][0]
-    engine = AsyncLLM.from_engine_args(EngineArgs(model=path, device="cpu", dtype="float32", num_kv_blocks=128,
-                                                  max_model_len=256, seed=0))
+    eng = AsyncLLM.from_engine_args(EngineArgs(model=path, device="cpu", dtype="float32", num_kv_blocks=128,
+                                               max_model_len=256, seed=0))
+    yield eng
+    eng.shutdown()
+
+
+@pytest.fixture(scope="module")
+def server(engine):
     config = ServerConfig(uvicorn_log_level="warning", access_log=False, shutdown_timeout=5.0)
-    srv = ServerThread(build_app(engine, config), config=config).start()
+    srv = ServerThread(build_app(engine, config, shutdown_engine=False), config=config).start()
     with httpx.Client(base_url=srv.url, timeout=60) as http:
         yield http
     srv.stop()
-    engine.shutdown()
 
 
 def _metrics(http) -> dict[str, float]:
@@ -154,12 +160,9 @@ def test_bench_serve_reports_the_live_ratio_per_phase(server):
     assert format_phase_medians(live) in report
 
 
-def test_api_key_covers_stats_but_not_the_static_page(tiny_models):
-    path = tiny_models["llama"][0]
-    engine = AsyncLLM.from_engine_args(EngineArgs(model=path, device="cpu", dtype="float32", num_kv_blocks=32,
-                                                  max_model_len=128, seed=0))
+def test_api_key_covers_stats_but_not_the_static_page(engine):
     config = ServerConfig(api_key="sk-live", uvicorn_log_level="warning", access_log=False, shutdown_timeout=5.0)
-    srv = ServerThread(build_app(engine, config), config=config).start()
+    srv = ServerThread(build_app(engine, config, shutdown_engine=False), config=config).start()
     try:
         with httpx.Client(base_url=srv.url, timeout=30) as http:
             assert http.get("/stats").status_code == 401  # the data needs the key
@@ -168,4 +171,3 @@ def test_api_key_covers_stats_but_not_the_static_page(tiny_models):
             assert page.status_code == 200 and "/stats" in page.text
     finally:
         srv.stop()
-        engine.shutdown()

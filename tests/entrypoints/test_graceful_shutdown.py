@@ -9,6 +9,7 @@ import threading
 import time
 
 import httpx
+import pytest
 
 from roofline.config import EngineArgs
 from roofline.engine.async_llm import AsyncLLM
@@ -20,10 +21,18 @@ from roofline.entrypoints.openai.server import ServerConfig, ServerThread, build
 LONG = 16
 
 
-def test_shutdown_drains_then_ends_streams_cleanly(tiny_models):
+@pytest.fixture(scope="module")
+def engine(tiny_models):
+    """One engine on the tiny model for both tests, each with a server of its own on it (the server stops,
+    the engine stays): one request at a time, so that queued requests outlast the first test's drain."""
     path, _ = tiny_models["llama"]
-    engine = AsyncLLM.from_engine_args(EngineArgs(model=path, device="cpu", dtype="float32", num_kv_blocks=64,
-                                                  max_num_seqs=1))
+    eng = AsyncLLM.from_engine_args(EngineArgs(model=path, device="cpu", dtype="float32", num_kv_blocks=64,
+                                               max_num_seqs=1))
+    yield eng
+    eng.shutdown()
+
+
+def test_shutdown_drains_then_ends_streams_cleanly(engine):
     config = ServerConfig(uvicorn_log_level="warning", access_log=False, shutdown_timeout=2.0)
     srv = ServerThread(build_app(engine, config, shutdown_engine=False), config=config).start()
     long_body = {"prompt": [5, 6, 7], "max_tokens": 500, "ignore_eos": True}
@@ -75,12 +84,9 @@ def test_shutdown_drains_then_ends_streams_cleanly(tiny_models):
     assert set(plain) <= {200, 503}
     stats = engine.get_stats()
     assert stats.num_free_blocks == stats.num_total_blocks and stats.num_running == 0
-    engine.shutdown()
 
 
-def test_a_request_that_finishes_within_the_drain_completes(tiny_models):
-    path, _ = tiny_models["llama"]
-    engine = AsyncLLM.from_engine_args(EngineArgs(model=path, device="cpu", dtype="float32", num_kv_blocks=64))
+def test_a_request_that_finishes_within_the_drain_completes(engine):
     config = ServerConfig(uvicorn_log_level="warning", access_log=False, shutdown_timeout=20.0)
     srv = ServerThread(build_app(engine, config, shutdown_engine=False), config=config).start()
     result = {}
@@ -100,4 +106,3 @@ def test_a_request_that_finishes_within_the_drain_completes(tiny_models):
     r = result["r"]
     assert r.status_code == 200 and r.json()["choices"][0]["finish_reason"] == "length"
     assert r.json()["usage"]["completion_tokens"] == 200
-    engine.shutdown()

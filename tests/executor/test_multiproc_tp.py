@@ -111,15 +111,14 @@ def test_replicated_kv_heads_then_idle_worker_death(tmp_path):
         core.shutdown()
 
 
-def test_worker_death_fails_fast(tiny_models):
-    """SIGKILL a rank mid-generation: in-flight requests get an error, health turns bad, no hang."""
+def test_worker_death_fails_fast(llama_tp2):
+    """SIGKILL a rank mid-generation: in-flight requests get an error, health turns bad, no hang.  The
+    module's tp=2 engine (max_model_len 512), served through AsyncLLM; this is the last test to use it."""
     from roofline.engine.async_llm import AsyncLLM
-    from roofline.engine.engine_core import EngineCore
-    from roofline.config import EngineArgs
 
-    path, _ = tiny_models["llama"]
-    core = EngineCore(EngineArgs(model=path, tensor_parallel_size=2, dtype="float32", device="cpu",
-                                 num_kv_blocks=64, max_model_len=512).create_engine_config(), show_progress=False)
+    _, llm = llama_tp2
+    core = llm.llm_engine
+    assert core.model_config.max_model_len == 512
     ex = core.executor
     ranks = ex.ranks
     engine = AsyncLLM(core)

@@ -38,28 +38,39 @@ def llama4(tmp_path_factory):
     return path, build_tiny_model("llama", path, seed=4, num_hidden_layers=4)
 
 
+@pytest.fixture(scope="module")
+def llama4_pp2(llama4):
+    """The tiny Llama at pp=2 (2+2 layers), shared by the even-split check and the batches-in-flight test."""
+    llm = LLM(llama4[0], pipeline_parallel_size=2, **COMMON)
+    yield llm
+    llm.llm_engine.shutdown()
+
+
 @pytest.mark.parametrize("pp, partition, layers", [
     (2, None, [2, 2]),
     (3, None, [1, 2, 1]),  # the remainder goes to the stages before the last
     (3, "2,1,1", [2, 1, 1]),
 ])
-def test_greedy_matches_hf(llama4, pp, partition, layers):
+def test_greedy_matches_hf(llama4, pp, partition, layers, request):
     path, hf = llama4
-    llm = LLM(path, pipeline_parallel_size=pp, pp_layer_partition=partition, **COMMON)
+    shared = pp == 2 and partition is None
+    llm = request.getfixturevalue("llama4_pp2") if shared else LLM(path, pipeline_parallel_size=pp,
+                                                                     pp_layer_partition=partition, **COMMON)
     try:
         _greedy_matches_hf(llm, hf, 384)
         # each stage's pool holds its own layers' K/V only: rank 0's block is its layers' share
         one_layer = LLM(path, **COMMON).llm_engine.executor.block_bytes() // 4
         assert llm.llm_engine.executor.block_bytes() == layers[0] * one_layer
     finally:
-        llm.llm_engine.shutdown()
+        if not shared:
+            llm.llm_engine.shutdown()
 
 
-def test_batches_in_flight_fill_the_pipeline(llama4):
+def test_batches_in_flight_fill_the_pipeline(llama4, llama4_pp2, monkeypatch):
     """pp=2 keeps two steps in the pipeline when it has two disjoint batches of requests; the output
     is still HF's, and the stages' busy-time accounting comes back from every rank."""
-    path, hf = llama4
-    llm = LLM(path, pipeline_parallel_size=2, **COMMON)
+    _, hf = llama4
+    llm = llama4_pp2
     ex = llm.llm_engine.executor
     depths = []
     submit = ex.submit
@@ -68,17 +79,14 @@ def test_batches_in_flight_fill_the_pipeline(llama4):
         submit(out)
         depths.append(len(ex._submitted))
 
-    ex.submit = recording_submit
-    try:
-        assert ex.max_batches_in_flight == 2
-        ex.reset_stage_busy()
-        _greedy_matches_hf(llm, hf, 384, n=6)
-        assert max(depths) == 2
-        busy = ex.stage_busy()
-        assert len(busy) == 2 and all(0 < b <= w for b, w in busy)
-        assert not llm.llm_engine.scheduler.in_flight
-    finally:
-        llm.llm_engine.shutdown()
+    monkeypatch.setattr(ex, "submit", recording_submit)
+    assert ex.max_batches_in_flight == 2
+    ex.reset_stage_busy()
+    _greedy_matches_hf(llm, hf, 384, n=6)
+    assert max(depths) == 2
+    busy = ex.stage_busy()
+    assert len(busy) == 2 and all(0 < b <= w for b, w in busy)
+    assert not llm.llm_engine.scheduler.in_flight
 
 
 @pytest.mark.parametrize("arch, seed, overrides", [

@@ -68,19 +68,6 @@ def _check_against_hf(llm: LLM, hf_model) -> None:
             assert abs(lp[tok].logprob - ref[i, tok].item()) < 1e-4
 
 
-def test_tp2_spread_over_both_nodes_matches_hf(cluster, llama):
-    path, hf_model = llama
-    llm = LLM(path, tensor_parallel_size=2, ray_placement_strategy="STRICT_SPREAD", **COMMON)
-    try:
-        assert isinstance(llm.llm_engine.executor, RayExecutor)
-        nodes = _rank_nodes(llm)
-        assert len(set(nodes)) == 2
-        assert nodes[0] == ray.get_runtime_context().get_node_id()  # the engine's node holds rank 0
-        _check_against_hf(llm, hf_model)
-    finally:
-        llm.llm_engine.shutdown()
-
-
 def test_tp2_pp2_packed_on_two_nodes_matches_hf(cluster, llama):
     """Four ranks on two 2-CPU nodes: each node holds one pipeline stage's tensor-parallel pair (ranks
     0-1 on the engine's node, 2-3 on the other), as the rank order promises."""
@@ -93,6 +80,26 @@ def test_tp2_pp2_packed_on_two_nodes_matches_hf(cluster, llama):
         _check_against_hf(llm, hf_model)
     finally:
         llm.llm_engine.shutdown()
+
+
+@pytest.fixture(scope="module")
+def spread_tp2(cluster, llama):
+    """tp=2 with STRICT_SPREAD: one rank on each node.  Checked against HF by the first test below; the
+    same engine loses its second node in the module's last test.  (The tp=2 x pp=2 test, which needs all
+    four CPUs, runs before it is built.)"""
+    llm = LLM(llama[0], tensor_parallel_size=2, ray_placement_strategy="STRICT_SPREAD", **COMMON)
+    yield llm
+    llm.llm_engine.shutdown()
+
+
+def test_tp2_spread_over_both_nodes_matches_hf(llama, spread_tp2):
+    _, hf_model = llama
+    llm = spread_tp2
+    assert isinstance(llm.llm_engine.executor, RayExecutor)
+    nodes = _rank_nodes(llm)
+    assert len(set(nodes)) == 2
+    assert nodes[0] == ray.get_runtime_context().get_node_id()  # the engine's node holds rank 0
+    _check_against_hf(llm, hf_model)
 
 
 def _placement_group_states() -> dict[str, str]:
@@ -166,28 +173,24 @@ def test_ray_flags_are_checked():
             EngineArgs(model="unused", **kw).create_engine_config()
 
 
-def test_lost_node_fails_the_idle_engine_naming_the_rank_and_node(cluster, llama):
+def test_lost_node_fails_the_idle_engine_naming_the_rank_and_node(cluster, spread_tp2):
     """The second raylet goes away (its processes killed) while the engine is idle: check_health() names
     the rank that lived there and its node within seconds, and the next request fails at once.  Last in
     the module: the cluster keeps one node."""
-    path, _ = llama
-    llm = LLM(path, tensor_parallel_size=2, ray_placement_strategy="STRICT_SPREAD", **COMMON)
+    llm = spread_tp2
     core = llm.llm_engine
-    try:
+    llm.generate([{"prompt_token_ids": [5, 6, 7]}], GREEDY, use_tqdm=False)
+    lost = core.executor.ranks.by_rank(1)
+    worker_node = next(n for n in cluster.worker_nodes if n.node_id == lost.where["node_id"])
+    cluster.remove_node(worker_node)
+    t0 = time.monotonic()
+    with pytest.raises(RuntimeError) as err:
+        while time.monotonic() - t0 < 30:
+            core.check_health()
+            time.sleep(0.2)
+    assert time.monotonic() - t0 < 10
+    assert "rank 1" in str(err.value) and lost.where["node_id"][:12] in str(err.value), err.value
+    t1 = time.monotonic()
+    with pytest.raises(RuntimeError, match="rank 1"):
         llm.generate([{"prompt_token_ids": [5, 6, 7]}], GREEDY, use_tqdm=False)
-        lost = core.executor.ranks.by_rank(1)
-        worker_node = next(n for n in cluster.worker_nodes if n.node_id == lost.where["node_id"])
-        cluster.remove_node(worker_node)
-        t0 = time.monotonic()
-        with pytest.raises(RuntimeError) as err:
-            while time.monotonic() - t0 < 30:
-                core.check_health()
-                time.sleep(0.2)
-        assert time.monotonic() - t0 < 10
-        assert "rank 1" in str(err.value) and lost.where["node_id"][:12] in str(err.value), err.value
-        t1 = time.monotonic()
-        with pytest.raises(RuntimeError, match="rank 1"):
-            llm.generate([{"prompt_token_ids": [5, 6, 7]}], GREEDY, use_tqdm=False)
-        assert time.monotonic() - t1 < 5
-    finally:
-        core.shutdown()
+    assert time.monotonic() - t1 < 5

@@ -103,28 +103,34 @@ def prefill_only(prefill_url: str, p: list[int]) -> dict:
     return r.json()["kv_transfer_params"]
 
 
-@pytest.mark.parametrize("policy", ["recompute", "fail"])
-def test_prefill_engine_gone_before_the_pull(tiny, policy):
+def test_prefill_engine_gone_before_the_pull(tiny):
+    """One prefill engine hands a prompt each to a decode engine of either kv_load_failure_policy, then goes
+    away before they pull: "recompute" gives HF's tokens, "fail" a clear error, every block back in both."""
     path, hf = tiny
     prefill = start_engine(path, p2p("kv_producer", free_port()))
-    decode = start_engine(path, p2p("kv_consumer", policy=policy, transfer_timeout_s=2.0))
+    decodes = {policy: start_engine(path, p2p("kv_consumer", policy=policy, transfer_timeout_s=2.0))
+               for policy in ("recompute", "fail")}
     try:
-        p = prompt(33)
-        params = prefill_only(prefill.url, p)
-        assert params["do_remote_prefill"] and len(params["remote_block_ids"]) == 4
+        handed = {}
+        for salt, policy in enumerate(decodes):
+            p = prompt(33, salt=salt)
+            params = prefill_only(prefill.url, p)
+            assert params["do_remote_prefill"] and len(params["remote_block_ids"]) == 4, (policy, params)
+            handed[policy] = p, params
         stop(prefill)
-        body = dict(prompt=p, max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True, logprobs=0,
-                    kv_transfer_params=params)
-        r = httpx.post(decode.url + "/v1/completions", json=body, timeout=30)
-        if policy == "recompute":
-            assert r.status_code == 200, r.text
-            toks = [int(t.split(":")[1]) for t in r.json()["choices"][0]["logprobs"]["tokens"]]
-            assert toks == hf_greedy(hf, p, MAX_TOKENS)
-        else:
-            assert r.status_code == 500 and r.json()["error"]["code"] == "request_failed", r.text
-        assert_kv_idle(decode)
+        for policy, (p, params) in handed.items():
+            body = dict(prompt=p, max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True, logprobs=0,
+                        kv_transfer_params=params)
+            r = httpx.post(decodes[policy].url + "/v1/completions", json=body, timeout=30)
+            if policy == "recompute":
+                assert r.status_code == 200, (policy, r.text)
+                toks = [int(t.split(":")[1]) for t in r.json()["choices"][0]["logprobs"]["tokens"]]
+                assert toks == hf_greedy(hf, p, MAX_TOKENS), policy
+            else:
+                assert r.status_code == 500 and r.json()["error"]["code"] == "request_failed", (policy, r.text)
+            assert_kv_idle(decodes[policy])
     finally:
-        stop(decode)
+        stop(*decodes.values())
 
 
 class FakeProducer:
@@ -160,13 +166,22 @@ class FakeProducer:
             c.close()
 
 
-@pytest.mark.parametrize("mode", ["hang", "die_mid_layer"])
-def test_transfer_that_never_completes_is_recomputed(tiny, mode):
-    path, hf = tiny
-    fake = FakeProducer(mode)
+@pytest.fixture(scope="module")
+def impatient_decode(tiny):
+    """A decode engine that gives a transfer 1 s, shared by both broken producers."""
+    path, _ = tiny
     decode = start_engine(path, p2p("kv_consumer", transfer_timeout_s=1.0))
+    yield decode
+    stop(decode)
+
+
+@pytest.mark.parametrize("mode", ["hang", "die_mid_layer"])
+def test_transfer_that_never_completes_is_recomputed(tiny, impatient_decode, mode):
+    _, hf = tiny
+    fake = FakeProducer(mode)
+    decode = impatient_decode
     try:
-        p = prompt(25)
+        p = prompt(25, salt=len(mode))  # a prompt of its own per mode: none of its blocks in the decoder's cache
         params = {"do_remote_prefill": True, "remote_engine_id": "fake", "remote_request_id": "cmpl-x",
                   "remote_block_ids": [5, 6, 7], "remote_host": "127.0.0.1", "remote_port": fake.port}
         t0 = time.monotonic()
@@ -177,7 +192,6 @@ def test_transfer_that_never_completes_is_recomputed(tiny, mode):
         assert_kv_idle(decode)
     finally:
         fake.close()
-        stop(decode)
 
 
 def held_blocks(server) -> float:
@@ -185,11 +199,21 @@ def held_blocks(server) -> float:
     return metric_value(m, "roofline:kv_cache_num_blocks") - metric_value(m, "roofline:kv_cache_num_free_blocks")
 
 
-def test_decode_engine_gone_frees_the_held_prefill_at_once(tiny):
+@pytest.fixture(scope="module")
+def patient_prefill(tiny):
+    """A prefill engine that holds a prompt's blocks for 60 s, and its KV port: the two tests below each
+    end its hold early, and check that every block is back."""
+    path, _ = tiny
+    port = free_port()
+    prefill = start_engine(path, p2p("kv_producer", port, send_timeout_s=60.0))
+    yield prefill, port
+    stop(prefill)
+
+
+def test_decode_engine_gone_frees_the_held_prefill_at_once(patient_prefill):
     """No decode engine takes the prefill's KV: the router tells the prefill engine, which frees the held
     blocks at once, long before its send timeout (60 s here)."""
-    path, _ = tiny
-    prefill = start_engine(path, p2p("kv_producer", free_port(), send_timeout_s=60.0))
+    prefill, _ = patient_prefill
     router = start_router(prefill=[prefill.url], decode=[f"http://127.0.0.1:{free_port()}"])
     try:
         t0 = time.monotonic()
@@ -199,26 +223,21 @@ def test_decode_engine_gone_frees_the_held_prefill_at_once(tiny):
         assert_kv_idle(prefill, timeout=5)
         assert time.monotonic() - t0 < 10
     finally:
-        stop(router, prefill)
+        stop(router)
 
 
-def test_consumer_gone_mid_pull_frees_the_held_blocks_at_once(tiny):
+def test_consumer_gone_mid_pull_frees_the_held_blocks_at_once(patient_prefill):
     """A consumer that asks for the blocks and dies after the first layer: the producer sees the
     connection close and frees the hold then, not at its send timeout (60 s here)."""
-    path, _ = tiny
-    port = free_port()
-    prefill = start_engine(path, p2p("kv_producer", port, send_timeout_s=60.0))
-    try:
-        params = prefill_only(prefill.url, prompt(33))
-        assert held_blocks(prefill) == -(-33 // BLOCK)  # the blocks of all 33 tokens
-        with socket.create_connection(("127.0.0.1", port), timeout=10) as sock:
-            send_msg(sock, Pull(params["remote_request_id"], params["remote_block_ids"]))
-            assert recv_msg(sock, PullReply).ok
-            recv_msg(sock, LayerHeader)  # the first layer's header: the transfer is under way; now die
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))  # a reset, as a kill
-        assert_kv_idle(prefill, timeout=5)
-    finally:
-        stop(prefill)
+    prefill, port = patient_prefill
+    params = prefill_only(prefill.url, prompt(33))
+    assert held_blocks(prefill) == -(-33 // BLOCK)  # the blocks of all 33 tokens
+    with socket.create_connection(("127.0.0.1", port), timeout=10) as sock:
+        send_msg(sock, Pull(params["remote_request_id"], params["remote_block_ids"]))
+        assert recv_msg(sock, PullReply).ok
+        recv_msg(sock, LayerHeader)  # the first layer's header: the transfer is under way; now die
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))  # a reset, as a kill
+    assert_kv_idle(prefill, timeout=5)
 
 
 def test_unclaimed_prefill_is_held_until_the_send_timeout(tiny):

@@ -6,7 +6,6 @@ TP rank's share of the tokens, a micro-batch, or the whole batch is empty."""
 
 from __future__ import annotations
 
-import pytest
 import torch
 import torch.multiprocessing as mp
 
@@ -33,52 +32,64 @@ def _batch(n: int, seed: int):
     return torch.randn(n, H, generator=g), torch.randn(n, E, generator=g)
 
 
-def _rank_main(rank: int, port: int, tp: int, dp: int, errors) -> None:
-    try:
-        torch.set_num_threads(1)
-        gate, up, down = _weights()
-        ref_w13, ref_w2 = torch.cat([gate, up], dim=1), down
-        ps.init_distributed(rank, tp * dp, "127.0.0.1", port, "test-secret", "gloo", 60.0)
-        for backend, dual in (("all_to_all", False), ("allgather_reducescatter", False), ("all_to_all", True)):
-            dual_batch_step(dual)  # --enable-dbo: the all_to_all exchange as two overlapped micro-batches
-            for redundant in (0, tp * dp):
-                layout = ParallelLayout(tp=tp, dp=dp, expert_parallel=True, num_redundant_experts=redundant,
-                                        all2all_backend=backend)
-                ps.init_model_parallel(layout)
-                layer = FusedMoE(E, H, INTER, ROUTING)
-                assert layer.w13_weight.shape[0] == (E + redundant) // (tp * dp)
-                for e in range(E):
-                    layer.weight_loader(layer.w13_weight, gate[e], "w1", e)
-                    layer.weight_loader(layer.w13_weight, up[e], "w3", e)
-                    layer.weight_loader(layer.w2_weight, down[e], "w2", e)
-                assert layer.missing_experts() == []
-                dp_rank = layout.coords(rank).dp
-                for n in (13, 1, 0):  # one token: one TP rank's share (and a micro-batch) empty; none: all empty
-                    x, logits = _batch(n + dp_rank, dp_rank)  # DP ranks' batches differ, in size too
-                    w, ids = select_experts(logits, ROUTING)
-                    ps.reset_collective_counts()
-                    y = layer(x, logits)
-                    torch.testing.assert_close(y, torch_experts(x, ref_w13, ref_w2, w, ids), rtol=1e-5, atol=1e-5)
-                    stats = ps.collective_stats()
-                    if dual:  # both halves' counts in one; per half: slots, hidden out, outputs back
-                        assert stats["ep.all_to_all"][0] == 7, stats
-                    elif backend == "all_to_all":
-                        assert stats["ep.all_to_all"][0] == 4, stats  # counts, slots, hidden out, outputs back
-                    else:
-                        assert stats["ep.all_gather"][0] == 4 and stats["ep.reduce_scatter"][0] == 1, stats
-    except BaseException as e:
-        errors.put(f"rank {rank}: {type(e).__name__}: {e}")
-        raise
-    finally:
-        ps.destroy_distributed()
+# Both layouts in one set of processes: all four ranks form the EP4 world, then ranks 0 and 1 the EP2 one.
+LAYOUTS = {"EP4=DP2xTP2": (2, 2), "EP2=TP2": (2, 1)}
 
 
-@pytest.mark.parametrize("tp,dp", [(2, 1), (2, 2)], ids=["EP2=TP2", "EP4=DP2xTP2"])
-def test_expert_parallel_layer_matches_the_reference(tp, dp):
+def _rank_main(rank: int, ports: list[int], errors) -> None:
+    torch.set_num_threads(1)
+    for (name, (tp, dp)), port in zip(LAYOUTS.items(), ports):
+        if rank >= tp * dp:
+            return
+        try:
+            _check_layout(rank, port, tp, dp)
+        except BaseException as e:
+            errors.put(f"{name} rank {rank}: {type(e).__name__}: {e}")
+            raise
+        finally:
+            ps.destroy_distributed()
+
+
+def _check_layout(rank: int, port: int, tp: int, dp: int) -> None:
+    gate, up, down = _weights()
+    ref_w13, ref_w2 = torch.cat([gate, up], dim=1), down
+    ps.init_distributed(rank, tp * dp, "127.0.0.1", port, "test-secret", "gloo", 60.0)
+    for backend, dual in (("all_to_all", False), ("allgather_reducescatter", False), ("all_to_all", True)):
+        dual_batch_step(dual)  # --enable-dbo: the all_to_all exchange as two overlapped micro-batches
+        for redundant in (0, tp * dp):
+            layout = ParallelLayout(tp=tp, dp=dp, expert_parallel=True, num_redundant_experts=redundant,
+                                    all2all_backend=backend)
+            ps.init_model_parallel(layout)
+            layer = FusedMoE(E, H, INTER, ROUTING)
+            assert layer.w13_weight.shape[0] == (E + redundant) // (tp * dp)
+            for e in range(E):
+                layer.weight_loader(layer.w13_weight, gate[e], "w1", e)
+                layer.weight_loader(layer.w13_weight, up[e], "w3", e)
+                layer.weight_loader(layer.w2_weight, down[e], "w2", e)
+            assert layer.missing_experts() == []
+            dp_rank = layout.coords(rank).dp
+            for n in (13, 1, 0):  # one token: one TP rank's share (and a micro-batch) empty; none: all empty
+                x, logits = _batch(n + dp_rank, dp_rank)  # DP ranks' batches differ, in size too
+                w, ids = select_experts(logits, ROUTING)
+                ps.reset_collective_counts()
+                y = layer(x, logits)
+                torch.testing.assert_close(y, torch_experts(x, ref_w13, ref_w2, w, ids), rtol=1e-5, atol=1e-5)
+                stats = ps.collective_stats()
+                if dual:  # both halves' counts in one; per half: slots, hidden out, outputs back
+                    assert stats["ep.all_to_all"][0] == 7, stats
+                elif backend == "all_to_all":
+                    assert stats["ep.all_to_all"][0] == 4, stats  # counts, slots, hidden out, outputs back
+                else:
+                    assert stats["ep.all_gather"][0] == 4 and stats["ep.reduce_scatter"][0] == 1, stats
+
+
+def test_expert_parallel_layer_matches_the_reference():
+    """Every layout of LAYOUTS; a failure names its layout and rank."""
     ctx = mp.get_context("spawn")
     errors = ctx.SimpleQueue()
-    port = free_port()
-    procs = [ctx.Process(target=_rank_main, args=(r, port, tp, dp, errors)) for r in range(tp * dp)]
+    ports = [free_port() for _ in LAYOUTS]
+    world = max(tp * dp for tp, dp in LAYOUTS.values())
+    procs = [ctx.Process(target=_rank_main, args=(r, ports, errors)) for r in range(world)]
     for p in procs:
         p.start()
     for p in procs:
@@ -90,7 +101,7 @@ def test_expert_parallel_layer_matches_the_reference(tp, dp):
     while not errors.empty():
         messages.append(errors.get())
     assert not messages, messages
-    assert [p.exitcode for p in procs] == [0] * (tp * dp)
+    assert [p.exitcode for p in procs] == [0] * world
 
 
 def test_replicas_are_taken_in_turn():

@@ -26,17 +26,27 @@ def tiny(tiny_models):
     return tiny_models["llama"]
 
 
+@pytest.fixture(scope="module")
+def plain(tiny):
+    """Two plain engines on the tiny model, shared by the tests below (each builds its own router, whose
+    counters start at zero): the colocated reference, the replicas, the live replica of the health test."""
+    path, _ = tiny
+    engines = [start_engine(path), start_engine(path)]
+    yield engines
+    stop(*engines)
+
+
 def storage(role: str, path: str) -> dict:
     return {"kv_connector": "SharedStorageConnector", "kv_role": role,
             "kv_connector_extra_config": {"shared_storage_path": path}}
 
 
-def test_pd_through_router_matches_hf_and_colocated(tiny, tmp_path):
+def test_pd_through_router_matches_hf_and_colocated(tiny, plain, tmp_path):
     path, hf = tiny
     store = str(tmp_path / "kv")
     prefill = start_engine(path, storage("kv_producer", store))
     decode = start_engine(path, storage("kv_consumer", store), engine_core_process=True)  # the core elsewhere
-    colocated = start_engine(path)
+    colocated = plain[0]
     router = start_router(prefill=[prefill.url], decode=[decode.url])
     try:
         for p in prompts():
@@ -54,12 +64,12 @@ def test_pd_through_router_matches_hf_and_colocated(tiny, tmp_path):
         assert metric_value(rm, "roofline_router:backend_requests_total", role="decode") == 2 * len(PROMPT_LENS)
         assert metric_value(rm, "roofline_router:backend_in_flight") == 0
     finally:
-        stop(router, prefill, decode, colocated)
+        stop(router, prefill, decode)
 
 
-def test_replicas_round_robin_match_hf(tiny):
-    path, hf = tiny
-    replicas = [start_engine(path), start_engine(path)]
+def test_replicas_round_robin_match_hf(tiny, plain):
+    _, hf = tiny
+    replicas = plain
     router = start_router(replicas=[r.url for r in replicas])
     try:
         for p in prompts():
@@ -71,12 +81,12 @@ def test_replicas_round_robin_match_hf(tiny):
             assert metric_value(rm, "roofline_router:backend_requests_total", backend=r.url) == len(PROMPT_LENS)
         assert_kv_idle(*replicas)
     finally:
-        stop(router, *replicas)
+        stop(router)
 
 
-def test_health_takes_a_dead_replica_out_and_brings_it_back(tiny):
+def test_health_takes_a_dead_replica_out_and_brings_it_back(tiny, plain):
     path, hf = tiny
-    live = start_engine(path)
+    live = plain[0]
     dead_port = free_port()
     dead_url = f"http://127.0.0.1:{dead_port}"
     router = start_router(replicas=[dead_url, live.url])
@@ -109,7 +119,7 @@ def test_health_takes_a_dead_replica_out_and_brings_it_back(tiny):
         assert metric_value(rm, "roofline_router:backend_requests_total", backend=dead_url) >= 1
         assert_kv_idle(live, revived)
     finally:
-        stop(*(s for s in (router, live, revived) if s is not None))
+        stop(*(s for s in (router, revived) if s is not None))
 
 
 def test_router_health_fails_without_engines_and_rejects_bad_bodies(tiny):
