@@ -94,36 +94,54 @@ class RejectionSampler:
         return emitted, lps
 
     def _random_rows(self, adjusted, states, drafts, draft_probs, starts, random_reqs, row_states):
-        """Emitted tokens of the randomly sampling requests: request index -> tokens."""
+        """Emitted tokens of the randomly sampling requests: request index -> tokens.  Batched over the
+        requests: each request's k uniforms are drawn from its generator in request order, then the
+        acceptance tests, the recovered or bonus rows and one draw per request (draw_rows, again in request
+        order), so a request's own generator gives its uniforms first and then its draw, as one at a time."""
         if not random_reqs:
             return {}
         rows = [r for i in random_reqs for r in range(starts[i], starts[i + 1])]
         dev = adjusted.device
         p = sampling_probs(adjusted[torch.tensor(rows, device=dev)], [row_states[r].spec for r in rows])
-        out = {}
-        off = 0
-        for i in random_reqs:
-            d, k, gen = drafts[i], len(drafts[i]), states[i].generator
-            pi = p[off : off + k + 1]  # [k+1 x V]
-            off += k + 1
-            q = draft_probs[i] if draft_probs is not None else None
-            u = torch.rand(k, generator=gen, device=dev, dtype=pi.dtype) if k else None
-            a = k
-            if k:
-                idx = torch.tensor(d, device=dev)
-                p_d = pi[:k].gather(1, idx[:, None])[:, 0]
-                q_d = q.to(pi.dtype).gather(1, idx[:, None])[:, 0] if q is not None else torch.ones_like(p_d)
-                a = accepted_prefix(d, (u * q_d < p_d).tolist())
-            if a < k:  # rejected at a: the recovered token from max(p_a - q_a, 0)
-                if q is not None:
-                    residual = (pi[a] - q[a].to(pi.dtype)).clamp_min(0.0)
-                else:
-                    residual = pi[a].clone()
-                    residual[d[a]] = 0.0
-                if not residual.sum() > 0:  # rounding only: p_a and q_a differ by less than float eps
-                    residual = pi[a]
-                last = int(draw_rows(residual[None], [gen])[0])
-            else:  # all accepted: the bonus token from p_k
-                last = int(draw_rows(pi[k][None], [gen])[0])
-            out[i] = d[:a] + [last]
-        return out
+        n, V = len(random_reqs), p.shape[-1]
+        ks = [len(drafts[i]) for i in random_reqs]
+        firsts = [0]  # request j's first row in p
+        for k in ks:
+            firsts.append(firsts[-1] + k + 1)
+        qs = [draft_probs[i] if draft_probs is not None else None for i in random_reqs]
+        accepted = [0] * n
+        if sum(ks):
+            us = [torch.rand(k, generator=states[i].generator, device=dev, dtype=p.dtype)
+                  for i, k in zip(random_reqs, ks) if k]
+            draft_rows = torch.tensor([firsts[j] + t for j, k in enumerate(ks) for t in range(k)], device=dev)
+            tokens = torch.tensor([d for i in random_reqs for d in drafts[i]], device=dev)
+            p_d = p[draft_rows, tokens]
+            q_d = torch.cat([q[: len(drafts[i])].to(p.dtype).gather(1, torch.tensor(drafts[i], device=dev)[:, None])[:, 0]
+                             if q is not None else torch.ones(len(drafts[i]), dtype=p.dtype, device=dev)
+                             for i, q in zip(random_reqs, qs) if drafts[i]])
+            accept = (torch.cat(us) * q_d < p_d).tolist()
+            off = 0
+            for j, k in enumerate(ks):
+                accepted[j] = accepted_prefix(drafts[random_reqs[j]], accept[off : off + k])
+                off += k
+        # the row each request draws its last token from: p at the first rejection less q there, clamped at 0
+        # (a one-hot q: p without the rejected draft), or p after the last draft (the bonus token)
+        emit = p[torch.tensor([firsts[j] + a for j, a in enumerate(accepted)], device=dev)].clone()
+        rejected = [j for j in range(n) if accepted[j] < ks[j]]
+        with_q = [j for j in rejected if qs[j] is not None]
+        if with_q:
+            q_rows = torch.stack([qs[j][accepted[j]] for j in with_q]).to(p.dtype)
+            idx = torch.tensor(with_q, device=dev)
+            emit[idx] = (emit[idx] - q_rows).clamp_min(0.0)
+        one_hot = [j for j in rejected if qs[j] is None]
+        if one_hot:
+            emit[torch.tensor(one_hot, device=dev),
+                 torch.tensor([drafts[random_reqs[j]][accepted[j]] for j in one_hot], device=dev)] = 0.0
+        if rejected:
+            idx = torch.tensor(rejected, device=dev)
+            empty = ~(emit[idx].sum(dim=-1) > 0)  # rounding only: p_a and q_a differ by less than float eps
+            if bool(empty.any()):
+                back = idx[empty]
+                emit[back] = p[torch.tensor([firsts[j] + accepted[j] for j in back.tolist()], device=dev)]
+        last = draw_rows(emit, [states[i].generator for i in random_reqs]).tolist()
+        return {i: drafts[i][: accepted[j]] + [last[j]] for j, i in enumerate(random_reqs)}

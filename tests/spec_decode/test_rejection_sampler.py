@@ -145,3 +145,28 @@ def test_position_states_see_earlier_drafts():
     rows = position_states(st, [7, 8])
     assert [r.output_token_ids for r in rows] == [[1], [1, 7], [1, 7, 8]]
     assert st.output_token_ids == [1]
+
+
+def test_a_seeded_request_emits_the_same_tokens_alone_and_in_any_batch():
+    """The batched verification keeps each request's own generator in its order (its uniforms, then its
+    draw): a seeded request's tokens do not depend on the requests verified beside it."""
+    g = torch.Generator().manual_seed(3)
+    specs = [PARAMS["plain"], PARAMS["temperature_top_k"], PARAMS["top_p_min_p"], PARAMS["penalties"]]
+    for trial in range(40):
+        drafts = [torch.randint(0, V, (int(torch.randint(0, 4, (1,), generator=g)),), generator=g).tolist()
+                  for _ in range(5)]
+        qs = [torch.softmax(torch.randn(len(d), V, generator=g), -1) if d and r % 2 else None
+              for r, d in enumerate(drafts)]
+        logits = torch.randn(sum(len(d) + 1 for d in drafts), V, generator=g) * 2
+        sp = [specs[(trial + r) % len(specs)] for r in range(5)]
+
+        def verify(which):
+            states = [SamplingState(sp[r], torch.Generator().manual_seed(100 * trial + r), PROMPT, list(OUTPUT))
+                      for r in which]
+            starts = [sum(len(d) + 1 for d in drafts[:r]) for r in range(5)]
+            rows = torch.cat([logits[starts[r]: starts[r] + len(drafts[r]) + 1] for r in which])
+            return RejectionSampler()(rows, states, [drafts[r] for r in which], [qs[r] for r in which])[0]
+
+        together = verify(range(5))
+        for r in range(5):
+            assert verify([r]) == [together[r]], (trial, r)
