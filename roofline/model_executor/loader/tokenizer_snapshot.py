@@ -92,7 +92,9 @@ class TokenizerSnapshot:
     def encode(self, text: Any, add_special_tokens: bool = True, **kwargs) -> list[int]:
         if kwargs or not isinstance(text, str):
             return self.transformers_tokenizer().encode(text, add_special_tokens=add_special_tokens, **kwargs)
-        return self._backend.encode(text, add_special_tokens=add_special_tokens).ids
+        # encode_batch, as transformers calls it: it releases the GIL (a single encode() holds it for the
+        # whole text, stalling the server's event loop behind a long prompt) and gives the same ids
+        return self._backend.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
 
     def decode(self, token_ids: Any, skip_special_tokens: bool = False, **kwargs) -> str:
         if isinstance(token_ids, int):
