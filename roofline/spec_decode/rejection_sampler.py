@@ -103,7 +103,7 @@ class RejectionSampler:
         rows = [r for i in random_reqs for r in range(starts[i], starts[i + 1])]
         dev = adjusted.device
         p = sampling_probs(adjusted[torch.tensor(rows, device=dev)], [row_states[r].spec for r in rows])
-        n, V = len(random_reqs), p.shape[-1]
+        n = len(random_reqs)
         ks = [len(drafts[i]) for i in random_reqs]
         firsts = [0]  # request j's first row in p
         for k in ks:
@@ -126,7 +126,8 @@ class RejectionSampler:
                 off += k
         # the row each request draws its last token from: p at the first rejection less q there, clamped at 0
         # (a one-hot q: p without the rejected draft), or p after the last draft (the bonus token)
-        emit = p[torch.tensor([firsts[j] + a for j, a in enumerate(accepted)], device=dev)].clone()
+        emit_rows = torch.tensor([firsts[j] + a for j, a in enumerate(accepted)], device=dev)
+        emit = p[emit_rows].clone()
         rejected = [j for j in range(n) if accepted[j] < ks[j]]
         with_q = [j for j in rejected if qs[j] is not None]
         if with_q:
@@ -142,6 +143,6 @@ class RejectionSampler:
             empty = ~(emit[idx].sum(dim=-1) > 0)  # rounding only: p_a and q_a differ by less than float eps
             if bool(empty.any()):
                 back = idx[empty]
-                emit[back] = p[torch.tensor([firsts[j] + accepted[j] for j in back.tolist()], device=dev)]
+                emit[back] = p[emit_rows[back]]
         last = draw_rows(emit, [states[i].generator for i in random_reqs]).tolist()
         return {i: drafts[i][: accepted[j]] + [last[j]] for j, i in enumerate(random_reqs)}

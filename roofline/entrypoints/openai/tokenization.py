@@ -42,8 +42,8 @@ class ServerTokenizer:
                  template_timeout_s: float = 2.0, threads: int = 2, template_threads: int = 2,
                  max_template_renders_per_client: int = 2, max_pending_template_renders: int = 64,
                  chat_template: Optional[str] = None) -> None:
-        if tokenizer is not None:  # a tokenizer snapshot loads transformers' class now, which renders chat
-            as_transformers_tokenizer(tokenizer)  # templates: the first chat request does not wait for it
+        if tokenizer is not None:  # a tokenizer snapshot loads transformers' class now, for the chats it does
+            as_transformers_tokenizer(tokenizer)  # not render itself: no request waits for that import
         self.base = tokenizer
         self.chat_template = chat_template  # the server's --chat-template (trusted), else the model's own
         self.loop = server_tokenizer(tokenizer)  # the event loop's own copy, for short decodes (logprob tokens)

@@ -78,6 +78,7 @@ class TokenizerSnapshot:
         self._dir = directory
         self.name_or_path = name_or_path if name_or_path is not None else directory
         self._full = None  # transformers' class, loaded on first use of something the snapshot does not serve
+        self._templates: dict[str, Any] = {}  # chat templates compiled here (None: transformers renders it)
         if _copy_of is not None:
             self._backend, self._state = copy.deepcopy(_copy_of._backend), _copy_of._state
             return
@@ -168,7 +169,7 @@ class TokenizerSnapshot:
 
     def _compiled(self, template: str) -> Any:
         """The template compiled in chat_template_env's environment, or None where it does not compile there."""
-        cache = self.__dict__.setdefault("_templates", {})
+        cache = self._templates
         if template not in cache:
             import jinja2
 
