@@ -12,7 +12,7 @@ import random
 import pytest
 
 from roofline import LLM, SamplingParams
-from tests.reference.hf_models import hf_greedy
+from tests.reference.hf_models import hf_greedy, hf_greedy_given
 
 GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
 # adaptive off: the tiny model is overhead-bound, the roofline would pick few drafts; here every step verifies
@@ -162,7 +162,7 @@ def test_smollm2_input_grounded_greedy_and_logprobs(default_llm, hf_default_mode
     llm = LLM(dtype="float32", device="cpu", num_kv_blocks=256, show_progress=False,
               speculative_config={"method": "ngram", "num_speculative_tokens": 5, "adaptive": False})
     on = llm.generate([{"prompt_token_ids": ids}], sp, use_tqdm=False)[0].outputs[0]
-    assert on.token_ids == off.token_ids == hf_greedy(hf_default_model, ids, 40)
+    assert on.token_ids == off.token_ids == hf_greedy_given(hf_default_model, ids, off.token_ids)
     for a, b in zip(on.logprobs, off.logprobs):
         assert a.keys() == b.keys()
         for t in a:

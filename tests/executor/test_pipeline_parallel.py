@@ -1,19 +1,21 @@
 """Pipeline parallelism end to end on CPU with gloo: stages of layers in their own processes.
 
 Greedy tokens identical to HF at pp=2 and pp=3 (with pp batches in flight) (even split and --pp-layer-partition), for a tiny MoE
-model at pp=2, and for the default SmolLM2 (30 layers) at tp=3 x pp=2 and pp=3 against tp=1; each
+model at pp=2, and for the default SmolLM2 (30 layers) at tp=3 x pp=2 and pp=3 against tp=1, with grammar-constrained rows; each
 stage's KV pool holds only its layers; every KV block is back after the run; a stage that dies fails
 the in-flight requests with an error naming it, without a hang."""
 
 from __future__ import annotations
 
 import asyncio
+import re
 import time
 
 import pytest
 
 from roofline import LLM, SamplingParams
 from roofline.config import EngineArgs
+from roofline.sampling_params import StructuredOutputsParams
 from tests.executor.tp_helpers import assert_same_greedy, chat_prompts, kill_rank_mid_generation
 from tests.reference.hf_models import build_tiny_model, hf_greedy, random_prompts
 
@@ -141,16 +143,26 @@ def test_a_stage_that_dies_fails_requests_without_hanging(llama4):
 @pytest.mark.slow
 @pytest.mark.parametrize("tp, pp", [(3, 2), (1, 3)])
 def test_smollm2_stages_match_one_process(default_llm, tp, pp):
-    """The default model's 30 layers in stages (15+15 over 3 TP ranks each; 10+10+10): greedy tokens
-    identical to one process (a flip only at a proven tie)."""
+    """The default model's 30 layers in stages (15+15 over 3 TP ranks each, its 9 query and 3 KV heads
+    split 3 ways; 10+10+10): greedy tokens identical to one process (a flip only at a proven tie);
+    grammar-constrained rows match their regex (the step's bitmask reaches the last stage's ranks inside
+    the SchedulerOutput)."""
     prompts = chat_prompts(default_llm.get_tokenizer())
     sp = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=2)
     ref = default_llm.generate(prompts, sp, use_tqdm=False)
     llm = LLM(tensor_parallel_size=tp, pipeline_parallel_size=pp, dtype="float32", device="cpu", num_kv_blocks=64,
               show_progress=False)
     try:
-        assert llm.llm_engine.model_config.hf_config.num_hidden_layers == 30
+        hf_config = llm.llm_engine.model_config.hf_config
+        assert hf_config.num_hidden_layers == 30
+        assert hf_config.num_attention_heads == 9 and hf_config.num_key_value_heads == 3
         assert_same_greedy(ref, llm.generate(prompts, sp, use_tqdm=False))
+        regex = "[A-Z][a-z]{1,8} [0-9]{2}"
+        constrained = SamplingParams(temperature=0, max_tokens=16,
+                                     structured_outputs=StructuredOutputsParams(regex=regex))
+        outs = llm.generate(prompts, [constrained, sp, constrained], use_tqdm=False)
+        texts = [outs[i].outputs[0].text for i in (0, 2)]
+        assert all(re.fullmatch(regex, t) for t in texts), texts
         stats = llm.llm_engine.get_stats()
         assert stats.num_free_blocks == stats.num_total_blocks
     finally:

@@ -170,6 +170,18 @@ def hf_greedy(model, prompt_ids: list[int], max_new_tokens: int, eos_token_id: O
 
 
 @torch.no_grad()
+def hf_greedy_given(model, prompt_ids: list[int], tokens: list[int]) -> list[int]:
+    """HF's greedy choice at each of `tokens`' positions given the prompt and the tokens before it: one
+    forward pass over prompt + tokens[:-1] (teacher forcing).  `tokens` is HF's greedy continuation
+    exactly when this returns `tokens` again: HF's first choice after the prompt is tokens[0], its choice
+    after prompt + tokens[:1] is tokens[1], and so on, which is what generate(do_sample=False) computes
+    one step at a time.  On the 135M default model this costs one forward pass of the whole sequence
+    instead of one per new token (40 tokens: about 0.2 s against 2.5 s through generate())."""
+    logits = model(torch.tensor([prompt_ids + tokens[:-1]], device=model.device)).logits[0]
+    return logits[len(prompt_ids) - 1 :].argmax(-1).tolist()
+
+
+@torch.no_grad()
 def hf_logprobs(model, token_ids: list[int]) -> torch.Tensor:
     """log-softmax of the next-token logits at every position of token_ids: [L x V]."""
     logits = model(torch.tensor([token_ids], device=model.device)).logits[0].float()
