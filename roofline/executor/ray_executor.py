@@ -202,6 +202,9 @@ class RayRanks(RankGroup):
                 continue
             sock, _ = self._server.accept()
             sock.settimeout(None)
+            # Nagle off: Connection.send_bytes writes a message over 16 KiB as its length, then its bytes;
+            # with Nagle on, the second write could wait for the rank's delayed ACK (up to 40 ms a step)
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             conn = Connection(sock.detach())
             nonce = secrets.token_bytes(32)
             try:

@@ -185,6 +185,7 @@ def release_held_kv(params: dict, timeout_s: float = 5.0) -> bool:
     try:
         with socket.create_connection((host, port), timeout=timeout_s) as sock:
             sock.settimeout(timeout_s)
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             send_msg(sock, Pull(rid, [], release_only=True))
             return recv_msg(sock, PullReply).ok
     except (OSError, msgspec.DecodeError, ConnectionError) as e:
@@ -286,6 +287,7 @@ class P2pWorker(KVConnectorWorker):
     def _connect(self, src: RemoteSource) -> socket.socket:
         sock = socket.create_connection((src.host, src.port), timeout=self.timeout)
         sock.settimeout(self.timeout)
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         return sock
 
     def _pull(self, load: BlockLoad) -> None:
@@ -349,6 +351,9 @@ class P2pWorker(KVConnectorWorker):
                 continue
             except OSError:
                 return
+            # Nagle off: each layer goes as a header then its bytes; with Nagle on, a write could wait for
+            # the consumer's delayed ACK (up to 40 ms) of the one before
+            conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             threading.Thread(target=self._handle, args=(conn,), name="roofline-kv-p2p-send", daemon=True).start()
 
     def _handle(self, conn: socket.socket) -> None:

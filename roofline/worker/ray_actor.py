@@ -56,6 +56,7 @@ class RankActor:
         spec = spec_decoder.decode(spec_bytes)
         sock = socket.create_connection((engine_host, engine_port), timeout=HANDSHAKE_TIMEOUT_S)
         sock.settimeout(None)
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)  # as the engine's end (ray_executor.py)
         conn = Connection(sock.detach())
         if not conn.poll(HANDSHAKE_TIMEOUT_S):
             raise TimeoutError(f"the engine at {engine_host}:{engine_port} sent no handshake")

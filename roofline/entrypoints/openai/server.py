@@ -458,9 +458,17 @@ async def drain(app: FastAPI, timeout: float) -> None:
 
 
 def bind_socket(host: str, port: int) -> socket.socket:
+    """The listening socket, bound before the model loads (a busy port fails fast).
+
+    Its protocol is given as IPPROTO_TCP, not left 0: asyncio turns Nagle's algorithm off
+    (TCP_NODELAY) only on accepted sockets whose protocol says TCP.  With Nagle on, a response written
+    in two pieces (uvicorn writes the head, then the body; a stream writes one event at a time) waits
+    for the client's delayed ACK of the first piece: 40 ms added to every response on a kept-alive
+    connection and to stream events, measured at 44 ms against 0.3 ms for GET /health."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)  # inherited by accepted sockets on Linux
     sock.bind((host, port))
     sock.listen(2048)
     sock.set_inheritable(True)
