@@ -19,8 +19,8 @@ from roofline.attention import kv_spec
 from roofline.kv_transfer.p2p import LayerHeader, Pull, PullReply, recv_msg, send_msg
 from roofline.metrics.prometheus import metric_value
 from tests.reference.hf_models import hf_greedy
-from tests.router.cluster import (BLOCK, assert_kv_idle, completion, free_port, metrics, start_engine, start_router,
-                                  stop)
+from tests.router.cluster import (BLOCK, assert_kv_idle, client, completion, free_port, metrics, start_engine,
+                                  start_router, stop)
 
 MAX_TOKENS = 8
 
@@ -263,7 +263,7 @@ def test_client_leaving_mid_stream_aborts_on_both_engines(tiny, pd):
     prefill, decode, router = pd
     before = aborts(decode)
     body = dict(prompt=prompt(30, salt=5), max_tokens=450, temperature=0.0, ignore_eos=True, stream=True)
-    with httpx.Client(timeout=30) as c:
+    with client(30) as c:
         with c.stream("POST", router.url + "/v1/completions", json=body) as r:
             assert r.status_code == 200
             for line in r.iter_lines():
