@@ -8,10 +8,12 @@ values named at start-up."""
 from __future__ import annotations
 
 import random
+import re
 
 import pytest
 
 from roofline import LLM, SamplingParams
+from roofline.sampling_params import StructuredOutputsParams
 from tests.reference.hf_models import hf_greedy, hf_greedy_given
 
 GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
@@ -193,7 +195,8 @@ def test_bad_speculative_config_names_the_field(config, field):
 def test_tp3_greedy_matches_tp1(default_llm, method, tmp_path):
     """SmolLM2 split over 3 ranks (gloo): every rank verifies and proposes the same drafts (prompt lookup,
     or a tiny random draft model with SmolLM2's vocabulary split over the same ranks); tokens equal to
-    tp=1 without speculation (a flip only at a proven tie), blocks all back."""
+    tp=1 without speculation (a flip only at a proven tie), blocks all back.  With prompt lookup, grammar-
+    constrained rows run beside a speculating one and match their regex."""
     import inspect
     import textwrap
 
@@ -222,6 +225,17 @@ def test_tp3_greedy_matches_tp1(default_llm, method, tmp_path):
         assert stats.spec_decode.num_draft_tokens > 0
         if method == "ngram":
             assert stats.spec_decode.num_accepted_tokens > 0
+            # grammar-constrained rows (never speculated) beside speculating ones: the step's bitmask
+            # reaches every TP rank inside the SchedulerOutput
+            regex = "[A-Z][a-z]{1,8} [0-9]{2}"
+            constrained = SamplingParams(temperature=0, max_tokens=16,
+                                         structured_outputs=StructuredOutputsParams(regex=regex))
+            outs = llm.generate(prompts + prompts[1:], [sp, constrained, constrained], use_tqdm=False)
+            assert_same_greedy(ref[:1], outs[:1])
+            texts = [o.outputs[0].text for o in outs[1:]]
+            assert all(re.fullmatch(regex, t) for t in texts), texts
+            stats = llm.llm_engine.get_stats()
+            assert stats.num_free_blocks == stats.num_total_blocks
     finally:
         llm.llm_engine.shutdown()
 

@@ -1,8 +1,9 @@
 """Pipeline parallelism end to end on CPU with gloo: stages of layers in their own processes.
 
-Greedy tokens identical to HF at pp=2 and pp=3 (with pp batches in flight) (even split and --pp-layer-partition), for a tiny MoE
-model at pp=2, and for the default SmolLM2 (30 layers) at tp=3 x pp=2 and pp=3 against tp=1, with grammar-constrained rows; each
-stage's KV pool holds only its layers; every KV block is back after the run; a stage that dies fails
+Greedy tokens identical to HF at pp=2 and pp=3 (with pp batches in flight) (even split and
+--pp-layer-partition), at tp=2 x pp=2, and for a tiny MoE model at pp=2; the default SmolLM2 (30 layers,
+GGUF) at pp=3 identical to one process, with grammar-constrained rows; each stage's KV pool holds only its
+layers; every KV block is back after the run; a stage that dies fails
 the in-flight requests with an error naming it, without a hang."""
 
 from __future__ import annotations
@@ -140,22 +141,30 @@ def test_a_stage_that_dies_fails_requests_without_hanging(llama4):
         core.shutdown()
 
 
+def test_tp2_pp2_greedy_matches_hf(llama4):
+    """Two stages of two tensor-parallel ranks each (four processes): greedy tokens identical to HF; each
+    rank's pool holds its stage's layers."""
+    path, hf = llama4
+    llm = LLM(path, tensor_parallel_size=2, pipeline_parallel_size=2, **COMMON)
+    try:
+        _greedy_matches_hf(llm, hf, 384)
+        one_layer = LLM(path, **COMMON).llm_engine.executor.block_bytes() // 4
+        assert llm.llm_engine.executor.block_bytes() == one_layer  # 2 layers x half of the 2 KV heads
+    finally:
+        llm.llm_engine.shutdown()
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("tp, pp", [(3, 2), (1, 3)])
-def test_smollm2_stages_match_one_process(default_llm, tp, pp):
-    """The default model's 30 layers in stages (15+15 over 3 TP ranks each, its 9 query and 3 KV heads
-    split 3 ways; 10+10+10): greedy tokens identical to one process (a flip only at a proven tie);
-    grammar-constrained rows match their regex (the step's bitmask reaches the last stage's ranks inside
-    the SchedulerOutput)."""
+def test_smollm2_stages_match_one_process(default_llm):
+    """The default model's 30 layers (GGUF) in three stages of 10: greedy tokens identical to one process
+    (a flip only at a proven tie); grammar-constrained rows match their regex (the step's bitmask reaches
+    the last stage inside the SchedulerOutput; test_spec_decode's tp=3 run checks it over TP ranks)."""
     prompts = chat_prompts(default_llm.get_tokenizer())
     sp = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=2)
     ref = default_llm.generate(prompts, sp, use_tqdm=False)
-    llm = LLM(tensor_parallel_size=tp, pipeline_parallel_size=pp, dtype="float32", device="cpu", num_kv_blocks=64,
-              show_progress=False)
+    llm = LLM(pipeline_parallel_size=3, dtype="float32", device="cpu", num_kv_blocks=64, show_progress=False)
     try:
-        hf_config = llm.llm_engine.model_config.hf_config
-        assert hf_config.num_hidden_layers == 30
-        assert hf_config.num_attention_heads == 9 and hf_config.num_key_value_heads == 3
+        assert llm.llm_engine.model_config.hf_config.num_hidden_layers == 30
         assert_same_greedy(ref, llm.generate(prompts, sp, use_tqdm=False))
         regex = "[A-Z][a-z]{1,8} [0-9]{2}"
         constrained = SamplingParams(temperature=0, max_tokens=16,
