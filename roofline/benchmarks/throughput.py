@@ -26,6 +26,7 @@ import json
 import statistics
 import sys
 import time
+from dataclasses import replace
 from typing import Any, Optional
 
 from roofline.benchmarks.datasets import random_requests, shared_prefix_requests
@@ -187,9 +188,19 @@ def structured_compile_times(llm, repeats: int = 200) -> dict[str, float]:
             "schema_cached_us_median": 1e6 * statistics.median(cached)}
 
 
+def w1_requests(args, vocab_size: int) -> list:
+    """W1's requests (BENCHMARKS.md: 64, in 64..256, out 32..256, seed 0), --num-requests of them, each
+    output cut to --max-output-tokens where given (a scaled-down run: the same prompts, shorter answers)."""
+    reqs = random_requests(args.num_requests, (64, 256), (32, 256), seed=0, vocab_size=vocab_size)
+    cap = getattr(args, "max_output_tokens", None)
+    if cap is not None:
+        reqs = [replace(r, output_len=min(r.output_len, cap)) for r in reqs]
+    return reqs
+
+
 def w1(args) -> dict:
     llm = _make_llm(args)
-    reqs = random_requests(args.num_requests, (64, 256), (32, 256), seed=0, vocab_size=_vocab(llm))
+    reqs = w1_requests(args, _vocab(llm))
     _warmup(llm)
     pp = llm.llm_engine.config.parallel_config.pipeline_parallel_size
     if pp > 1:
@@ -607,7 +618,7 @@ def w10(args) -> dict:
             adapters.append(LoRARequest(f"adapter{i}", i + 1, path))
         llm = _make_llm(args, model=tmp, load_format="dummy", dtype="float32", enable_lora=True,
                         max_loras=W10_ADAPTERS, max_lora_rank=W10_RANK)
-        reqs = random_requests(args.num_requests, (64, 256), (32, 256), seed=0, vocab_size=_vocab(llm))
+        reqs = w1_requests(args, _vocab(llm))
         assigned = [adapters[i % W10_ADAPTERS] for i in range(len(reqs))]
         llm.generate([{"prompt_token_ids": r.prompt} for r in reqs[:W10_ADAPTERS]],
                      SamplingParams(temperature=0, max_tokens=4, ignore_eos=True), use_tqdm=False,
@@ -673,6 +684,13 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
+
 def register(bench_subparsers) -> None:
     p = bench_subparsers.add_parser("throughput", help="offline workloads W1, W3-W7, W10 (BENCHMARKS.md)")
     p.add_argument("--workload", choices=[*WORKLOADS, "all"], default="w1")
@@ -685,6 +703,8 @@ def register(bench_subparsers) -> None:
                         "has llama-cpp-python installed (a benchmark peer, not a dependency)")
     p.add_argument("--num-requests", type=int, default=64,
                    help="W1, W10: requests (64 in BENCHMARKS.md; fewer for a scaled-down run, same generator)")
+    p.add_argument("--max-output-tokens", type=_positive_int, default=None,
+                   help="W1, W10: cut each request's output to this many tokens (a scaled-down run; same prompts)")
     p.add_argument("--rounds", type=int, default=1,
                    help="W7: passes over the 4 prompts (order flips each pass); W10: alternating runs of each mode")
     p.add_argument("--json", action="store_true")

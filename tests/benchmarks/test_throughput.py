@@ -54,15 +54,27 @@ def test_w5_token_bytes_count_the_blocks_and_the_greedy_screen(default_llm):
 
 
 def test_w10_runs_both_modes_on_the_default_architecture(capsys):
-    """W10 scaled down (4 requests, one round): both modes ran W1's requests, adapters in a fixed number of
-    bytes (rank 16 A and B of every projection of SmolLM2-135M's 30 layers, fp32)."""
+    """W10 scaled down (4 requests of at most 16 tokens out, one round): both modes ran W1's requests,
+    adapters in a fixed number of bytes (rank 16 A and B of every projection of SmolLM2-135M's 30 layers, fp32)."""
     from roofline.entrypoints.cli import main
 
-    assert main(["bench", "throughput", "--workload", "w10", "--num-requests", "4", "--json",
-                 "--kv-cache-memory", str(64 << 20)]) == 0
+    assert main(["bench", "throughput", "--workload", "w10", "--num-requests", "4", "--max-output-tokens", "16",
+                 "--json", "--kv-cache-memory", str(64 << 20)]) == 0
     out = json.loads(capsys.readouterr().out)
     assert out["workload"] == "W10" and out["adapters"] == 4 and out["rank"] == 16
     assert len(out["base_runs_tok_s"]) == len(out["adapter_runs_tok_s"]) == 1
     assert out["base_output_tok_s"] > 0 and out["adapters_output_tok_s"] > 0
     per_layer = 16 * ((576 + 576) + 2 * (576 + 192) + (576 + 576) + 2 * (576 + 1536) + (1536 + 576))
     assert out["bytes_per_adapter"] == 30 * per_layer * 4
+
+
+def test_max_output_tokens_cuts_the_answers_and_keeps_the_prompts():
+    import argparse
+
+    from roofline.benchmarks.throughput import w1_requests
+
+    full = w1_requests(argparse.Namespace(num_requests=8, max_output_tokens=None), 49152)
+    cut = w1_requests(argparse.Namespace(num_requests=8, max_output_tokens=40), 49152)
+    assert [r.prompt for r in cut] == [r.prompt for r in full]
+    assert [r.output_len for r in cut] == [min(r.output_len, 40) for r in full]
+    assert max(r.output_len for r in full) > 40  # the cap cut something
