@@ -40,6 +40,7 @@ import shutil
 import subprocess
 import tempfile
 import threading
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Optional
 
@@ -156,22 +157,29 @@ def loaded_isa() -> Optional[str]:
 
 
 def _compile(sources: tuple[Path, ...], out: Path, isa: str) -> None:
+    """Compile one build: each source to an object file, as many at once as this machine has cores (the
+    sources are separate translation units either way: 8.8 s in one gcc call against 5.2 s for five
+    objects on two cores), then link them.  The library appears at `out` atomically."""
     cc = env_flag("CC") or shutil.which("cc") or shutil.which("gcc") or shutil.which("clang")
     if cc is None:
         raise RuntimeError("no C compiler found (cc, gcc or clang; or set CC)")
-    base = [cc, *BASE_FLAGS, "-fPIC", "-shared"]
+    flags = [*BASE_FLAGS, "-fPIC", *ISA_BUILDS[isa][0]]
     out.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
-    os.close(fd)
-    try:
-        r = subprocess.run(base + ISA_BUILDS[isa][0] + [str(s) for s in sources] + ["-o", tmp, "-lm"],
-                           capture_output=True, text=True)
+    with tempfile.TemporaryDirectory(dir=out.parent) as work:
+        objects = [os.path.join(work, f"{i}-{src.stem}.o") for i, src in enumerate(sources)]
+        jobs = [[cc, *flags, "-c", str(src), "-o", obj] for src, obj in zip(sources, objects)]
+        # the longest first, so that the others share the remaining cores beside it
+        order = sorted(range(len(jobs)), key=lambda i: -sources[i].stat().st_size)
+        with ThreadPoolExecutor(max_workers=max(1, os.cpu_count() or 1)) as pool:
+            results = list(pool.map(lambda i: (i, subprocess.run(jobs[i], capture_output=True, text=True)), order))
+        failures = [f"{sources[i].name}: {r.stderr.strip()[-500:]}" for i, r in results if r.returncode != 0]
+        if failures:
+            raise RuntimeError(f"compiling the {isa} build of the native CPU kernels failed: {'; '.join(failures)}")
+        tmp = os.path.join(work, out.name)
+        r = subprocess.run([cc, *flags, "-shared", *objects, "-o", tmp, "-lm"], capture_output=True, text=True)
         if r.returncode != 0:
-            raise RuntimeError(f"compiling the {isa} build of the native CPU kernels failed: {r.stderr.strip()[-500:]}")
+            raise RuntimeError(f"linking the {isa} build of the native CPU kernels failed: {r.stderr.strip()[-500:]}")
         os.replace(tmp, out)  # atomic: concurrent processes never load a half-written file
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
 
 
 def _build(isa: str) -> Path:
