@@ -1,9 +1,11 @@
 """Same function as the reference: greedy tokens identical to HF transformers in fp32, and top-5
-logprobs within 1e-3 of HF's log-softmax.  On the default model, HF's greedy tokens are read from one
-forward pass over prompt + our tokens (HF's argmax at each position given the tokens before it: equal to
-ours exactly when ours are HF's greedy continuation), cross-checked once against HF's generate().  On the CPU always; on CUDA too where the machine has a GPU
+logprobs within 1e-3 of HF's log-softmax.  On the CPU always; on CUDA too where the machine has a GPU
 (our engine on CUDA -- Triton attention, fused ops, CUDA graphs for decodes -- against HF on the same
-GPU, both fp32)."""
+GPU, both fp32).
+
+On the default model, HF's greedy tokens are read from one forward pass over prompt + our tokens (HF's
+argmax at each position given the tokens before it: equal to ours exactly when ours are HF's greedy
+continuation), cross-checked once against HF's generate()."""
 
 from __future__ import annotations
 
