@@ -40,7 +40,7 @@ import shutil
 import subprocess
 import tempfile
 import threading
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Optional
 
@@ -182,12 +182,57 @@ def _compile(sources: tuple[Path, ...], out: Path, isa: str) -> None:
         os.replace(tmp, out)  # atomic: concurrent processes never load a half-written file
 
 
-def _build(isa: str) -> Path:
-    """The cached library of one build (compiled on first use)."""
+def _library_path(isa: str) -> Path:
+    """Where the cache keeps one build (its key: the sources, the ISA's flags and the machine)."""
     source = b"".join(src.read_bytes() for src in SOURCES)
     flags = " ".join(ISA_BUILDS[isa][0]).encode()
     key = hashlib.sha256(source + isa.encode() + flags + platform.machine().encode()).hexdigest()[:16]
-    path = cache_dir() / f"cpu_kernels-{isa}-{key}.so"
+    return cache_dir() / f"cpu_kernels-{isa}-{key}.so"
+
+
+_background: dict[str, Future] = {}  # ISA -> its build started by build_in_background
+_background_lock = threading.Lock()
+
+
+def build_in_background(isa: str = "auto") -> bool:
+    """Start compiling the build `isa` names (auto: the best this CPU runs) on a thread of its own, when the
+    cache lacks it: the engine calls this first thing on a CPU, so that a cold start compiles the kernels
+    (gcc in subprocesses: the thread holds no GIL while it waits) while the model's config and tokenizer
+    load, instead of after.  The first kernel call then waits for that build.  Returns whether a build
+    started.  A build that fails is reported when the kernels load, as without this."""
+    if not SWITCH.on() or isa not in ISA_BUILDS and isa != "auto":
+        return False
+    isas = supported_isas() if isa == "auto" else [isa]
+    if not isas:
+        return False
+    target = isas[0]
+    with _background_lock:
+        if target in _background or _library_path(target).exists():
+            return False
+        future: Future = Future()
+        _background[target] = future
+
+    def run() -> None:
+        try:
+            future.set_result(_build_now(target))
+        except BaseException as e:  # handed to whoever loads the kernels
+            future.set_exception(e)
+
+    threading.Thread(target=run, name=f"roofline-kernels-{target}", daemon=True).start()
+    return True
+
+
+def _build(isa: str) -> Path:
+    """The cached library of one build: the one build_in_background started (waited for), or compiled now."""
+    with _background_lock:
+        future = _background.pop(isa, None)
+    if future is not None:
+        return future.result()
+    return _build_now(isa)
+
+
+def _build_now(isa: str) -> Path:
+    path = _library_path(isa)
     if not path.exists():
         _compile(SOURCES, path, isa)
     return path

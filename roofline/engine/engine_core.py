@@ -154,6 +154,11 @@ class EngineCore:
         self.config = config
         mc = config.model_config
         t0 = time.monotonic()
+        dc = config.device_config
+        if dc.device == "cpu" and dc.cpu_kernels:  # a cold cache: the kernels compile while the config loads
+            from roofline.cpu import ops as cpu_ops
+
+            cpu_ops.build_in_background(dc.cpu_isa)
         self.source = resolve_source(mc.model, mc.load_format)
         mc.model_path, mc.gguf_file = self.source.path, self.source.gguf_file
         mc.hf_config = load_hf_config(self.source)

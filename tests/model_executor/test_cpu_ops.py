@@ -268,6 +268,48 @@ def test_without_a_compiler_everything_falls_back_to_torch(tmp_path):
     assert "native CPU kernels unavailable" in r.stderr
 
 
+def test_a_build_started_in_the_background_is_the_one_the_kernels_load(tmp_path):
+    """build_in_background (the engine's first step on a CPU) compiles on its own thread; the first kernel
+    call waits for that build instead of compiling again; a cached build is not started twice.  A fresh
+    process and an empty cache; the portable build (any x86 or ARM machine compiles it)."""
+    code = (
+        "import threading\n"
+        "from roofline.cpu import ops as cpu_ops\n"
+        "calls = []\n"
+        "compile_ = cpu_ops._compile\n"
+        "def counted(*a):\n"
+        "    calls.append(threading.current_thread().name)\n"
+        "    compile_(*a)\n"
+        "cpu_ops._compile = counted\n"
+        "assert cpu_ops.build_in_background('portable')\n"
+        "assert not cpu_ops.build_in_background('portable')  # in flight\n"
+        "cpu_ops.select_isa('portable')\n"
+        "assert cpu_ops.available() and cpu_ops.loaded_isa() == 'portable'\n"
+        "assert calls == ['roofline-kernels-portable'], calls\n"
+        "assert not cpu_ops.build_in_background('portable')  # cached now\n"
+        "print('background build ok')\n"
+    )
+    env = dict(os.environ, XDG_CACHE_HOME=str(tmp_path / "cache"))
+    r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    assert "background build ok" in r.stdout
+
+
+def test_a_background_build_that_fails_is_reported_when_the_kernels_load(tmp_path):
+    code = (
+        "from roofline.cpu import ops as cpu_ops\n"
+        "assert cpu_ops.build_in_background('portable')\n"
+        "cpu_ops.select_isa('portable')\n"
+        "assert not cpu_ops.available()\n"
+        "print('failure reported')\n"
+    )
+    env = dict(os.environ, CC=str(tmp_path / "no-such-cc"), XDG_CACHE_HOME=str(tmp_path / "cache"))
+    r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert "failure reported" in r.stdout
+    assert "native CPU kernels unavailable" in r.stderr and "no-such-cc" in r.stderr
+
+
 @pytest.mark.parametrize("threads", [1, 2, 3])
 @pytest.mark.parametrize("k,n,bias", [(576, 960, False), (64, 3000, True), (7, 5, True), (1536, 2100, False),
                                       (101, 37, True)])
