@@ -253,10 +253,12 @@ def test_layers_take_the_kernels_only_when_on():
 
 def test_without_a_compiler_everything_falls_back_to_torch(tmp_path):
     """A fresh process with no usable compiler and an empty cache: a warning, the torch path, and
-    generation still works."""
+    generation still works.  The build fails on the background thread the engine starts it on
+    (build_in_background) and is reported when the kernels load."""
     code = (
         "from roofline.cpu import ops as cpu_ops\n"
         "from roofline.attention.selector import get_attention_backend\n"
+        "assert cpu_ops.build_in_background('auto')\n"
         "assert not cpu_ops.available()\n"
         "assert get_attention_backend('auto', 'cpu').name == 'torch'\n"
         "print('fallback ok')\n"
@@ -293,21 +295,6 @@ def test_a_build_started_in_the_background_is_the_one_the_kernels_load(tmp_path)
     r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr
     assert "background build ok" in r.stdout
-
-
-def test_a_background_build_that_fails_is_reported_when_the_kernels_load(tmp_path):
-    code = (
-        "from roofline.cpu import ops as cpu_ops\n"
-        "assert cpu_ops.build_in_background('portable')\n"
-        "cpu_ops.select_isa('portable')\n"
-        "assert not cpu_ops.available()\n"
-        "print('failure reported')\n"
-    )
-    env = dict(os.environ, CC=str(tmp_path / "no-such-cc"), XDG_CACHE_HOME=str(tmp_path / "cache"))
-    r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
-    assert r.returncode == 0, r.stderr
-    assert "failure reported" in r.stdout
-    assert "native CPU kernels unavailable" in r.stderr and "no-such-cc" in r.stderr
 
 
 @pytest.mark.parametrize("threads", [1, 2, 3])
