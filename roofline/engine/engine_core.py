@@ -51,7 +51,7 @@ from roofline.core.scheduler_output import (
 from roofline.core.spec_decode_stats import SpecDecodeStats
 from roofline.engine.output_processor import OutputProcessor
 from roofline.executor.base import ExecutorDeadError
-from roofline.executor.factory import create_executor
+from roofline.executor.factory import create_executor, runs_in_process
 from roofline.kv_transfer import create_scheduler_connector, request_params
 from roofline.metrics.step_roofline import StepRoofline, model_for_engine
 from roofline.model_executor.loader.source import load_hf_config, load_tokenizer, resolve_source
@@ -155,7 +155,9 @@ class EngineCore:
         mc = config.model_config
         t0 = time.monotonic()
         dc = config.device_config
-        if dc.device == "cpu" and dc.cpu_kernels:  # a cold cache: the kernels compile while the config loads
+        # a cold cache: the kernels compile while the config loads (here when this process runs the model;
+        # rank processes build their own)
+        if dc.device == "cpu" and dc.cpu_kernels and runs_in_process(config):
             from roofline.cpu import ops as cpu_ops
 
             cpu_ops.build_in_background(dc.cpu_isa)

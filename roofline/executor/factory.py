@@ -8,12 +8,18 @@ from roofline.executor.base import Executor
 from roofline.model_executor.loader.source import ModelSource
 
 
+def runs_in_process(config: EngineConfig) -> bool:
+    """Whether the model runs in the engine's own process (UniProcExecutor), not in rank processes."""
+    pc = config.parallel_config
+    return pc.distributed_executor_backend != "ray" and pc.world_size == 1 and pc.nnodes == 1
+
+
 def create_executor(config: EngineConfig, source: ModelSource, show_progress: bool = True) -> Executor:
     if config.parallel_config.distributed_executor_backend == "ray":
         from roofline.executor.ray_executor import RayExecutor
 
         return RayExecutor(config, source, show_progress)
-    if config.parallel_config.world_size > 1 or config.parallel_config.nnodes > 1:
+    if not runs_in_process(config):
         from roofline.executor.multiproc import MultiprocExecutor
 
         return MultiprocExecutor(config, source, show_progress)
