@@ -7,8 +7,8 @@ CPU).  The same layer runs with its indexer (DSA: scores over the context, top-k
 rows) and without it (dense MLA over every row), on the engine's backend for the device (the CPU's native
 kernels here).  Attention per token = the layer's time at that context minus its time at a 16-token context
 (the projections, measured in every round beside it; DSA's with its indexer running, so that the indexer's
-own projections count as projections, as the planner counts them), times `--layers`; medians over `--rounds` measurements
-that alternate DSA and dense, so a slow spell of a shared machine hits both (with `--threads 1`, times are the
+own projections count as projections, as the planner counts them), times `--layers`; medians over `--rounds`
+measurements that alternate DSA and dense, so a slow spell of a shared machine hits both (with `--threads 1`, times are the
 thread's CPU time, as the probes take them).  The planner's prediction for the same shapes
 (cost_model.attention_time: ModelSpec's DSA-aware cache bytes and FLOPs against the measured copy bandwidth and
 the measured FLOP/s of the kernels that run: probes.measure_attention_flops, measure_indexer_flops,

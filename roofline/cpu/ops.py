@@ -182,6 +182,11 @@ def _compile(sources: tuple[Path, ...], out: Path, isa: str) -> None:
         os.replace(tmp, out)  # atomic: concurrent processes never load a half-written file
 
 
+def _candidates(isa: str) -> list[str]:
+    """The builds to try for an --cpu-isa value, best first (auto: every build this CPU runs)."""
+    return supported_isas() if isa == "auto" else [isa]
+
+
 def _library_path(isa: str) -> Path:
     """Where the cache keeps one build (its key: the sources, the ISA's flags and the machine)."""
     source = b"".join(src.read_bytes() for src in SOURCES)
@@ -200,12 +205,10 @@ def build_in_background(isa: str = "auto") -> bool:
     (gcc in subprocesses: the thread holds no GIL while it waits) while the model's config and tokenizer
     load, instead of after.  The first kernel call then waits for that build.  Returns whether a build
     started.  A build that fails is reported when the kernels load, as without this."""
-    if not SWITCH.on() or isa not in ISA_BUILDS and isa != "auto":
-        return False
-    isas = supported_isas() if isa == "auto" else [isa]
-    if not isas:
-        return False
-    target = isas[0]
+    candidates = _candidates(isa)
+    if not SWITCH.on() or not candidates or candidates[0] not in supported_isas():
+        return False  # select_isa refuses a build this CPU cannot run: nothing to build for it
+    target = candidates[0]
     with _background_lock:
         if target in _background or _library_path(target).exists():
             return False
@@ -245,9 +248,8 @@ def _load() -> Optional[ctypes.CDLL]:
             return _lib
         _tried = True
         try:
-            candidates = supported_isas() if _isa_request == "auto" else [_isa_request]
             errors = []
-            for isa in candidates:  # the best build that compiles
+            for isa in _candidates(_isa_request):  # the best build that compiles
                 try:
                     path = _build(isa)
                     break

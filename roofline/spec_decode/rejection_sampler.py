@@ -116,9 +116,14 @@ class RejectionSampler:
             draft_rows = torch.tensor([firsts[j] + t for j, k in enumerate(ks) for t in range(k)], device=dev)
             tokens = torch.tensor([d for i in random_reqs for d in drafts[i]], device=dev)
             p_d = p[draft_rows, tokens]
-            q_d = torch.cat([q[: len(drafts[i])].to(p.dtype).gather(1, torch.tensor(drafts[i], device=dev)[:, None])[:, 0]
-                             if q is not None else torch.ones(len(drafts[i]), dtype=p.dtype, device=dev)
-                             for i, q in zip(random_reqs, qs) if drafts[i]])
+            q_d = []  # each draft token's probability under the draft model (1 for a one-hot proposal)
+            for i, q in zip(random_reqs, qs):
+                if not drafts[i]:
+                    continue
+                idx = torch.tensor(drafts[i], device=dev)
+                q_d.append(q[: len(idx)].to(p.dtype).gather(1, idx[:, None])[:, 0] if q is not None
+                           else torch.ones(len(idx), dtype=p.dtype, device=dev))
+            q_d = torch.cat(q_d)
             accept = (torch.cat(us) * q_d < p_d).tolist()
             off = 0
             for j, k in enumerate(ks):

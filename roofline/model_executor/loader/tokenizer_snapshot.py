@@ -72,7 +72,8 @@ def _special_token(name: str, table: str = "special_tokens") -> property:
 class TokenizerSnapshot:
     """The tokenizer saved in `directory` by write_snapshot (module docstring)."""
 
-    def __init__(self, directory: str, name_or_path: Optional[str] = None, *, _copy_of: Optional[TokenizerSnapshot] = None):
+    def __init__(self, directory: str, name_or_path: Optional[str] = None, *,
+                 _copy_of: Optional[TokenizerSnapshot] = None):
         from tokenizers import Tokenizer
 
         self._dir = directory
