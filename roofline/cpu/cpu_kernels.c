@@ -130,6 +130,26 @@ static inline __m256 exp256(__m256 x) {
     return _mm256_mul_ps(y, _mm256_castsi256_ps(e));
 }
 
+#if defined(__AVX512F__)
+/* exp256's sixteen-lane twin: the same operations in the same order, so the same bits per lane */
+static inline __m512 exp512(__m512 x) {
+    x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.0f)), _mm512_set1_ps(88.0f));
+    const __m512 n = _mm512_roundscale_ps(_mm512_add_ps(_mm512_mul_ps(x, _mm512_set1_ps(EXP_LOG2E)), _mm512_set1_ps(0.5f)),
+                                          _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
+    __m512 r = _mm512_sub_ps(x, _mm512_mul_ps(n, _mm512_set1_ps(EXP_C1)));
+    r = _mm512_sub_ps(r, _mm512_mul_ps(n, _mm512_set1_ps(EXP_C2)));
+    __m512 p = _mm512_set1_ps(EXP_P0);
+    p = _mm512_add_ps(_mm512_mul_ps(p, r), _mm512_set1_ps(EXP_P1));
+    p = _mm512_add_ps(_mm512_mul_ps(p, r), _mm512_set1_ps(EXP_P2));
+    p = _mm512_add_ps(_mm512_mul_ps(p, r), _mm512_set1_ps(EXP_P3));
+    p = _mm512_add_ps(_mm512_mul_ps(p, r), _mm512_set1_ps(EXP_P4));
+    p = _mm512_add_ps(_mm512_mul_ps(p, r), _mm512_set1_ps(EXP_P5));
+    __m512 y = _mm512_add_ps(_mm512_add_ps(_mm512_mul_ps(p, _mm512_mul_ps(r, r)), r), _mm512_set1_ps(1.0f));
+    const __m512i e = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
+    return _mm512_mul_ps(y, _mm512_castsi512_ps(e));
+}
+#endif
+
 static inline float hsum256(__m256 v) {
     __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
     s = _mm_add_ps(s, _mm_movehl_ps(s, s));
@@ -998,31 +1018,72 @@ void moe_experts_f32(const float *x, int64_t ldx, int64_t N, int64_t k, const in
  * seq_lens[r] - C_r + i and attend causally to keys 0 .. seq_lens[r] - C_r + i, read through
  * block_tables[r] (the chunk's own K/V are in the cache already).  A work item is one request, one
  * KV head and a tile of up to PF_ROWS query rows (positions x the query heads of the GQA group, so
- * each K/V row serves all of them).  Per item, as two small GEMMs on the register tiles above:
- *   scores [rows x T] = Q [rows x D] . K^T, K^T packed into 16-token panels (like a weight);
- *   exact softmax per row over its causal span (T: the last row's span; later keys get p = 0);
- *   out [rows x D] = P . V, V read straight from the cache blocks, 6 rows x 16 dims per tile. */
+ * each K/V row serves all of them).  The scores are kept transposed, one row per key and one column
+ * per query row, so that the keys are read in place from the cache blocks (nothing is transposed:
+ * the cost of a chunk no longer grows with its prefix beyond the FLOPs themselves -- a 32-token chunk
+ * over a 2k-token prefix once spent as long packing K^T panels of every prefix key as multiplying them):
+ *   S^T [keys x rows] = K [keys x D] . Q^T, Q^T (scaled) packed into 16-column panels like a weight,
+ *       6 keys x 16 (the AVX-512 build: 32) columns per register tile, each score's FMA chain over d;
+ *   exact softmax per column over its causal span (window, soft-cap, sink), 8 columns per vector;
+ *   out [rows x D] = P . V, V read straight from the cache blocks, 6 rows x 16 (AVX-512: 32) dims. */
 #define PF_ROWS 48
+#define PV_KEYS 64  /* keys per pass of P . V: 64 V rows of a 64..128-dim head, 16-32 KB, sit in L1 */
 
 #ifdef HAVE_AVX2
-static inline __attribute__((always_inline)) void pv_tile(const int MR, const float *p, int64_t ldp,
-        const float *v, const int32_t *bt, int64_t block_size, int64_t tok_stride, int64_t T, float *o,
-        int64_t ldo) {
+/* o[i][0..W) (+)= sum_{t0 <= t < t1} p[i * ldi + t * ldt] v_t[0..W) for i < MR, V through the block table
+ * (t0 a multiple of block_size; acc: add to o's sums so far, else start from zero): the AVX2 build 16 dims
+ * (two registers a row), the AVX-512 build W = 32 (two zmm a row) where the caller has 32.  Every output's
+ * FMA chain over t is the same whatever the width and however [0, T) is cut, so both builds give the same
+ * bits. */
+static inline __attribute__((always_inline)) void pv_tile(const int MR, const int W, const float *p, int64_t ldi,
+        int64_t ldt, const float *v, const int32_t *bt, int64_t block_size, int64_t tok_stride, int64_t t0,
+        int64_t t1, float *o, int64_t ldo, int acc_in) {
+#if defined(__AVX512F__)
+    __m512 acc[GEMM_MR][2];
+#pragma GCC unroll 6
+    for (int i = 0; i < MR; i++) {
+        acc[i][0] = acc_in ? _mm512_loadu_ps(o + i * ldo) : _mm512_setzero_ps();
+        acc[i][1] = acc_in && W == 32 ? _mm512_loadu_ps(o + i * ldo + 16) : _mm512_setzero_ps();
+    }
+    for (int64_t tb = t0; tb < t1; tb += block_size) {
+        const float *vb = v + (int64_t)bt[tb / block_size] * block_size * tok_stride;
+        const int64_t nt = t1 - tb < block_size ? t1 - tb : block_size;
+        const float *pt = p + tb * ldt;
+        for (int64_t j = 0; j < nt; j++) {
+            const float *vp = vb + j * tok_stride;
+            const __m512 v0 = _mm512_loadu_ps(vp);
+            const __m512 v1 = W == 32 ? _mm512_loadu_ps(vp + 16) : v0;
+#pragma GCC unroll 6
+            for (int i = 0; i < MR; i++) {
+                const __m512 pi = _mm512_set1_ps(pt[i * ldi + j * ldt]);
+                acc[i][0] = _mm512_fmadd_ps(pi, v0, acc[i][0]);
+                if (W == 32) acc[i][1] = _mm512_fmadd_ps(pi, v1, acc[i][1]);
+            }
+        }
+    }
+#pragma GCC unroll 6
+    for (int i = 0; i < MR; i++) {
+        _mm512_storeu_ps(o + i * ldo, acc[i][0]);
+        if (W == 32) _mm512_storeu_ps(o + i * ldo + 16, acc[i][1]);
+    }
+#else
+    (void)W;
     __m256 acc[GEMM_MR][2];
 #pragma GCC unroll 6
     for (int i = 0; i < MR; i++) {
-        acc[i][0] = _mm256_setzero_ps();
-        acc[i][1] = _mm256_setzero_ps();
+        acc[i][0] = acc_in ? _mm256_loadu_ps(o + i * ldo) : _mm256_setzero_ps();
+        acc[i][1] = acc_in ? _mm256_loadu_ps(o + i * ldo + 8) : _mm256_setzero_ps();
     }
-    for (int64_t t0 = 0, b = 0; t0 < T; t0 += block_size, b++) {
-        const float *vb = v + (int64_t)bt[b] * block_size * tok_stride;
-        const int64_t nt = T - t0 < block_size ? T - t0 : block_size;
+    for (int64_t tb = t0; tb < t1; tb += block_size) {
+        const float *vb = v + (int64_t)bt[tb / block_size] * block_size * tok_stride;
+        const int64_t nt = t1 - tb < block_size ? t1 - tb : block_size;
+        const float *pt = p + tb * ldt;
         for (int64_t j = 0; j < nt; j++) {
             const float *vp = vb + j * tok_stride;
             const __m256 v0 = _mm256_loadu_ps(vp), v1 = _mm256_loadu_ps(vp + 8);
 #pragma GCC unroll 6
             for (int i = 0; i < MR; i++) {
-                const __m256 pi = _mm256_broadcast_ss(p + i * ldp + t0 + j);
+                const __m256 pi = _mm256_broadcast_ss(pt + i * ldi + j * ldt);
                 acc[i][0] = _mm256_fmadd_ps(pi, v0, acc[i][0]);
                 acc[i][1] = _mm256_fmadd_ps(pi, v1, acc[i][1]);
             }
@@ -1033,34 +1094,129 @@ static inline __attribute__((always_inline)) void pv_tile(const int MR, const fl
         _mm256_storeu_ps(o + i * ldo, acc[i][0]);
         _mm256_storeu_ps(o + i * ldo + 8, acc[i][1]);
     }
+#endif
 }
 #endif
 
-/* o[i][0..16) = sum_{t < T} p[i][t] v_t[0..16) for rows i < rows, V through the block table */
-static void pv_rows(int rows, const float *p, int64_t ldp, const float *v, const int32_t *bt, int64_t block_size,
-                    int64_t tok_stride, int64_t T, float *o, int64_t ldo) {
-#ifdef HAVE_AVX2
-    switch (rows) {
-    case 1: pv_tile(1, p, ldp, v, bt, block_size, tok_stride, T, o, ldo); return;
-    case 2: pv_tile(2, p, ldp, v, bt, block_size, tok_stride, T, o, ldo); return;
-    case 3: pv_tile(3, p, ldp, v, bt, block_size, tok_stride, T, o, ldo); return;
-    case 4: pv_tile(4, p, ldp, v, bt, block_size, tok_stride, T, o, ldo); return;
-    case 5: pv_tile(5, p, ldp, v, bt, block_size, tok_stride, T, o, ldo); return;
-    default: pv_tile(6, p, ldp, v, bt, block_size, tok_stride, T, o, ldo); return;
-    }
+/* The dims a pv_rows call covers: 32 in the AVX-512 build where 32 are left, else 16. */
+static inline int64_t pv_width(int64_t left) {
+#if defined(__AVX512F__)
+    return left >= 32 ? 32 : 16;
 #else
-    for (int i = 0; i < rows; i++)
-        for (int c = 0; c < 16; c++) o[i * ldo + c] = 0.f;
-    for (int64_t t = 0; t < T; t++) {
+    (void)left;
+    return 16;
+#endif
+}
+
+/* o[i][0..w) (+)= sum_{t0 <= t < t1} p[i * ldi + t * ldt] v_t[0..w) for rows i < rows (w = pv_width), V
+ * through the block table, as pv_tile */
+static void pv_rows(int rows, int64_t w, const float *p, int64_t ldi, int64_t ldt, const float *v, const int32_t *bt,
+                    int64_t block_size, int64_t tok_stride, int64_t t0, int64_t t1, float *o, int64_t ldo,
+                    int acc_in) {
+#ifdef HAVE_AVX2
+#define PV_CASE(MR) \
+    if (w == 32) pv_tile(MR, 32, p, ldi, ldt, v, bt, block_size, tok_stride, t0, t1, o, ldo, acc_in); \
+    else pv_tile(MR, 16, p, ldi, ldt, v, bt, block_size, tok_stride, t0, t1, o, ldo, acc_in); \
+    return;
+    switch (rows) {
+    case 1: PV_CASE(1)
+    case 2: PV_CASE(2)
+    case 3: PV_CASE(3)
+    case 4: PV_CASE(4)
+    case 5: PV_CASE(5)
+    default: PV_CASE(6)
+    }
+#undef PV_CASE
+#else
+    if (!acc_in)
+        for (int i = 0; i < rows; i++)
+            for (int64_t c = 0; c < w; c++) o[i * ldo + c] = 0.f;
+    for (int64_t t = t0; t < t1; t++) {
         const float *vp = v + ((int64_t)bt[t / block_size] * block_size + t % block_size) * tok_stride;
         for (int i = 0; i < rows; i++) {
-            const float pi = p[i * ldp + t];
-            for (int c = 0; c < 16; c++) o[i * ldo + c] += pi * vp[c];
+            const float pi = p[i * ldi + t * ldt];
+            for (int64_t c = 0; c < w; c++) o[i * ldo + c] += pi * vp[c];
         }
     }
 #endif
 }
 
+/* The softmax of 8 query columns of transposed scores st[t * ld + c] (t < T, column c's keys lo[c] ..
+ * hi[c] - 1, its sink logit sink[c] or -inf): with a soft-cap the scores are capped first; entries outside a
+ * column's span become 0, the others its numerators; sum[c] gets the denominators.  Sums run over t in
+ * order (one accumulator per column). */
+static void softmax_columns8(float *st, int64_t ld, int64_t T, const int32_t *lo, const int32_t *hi,
+                             const float *sink, float softcap, float *sum) {
+    if (softcap > 0)
+        for (int64_t t = 0; t < T; t++)
+            for (int c = 0; c < 8; c++) st[t * ld + c] = softcap * tanhf(st[t * ld + c] / softcap);
+#ifdef HAVE_AVX2
+    const __m256i lov = _mm256_loadu_si256((const __m256i *)lo), hiv = _mm256_loadu_si256((const __m256i *)hi);
+    const __m256 ninf = _mm256_set1_ps(-INFINITY);
+    __m256 m = _mm256_loadu_ps(sink);
+    for (int64_t t = 0; t < T; t++) {  /* in span: lo <= t < hi */
+        const __m256i tv = _mm256_set1_epi32((int32_t)t);
+        const __m256 in = _mm256_castsi256_ps(_mm256_andnot_si256(_mm256_cmpgt_epi32(lov, tv), _mm256_cmpgt_epi32(hiv, tv)));
+        m = _mm256_max_ps(m, _mm256_blendv_ps(ninf, _mm256_loadu_ps(st + t * ld), in));
+    }
+    __m256 s = _mm256_setzero_ps();
+    for (int64_t t = 0; t < T; t++) {
+        const __m256i tv = _mm256_set1_epi32((int32_t)t);
+        const __m256 in = _mm256_castsi256_ps(_mm256_andnot_si256(_mm256_cmpgt_epi32(lov, tv), _mm256_cmpgt_epi32(hiv, tv)));
+        const __m256 e = _mm256_and_ps(exp256(_mm256_sub_ps(_mm256_loadu_ps(st + t * ld), m)), in);
+        _mm256_storeu_ps(st + t * ld, e);
+        s = _mm256_add_ps(s, e);
+    }
+    float mv[8];
+    _mm256_storeu_ps(mv, m);
+    _mm256_storeu_ps(sum, s);
+    for (int c = 0; c < 8; c++)
+        if (sink[c] > -INFINITY) sum[c] += exp_clamped(sink[c] - mv[c]);
+#else
+    for (int c = 0; c < 8; c++) {
+        float m = sink[c];
+        for (int64_t t = lo[c]; t < hi[c] && t < T; t++) m = st[t * ld + c] > m ? st[t * ld + c] : m;
+        float s = 0.f;
+        for (int64_t t = 0; t < T; t++) {
+            const float e = t >= lo[c] && t < hi[c] ? exp_clamped(st[t * ld + c] - m) : 0.f;
+            st[t * ld + c] = e;
+            s += e;
+        }
+        sum[c] = sink[c] > -INFINITY ? s + exp_clamped(sink[c] - m) : s;
+    }
+#endif
+}
+
+#if defined(__AVX512F__)
+/* softmax_columns8 over 16 columns at once (the AVX-512 build): each column's operations are the same, in
+ * the same order, so the same bits */
+static void softmax_columns16(float *st, int64_t ld, int64_t T, const int32_t *lo, const int32_t *hi,
+                              const float *sink, float softcap, float *sum) {
+    if (softcap > 0)
+        for (int64_t t = 0; t < T; t++)
+            for (int c = 0; c < 16; c++) st[t * ld + c] = softcap * tanhf(st[t * ld + c] / softcap);
+    const __m512i lov = _mm512_loadu_si512(lo), hiv = _mm512_loadu_si512(hi);
+    __m512 m = _mm512_loadu_ps(sink);
+    for (int64_t t = 0; t < T; t++) {  /* in span: lo <= t < hi */
+        const __m512i tv = _mm512_set1_epi32((int32_t)t);
+        const __mmask16 in = _mm512_cmpgt_epi32_mask(hiv, tv) & ~_mm512_cmpgt_epi32_mask(lov, tv);
+        m = _mm512_mask_max_ps(m, in, m, _mm512_loadu_ps(st + t * ld));
+    }
+    __m512 s = _mm512_setzero_ps();
+    for (int64_t t = 0; t < T; t++) {
+        const __m512i tv = _mm512_set1_epi32((int32_t)t);
+        const __mmask16 in = _mm512_cmpgt_epi32_mask(hiv, tv) & ~_mm512_cmpgt_epi32_mask(lov, tv);
+        const __m512 e = _mm512_maskz_mov_ps(in, exp512(_mm512_sub_ps(_mm512_loadu_ps(st + t * ld), m)));
+        _mm512_storeu_ps(st + t * ld, e);
+        s = _mm512_add_ps(s, e);
+    }
+    float mv[16];
+    _mm512_storeu_ps(mv, m);
+    _mm512_storeu_ps(sum, s);
+    for (int c = 0; c < 16; c++)
+        if (sink[c] > -INFINITY) sum[c] += exp_clamped(sink[c] - mv[c]);
+}
+#endif
 
 static void prefill_attention_tiles(const float *q, int64_t q_row_stride, float *out, const float *key_cache,
                                     const float *value_cache, const int32_t *block_tables, int64_t bt_stride,
@@ -1069,47 +1225,27 @@ static void prefill_attention_tiles(const float *q, int64_t q_row_stride, float 
                                     float scale, const attn_opts_t *opts, int nthreads) {
     const int64_t G = num_heads / num_kv_heads, D = head_dim, tok_stride = num_kv_heads * D;
     const int64_t P = G >= PF_ROWS ? 1 : PF_ROWS / G;  /* positions per item */
-    const int64_t max_rows = P * G;
-    /* per request: its first work item, its first K^T panel (panels of all its KV heads) */
-    int64_t *first = (int64_t *)malloc((size_t)(num_reqs + 1) * sizeof(int64_t));
-    int64_t *pfirst = (int64_t *)malloc((size_t)(num_reqs + 1) * sizeof(int64_t));
+    const int64_t max_rows = P * G, npan_max = (max_rows + GEMM_NR - 1) / GEMM_NR, ld_max = npan_max * GEMM_NR;
+    int64_t *first = (int64_t *)malloc((size_t)(num_reqs + 1) * sizeof(int64_t));  /* per request: its first item */
     int64_t tmax = 0;
-    first[0] = pfirst[0] = 0;
+    first[0] = 0;
     for (int64_t r = 0; r < num_reqs; r++) {
         const int64_t c = qsl[r + 1] - qsl[r];
         first[r + 1] = first[r] + num_kv_heads * ((c + P - 1) / P);
-        pfirst[r + 1] = pfirst[r] + num_kv_heads * ((seq_lens[r] + GEMM_NR - 1) / GEMM_NR);
         tmax = seq_lens[r] > tmax ? seq_lens[r] : tmax;
     }
-    const int64_t items = first[num_reqs], panels = pfirst[num_reqs];
-    const int64_t tpad = (tmax + GEMM_NR - 1) / GEMM_NR * GEMM_NR;
-    float *kt = (float *)kernel_scratch((size_t)(panels * D * GEMM_NR) * sizeof(float));  /* K^T of every (request, KV head) */
+    const int64_t items = first[num_reqs];
+    const float softcap = opts ? opts->softcap : 0.f;
+    const int64_t pv_keys = block_size >= PV_KEYS ? block_size : PV_KEYS / block_size * block_size;
 #pragma omp parallel num_threads(nthreads) if (items > 1)
     {
-        /* phase 1: K^T panels [D x 16 tokens], zero past each request's keys */
-#pragma omp for schedule(static)
-        for (int64_t u = 0; u < panels; u++) {
-            int64_t r = 0;
-            while (pfirst[r + 1] <= u) r++;
-            const int64_t S = seq_lens[r], npan = (S + GEMM_NR - 1) / GEMM_NR;
-            const int64_t h = (u - pfirst[r]) / npan, pi = (u - pfirst[r]) % npan;
-            const int32_t *bt = block_tables + r * bt_stride;
-            float *dst = kt + u * D * GEMM_NR;
-            for (int64_t j = 0; j < GEMM_NR; j++) {
-                const int64_t t = pi * GEMM_NR + j;
-                if (t < S) {
-                    const float *k = key_cache + ((int64_t)bt[t / block_size] * block_size + t % block_size) * tok_stride + h * D;
-                    for (int64_t d = 0; d < D; d++) dst[d * GEMM_NR + j] = k[d];
-                } else {
-                    for (int64_t d = 0; d < D; d++) dst[d * GEMM_NR + j] = 0.f;
-                }
-            }
-        }
-        /* phase 2 (after the implicit barrier): the work items */
-        float *qt = (float *)kernel_scratch((size_t)(max_rows * D) * sizeof(float));
-        float *sc = (float *)kernel_scratch((size_t)(max_rows * tpad) * sizeof(float));
-        float *ot = (float *)kernel_scratch((size_t)(max_rows * D) * sizeof(float));
-        float *sum = (float *)kernel_scratch((size_t)max_rows * sizeof(float));
+        float *qt = (float *)kernel_scratch((size_t)(npan_max * D * GEMM_NR) * sizeof(float));  /* Q^T panels */
+        float *st = (float *)kernel_scratch((size_t)((tmax + GEMM_MR) * ld_max) * sizeof(float));  /* S^T */
+        float *ot = (float *)kernel_scratch((size_t)(ld_max * D) * sizeof(float));
+        float *sum = (float *)kernel_scratch((size_t)ld_max * sizeof(float));
+        int32_t *lo = (int32_t *)kernel_scratch((size_t)ld_max * sizeof(int32_t));
+        int32_t *hi = (int32_t *)kernel_scratch((size_t)ld_max * sizeof(int32_t));
+        float *sink = (float *)kernel_scratch((size_t)ld_max * sizeof(float));
 #pragma omp for schedule(dynamic, 1)
         for (int64_t it = 0; it < items; it++) {
             int64_t r = 0;
@@ -1118,37 +1254,67 @@ static void prefill_attention_tiles(const float *q, int64_t q_row_stride, float 
             const int64_t h = local / tiles, p0 = (local % tiles) * P;
             const int64_t c = qsl[r + 1] - qsl[r], S = seq_lens[r], start = S - c;
             const int64_t np = c - p0 < P ? c - p0 : P, rows = np * G;
+            const int64_t npan = (rows + GEMM_NR - 1) / GEMM_NR, ld = npan * GEMM_NR;
             const int32_t *bt = block_tables + r * bt_stride;
-            const float *kth = kt + (pfirst[r] + h * ((S + GEMM_NR - 1) / GEMM_NR)) * D * GEMM_NR;
-            /* Q rows: position-major, then the group's heads */
-            for (int64_t i = 0; i < np; i++) {  /* scaled here, so the scores come out scaled */
-                const float *src = q + (qsl[r] + p0 + i) * q_row_stride + h * G * D;
-                for (int64_t e = 0; e < G * D; e++) qt[i * G * D + e] = src[e] * scale;
-            }
-            /* 6 rows at a time: a tile needs only the keys up to its last row's span tr */
-            for (int64_t r0 = 0; r0 < rows; r0 += GEMM_MR) {
-                const int64_t mr = rows - r0 < GEMM_MR ? rows - r0 : GEMM_MR;
-                const int64_t tr = start + p0 + (r0 + mr - 1) / G + 1;
-                /* a sliding window: the tile's first row sees keys from lo; whole blocks before are skipped */
-                const int64_t lo = window_start(opts, start + p0 + r0 / G), b0 = lo / block_size;
-                for (int64_t pi = lo / GEMM_NR; pi * GEMM_NR < tr; pi++)  /* scores */
-                    gemm_tile_rows((int)mr, qt + r0 * D, D, kth + pi * D * GEMM_NR, D, sc + r0 * tpad + pi * GEMM_NR,
-                                   tpad, 0, GEMM_NR, 0, 0, 0, 0);
-                for (int64_t i = r0; i < r0 + mr; i++) {  /* softmax over each row's span; p = 0 from there to tr */
-                    const int64_t span = start + p0 + i / G + 1;
-                    float *s = sc + i * tpad;
-                    if (opts) {
-                        const int64_t lo_i = window_start(opts, span - 1);
-                        sum[i] = options_softmax(s, b0 * block_size, lo_i, span, row_max(s + lo_i, span - lo_i), opts,
-                                                 h * G + i % G);
-                    } else {
-                        sum[i] = softmax_numerators(s, span, row_max(s, span));
-                    }
-                    for (int64_t t = span; t < tr; t++) s[t] = 0.f;
+            /* Q^T panels: column i = position p0 + i / G, query head h * G + i % G, scaled (the scores come
+             * out scaled); padding columns zero, and no keys in their span */
+            for (int64_t i = 0; i < ld; i++) {
+                float *dst = qt + (i / GEMM_NR) * D * GEMM_NR + i % GEMM_NR;
+                const int64_t pos = start + p0 + i / G;
+                if (i < rows) {
+                    const float *src = q + (qsl[r] + p0 + i / G) * q_row_stride + (h * G + i % G) * D;
+                    for (int64_t d = 0; d < D; d++) dst[d * GEMM_NR] = src[d] * scale;
+                    lo[i] = (int32_t)window_start(opts, pos);
+                    hi[i] = (int32_t)(pos + 1);
+                    sink[i] = opts && opts->sinks ? opts->sinks[h * G + i % G] : -INFINITY;
+                } else {
+                    for (int64_t d = 0; d < D; d++) dst[d * GEMM_NR] = 0.f;
+                    lo[i] = hi[i] = 0;
+                    sink[i] = -INFINITY;
                 }
-                for (int64_t c0 = 0; c0 < D; c0 += 16)  /* out = P . V, 16 dims at a time */
-                    pv_rows((int)mr, sc + r0 * tpad + b0 * block_size, tpad, value_cache + h * D + c0, bt + b0,
-                            block_size, tok_stride, tr - b0 * block_size, ot + r0 * D + c0, D);
+            }
+            /* the keys the tile reads: from the block of its first row's window to its last row */
+            const int64_t tr = start + p0 + np, b0 = window_start(opts, start + p0) / block_size;
+            const int64_t t_lo = b0 * block_size, T = tr - t_lo;
+            for (int64_t i = 0; i < ld; i++) {
+                lo[i] = lo[i] > t_lo ? lo[i] - (int32_t)t_lo : 0;
+                hi[i] = hi[i] > t_lo ? hi[i] - (int32_t)t_lo : 0;
+            }
+            /* S^T = K . Q^T, 6 keys of one block at a time, keys read in place */
+            for (int64_t b = b0, t0 = t_lo; t0 < tr; b++, t0 += block_size) {
+                const float *kb = key_cache + (int64_t)bt[b] * block_size * tok_stride + h * D;
+                const int64_t nt = tr - t0 < block_size ? tr - t0 : block_size;
+                for (int64_t j0 = 0; j0 < nt; j0 += GEMM_MR) {
+                    const int mr = (int)(nt - j0 < GEMM_MR ? nt - j0 : GEMM_MR);
+                    float *cst = st + (t0 - t_lo + j0) * ld;
+                    for (int64_t pn = 0; pn < npan;) {
+                        const int two = PAIR_TILES && pn + 1 < npan;
+                        tiles_rows(two, mr, kb + j0 * tok_stride, tok_stride, qt + pn * D * GEMM_NR, D * GEMM_NR, D,
+                                   cst + pn * GEMM_NR, ld, GEMM_NR, 0, GEMM_NR, GEMM_NR, 0, 0, 0, 0, 0);
+                        pn += two ? 2 : 1;
+                    }
+                }
+            }
+#if defined(__AVX512F__)
+            for (int64_t c16 = 0; c16 < ld; c16 += 16)  /* ld: whole panels of 16 */
+                softmax_columns16(st + c16, ld, T, lo + c16, hi + c16, sink + c16, softcap, sum + c16);
+#else
+            for (int64_t c8 = 0; c8 < ld; c8 += 8)
+                softmax_columns8(st + c8, ld, T, lo + c8, hi + c8, sink + c8, softcap, sum + c8);
+#endif
+            /* out = P . V (P^T's column i is row i's probabilities), PV_KEYS keys at a time for every row and
+             * dim, so that those keys' V rows stay in L1 while all the rows' tiles use them */
+            for (int64_t k0 = 0; k0 < T; k0 += pv_keys) {
+                const int64_t k1 = T - k0 < pv_keys ? T : k0 + pv_keys;
+                for (int64_t r0 = 0; r0 < rows; r0 += GEMM_MR) {
+                    const int mr = (int)(rows - r0 < GEMM_MR ? rows - r0 : GEMM_MR);
+                    for (int64_t c0 = 0; c0 < D;) {
+                        const int64_t w = pv_width(D - c0);
+                        pv_rows(mr, w, st + r0, 1, ld, value_cache + h * D + c0, bt + b0, block_size, tok_stride,
+                                k0, k1, ot + r0 * D + c0, D, k0 > 0);
+                        c0 += w;
+                    }
+                }
             }
             for (int64_t i = 0; i < rows; i++) {
                 float *o = out + ((qsl[r] + p0 + i / G) * num_heads + h * G + i % G) * D;
@@ -1157,13 +1323,14 @@ static void prefill_attention_tiles(const float *q, int64_t q_row_stride, float 
             }
         }
         free(qt);
-        free(sc);
+        free(st);
         free(ot);
         free(sum);
+        free(lo);
+        free(hi);
+        free(sink);
     }
-    free(kt);
     free(first);
-    free(pfirst);
 }
 
 #define DECODE_LIKE_ROWS 8  /* requests of up to this many rows attend as decodes */
