@@ -30,9 +30,11 @@ The target:
 
 Rules that hold whatever the estimate says:
   - nothing to protect: a step without decodes gets the cap (time to first token as without the budget);
-  - no starvation: P is at least the minimum chunk (MIN_CHUNK_TOKENS, at least one KV block), so the oldest
-    prompt in prefill advances by that much every step however tight the target (a target below the decodes'
-    own time gives exactly that);
+  - no starvation: P is at least the minimum chunk (MIN_CHUNK_TOKENS), so the oldest prompt in prefill
+    advances by that much every step however tight the target (a target below the decodes' own time gives
+    exactly that).  It is small on purpose: late in a long prompt each prefill token attends to the whole
+    prefix, and a floor of 32 tokens alone made a step 2-3x its decodes' time there (W4, 2048-token prompt,
+    16 decoders, 2-core CPU), so the floor, not the target, set the decoders' ITL;
   - order: prefill tokens go to the oldest first (running prompts in admission order, then swapped ones, then
     the waiting queue in its order: FCFS or priority), decodes before any of them (the scheduler reserves the
     decodes' tokens, so a long prompt ahead of them in the running list cannot take their place);
@@ -51,7 +53,7 @@ from typing import Callable, Optional, Protocol, Sequence
 Chunks = Sequence[tuple[int, int]]  # (start: tokens already computed, new tokens) per request
 
 DEFAULT_ITL_FACTOR = 1.5
-MIN_CHUNK_TOKENS = 32
+MIN_CHUNK_TOKENS = 8
 
 
 class StepTimeEstimate(Protocol):
@@ -84,16 +86,16 @@ def first_tokens(prefills: Chunks, p: int) -> list[tuple[int, int]]:
 
 
 class StepBudget:
-    def __init__(self, step_time: StepTimeEstimate, target_s: Optional[float] = None, block_size: int = 1,
+    def __init__(self, step_time: StepTimeEstimate, target_s: Optional[float] = None,
                  factor: float = DEFAULT_ITL_FACTOR) -> None:
         """target_s: the ITL target in seconds (None: the default, factor times the decode step of the batch
-        being built).  The minimum chunk is MIN_CHUNK_TOKENS or one KV block."""
+        being built).  The minimum chunk is MIN_CHUNK_TOKENS (a chunk need not end on a KV block boundary)."""
         if target_s is not None and target_s <= 0:
             raise ValueError(f"target_s must be positive, got {target_s}")
         self.step_time = step_time
         self.target_s = target_s
         self.factor = factor
-        self.min_chunk = max(MIN_CHUNK_TOKENS, block_size)
+        self.min_chunk = MIN_CHUNK_TOKENS
 
     def plan(self, decodes: Chunks, prefills: Chunks, cap: int, joining: Chunks = ()) -> StepPlan:
         """The budget of a step of these decodes, with these prompts waiting for prefill tokens (in order);

@@ -210,7 +210,7 @@ class EngineCore:
         budget = None
         if budget_on:
             target = sc.target_itl_ms / 1e3 if sc.target_itl_ms is not None else None
-            budget = StepBudget(self.step_time, target, cc.block_size)
+            budget = StepBudget(self.step_time, target)
             logger.info("per-step token budget: prefill joins the decodes within %s, %d tokens at most",
                         f"{sc.target_itl_ms:g} ms" if target is not None else
                         f"{budget.factor:g}x the decode step of the batch being built", sc.max_num_batched_tokens)
@@ -573,9 +573,11 @@ class EngineCore:
             return
         record = self.step_roofline.account(sched_out.scheduled, seconds, now, self.scheduler.kv_cache_usage())
         if self.step_time is not None:
-            n = record.prefill_tokens + record.decode_tokens
-            record.predicted_s = self.step_time.ratio(n) * record.bound_s  # what the scheduler expected of it
-            self.step_time.observe(n, seconds, record.bound_s)
+            n, p = record.prefill_tokens + record.decode_tokens, record.prefill_tokens
+            decodes = [(s.num_computed_tokens, len(s.token_ids)) for s in sched_out.scheduled
+                       if 0 < len(s.token_ids) - s.num_draft_tokens <= 1] if p else ()
+            record.predicted_s = self.step_time.estimate(n, record.bound_s, p, decodes)  # what the scheduler expected
+            self.step_time.observe(n, seconds, record.bound_s, p, decodes)
         if keep:
             record.token_budget, record.target_s = sched_out.token_budget, sched_out.target_step_s
             record.draft_length = sched_out.draft_length

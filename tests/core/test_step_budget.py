@@ -98,11 +98,11 @@ def test_explicit_target_takes_every_token_of_slack():
 
 
 def test_a_target_below_the_decodes_alone_still_gives_the_minimum_chunk():
-    plan = StepBudget(FakeStepTime(), target_s=1e-6, block_size=16).plan([(100, 1)] * 4, [(0, 5000)], cap=2048)
+    plan = StepBudget(FakeStepTime(), target_s=1e-6).plan([(100, 1)] * 4, [(0, 5000)], cap=2048)
     assert plan.prefill_tokens == MIN_CHUNK_TOKENS and plan.budget == 4 + MIN_CHUNK_TOKENS
-    assert StepBudget(FakeStepTime(), target_s=1e-6, block_size=64).plan([(0, 1)], [(0, 500)], 2048).prefill_tokens == 64
     # decodes and the minimum chunk above the cap: the cap wins
-    assert StepBudget(FakeStepTime(), target_s=1e-6).plan([(0, 1)] * 20, [(0, 500)], cap=40).budget == 40
+    decodes = [(0, 1)] * (40 - MIN_CHUNK_TOKENS + 3)
+    assert StepBudget(FakeStepTime(), target_s=1e-6).plan(decodes, [(0, 500)], cap=40).budget == 40
 
 
 def test_default_target_is_a_multiple_of_the_decodes_alone():
@@ -186,6 +186,48 @@ def test_measured_step_times_move_the_budget():
     assert abs(budgets["slower"] - 150) <= 2  # the ratio's EMA is within a hair of 2 after 40 steps
 
 
+def test_decode_steps_and_steps_with_prefill_keep_their_own_ratios():
+    """Decodes run at 2x their bound, prefill tokens beside them at 1x theirs.  A step of 16 decodes and 4 prefill
+    tokens shares a token bucket with 16 decodes alone, but the model keeps the two apart: the decode-only ratio
+    (the default target's reference) stays what decode-only steps measure however many steps with prefill come
+    after, and such a step is predicted as its decodes at their ratio plus its chunk at the chunk's."""
+    unit = 2**-10  # dyadic: exact arithmetic
+    model = StepTimeModel(LinearCost(fixed=0.0, per_token=unit, per_position=0.0))
+    decodes = [(100, 1)] * 16
+    for _ in range(5):
+        model.observe(16, 2 * 16 * unit)
+    for _ in range(60):  # far past STALE_AFTER observations
+        model.observe(20, 2 * 16 * unit + 4 * unit, 20 * unit, prefill_tokens=4, decodes=decodes)
+    assert model.ratio(17) == 2.0 and model.ratio(4, prefill=True) == 1.0
+    assert model.estimate(20, 20 * unit, 4, decodes) == 36 * unit
+    predict = model.predictor(decodes)
+    assert predict(()) == 32 * unit and predict([(500, 4)]) == 36 * unit
+    assert predict([(500, 1)]) == 2 * 17 * unit  # a prompt's last token alone is a decode's row
+    plan = StepBudget(model).plan(decodes, [(500, 1000)], cap=2048)
+    # target 1.5 x 32 units: 16 units of slack at 1 unit a prefill token (one ratio of 36/20 for the whole
+    # step, as before, gave 8)
+    assert plan.target_s == DEFAULT_ITL_FACTOR * 32 * unit and plan.prefill_tokens == 16
+
+
+def test_a_kind_of_step_not_yet_seen_borrows_the_other_kinds_ratio():
+    model = StepTimeModel(LinearCost(fixed=0.010, per_token=0.0, per_position=0.0))
+    assert model.ratio(16) == model.ratio(16, prefill=True) == 1.0
+    model.observe(16, 0.030)
+    assert model.ratio(64, prefill=True) == 3.0
+    model.observe(64, 0.050, prefill_tokens=64)  # no decodes: the chunk is the whole step
+    assert model.ratio(64, prefill=True) == 5.0 and model.ratio(16) == 3.0 and model.steps == 2
+
+
+def test_a_chunk_that_adds_nothing_to_the_bound_teaches_nothing():
+    """A memory-bound batch with room for a chunk: the step's bound is its decodes'; what the step took beyond
+    them is not a ratio of anything."""
+    model = StepTimeModel(lambda n: 0.010)
+    model.observe(16, 0.020)
+    model.observe(20, 0.050, 0.010, prefill_tokens=4, decodes=[(100, 1)] * 16)
+    assert model.tables[True].steps == 0 and model.ratio(4, prefill=True) == 2.0  # borrowed from the decodes'
+    assert model.estimate(20, 0.010, 4, [(100, 1)] * 16) == 0.020
+
+
 def test_decodes_keep_their_tokens_behind_a_long_prompt():
     """A prompt ahead of the decodes in the running list (as a swapped-out decode finds it when it comes back)
     takes only the step's prefill tokens, never the decodes'."""
@@ -226,7 +268,7 @@ def test_waiting_prompts_are_served_oldest_first():
     for i in range(3):
         sched.add_request(_req(f"p{i}", 40, max_tokens=1, arrival=1.0 + i))
     order = []
-    for _ in range(6):
+    for _ in range(3 * 40 // MIN_CHUNK_TOKENS + 3):
         out = sched.schedule()
         order += [s.req_id for s in out.scheduled if s.req_id.startswith("p") and s.req_id not in order]
         prefill = [s for s in out.scheduled if s.req_id.startswith("p")]
@@ -253,7 +295,7 @@ def test_budget_never_exceeds_the_cap_and_every_prompt_advances(specs, max_seqs,
     holds at most max_num_batched_tokens (the budget too), every running decode gets its token, the oldest prompt
     in prefill gets at least the minimum chunk (or what it has left), so every request finishes within a bound."""
     model = StepTimeModel(LinearCost(*cost))
-    budget = StepBudget(model, target_ms / 1e3 if target_ms is not None else None, block_size)
+    budget = StepBudget(model, target_ms / 1e3 if target_ms is not None else None)
     # room for every decode and the minimum chunk (else the cap, not the budget, decides who waits)
     cap = max_seqs + budget.min_chunk + extra_cap
     longest = max(p + m for p, m, _, _ in specs)
@@ -316,5 +358,5 @@ def test_scheduler_invariants_hold_under_the_budget(specs, block_size, cap, max_
     min_blocks = -(-longest // block_size) + 2
     low = min_blocks if depth == 1 else 2 * min_blocks  # preemption with one batch at a time
     num_blocks = data.draw(st.integers(low, min_blocks * 4))
-    budget = StepBudget(FakeStepTime(), target_ms / 1e3 if target_ms is not None else None, block_size)
+    budget = StepBudget(FakeStepTime(), target_ms / 1e3 if target_ms is not None else None)
     run(specs, block_size, num_blocks, cap, max_seqs, caching, mode, policy, depth=depth, step_budget=budget)

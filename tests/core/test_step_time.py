@@ -38,14 +38,29 @@ def test_prediction_is_the_roofline_bound_of_the_same_step(name):
 def test_measured_ratio_scales_the_prediction():
     model = _roofline_model()
     est = StepTimeModel(model)
-    predict = est.predictor([(500, 1)] * 32)
+    decodes = [(500, 1)] * 32
+    predict = est.predictor(decodes)
     before, before_large = predict([(0, 200)]), predict([(0, 3000)])
     rec = model.account([_req(500, 1)] * 32 + [_req(0, 200)], 0.0)
-    est.observe(232, 3.0 * rec.bound_s, rec.bound_s)  # that step took 3x its bound
-    assert predict([(0, 200)]) == pytest.approx(3.0 * before)
+    est.observe(232, 3.0 * rec.bound_s, rec.bound_s, 200, decodes)  # that step took 3x its bound
+    assert predict([(0, 200)]) == pytest.approx(3.0 * before)  # no decode-only step yet: the whole step's ratio
     assert predict([(0, 3000)]) == pytest.approx(3.0 * before_large)  # an unseen bucket borrows the ratio below
-    est.observe(3032, 1.0 * before_large, before_large)
-    assert predict([(0, 3000)]) == pytest.approx(before_large) and predict([(0, 200)]) == pytest.approx(3.0 * before)
+    assert est.estimate(232, rec.bound_s, 200, decodes) == pytest.approx(3.0 * rec.bound_s)
+
+
+def test_a_step_with_prefill_is_its_decodes_at_their_ratio_plus_its_chunks_at_theirs():
+    model = _roofline_model()
+    est = StepTimeModel(model)
+    decodes = [(500, 1)] * 32
+    alone = model.account([_req(500, 1)] * 32, 0.0).bound_s
+    est.observe(32, 2.0 * alone, alone)  # decode-only steps: 2x their bound
+    assert est.predictor(decodes)([]) == pytest.approx(2.0 * alone)
+    rec = model.account([_req(500, 1)] * 32 + [_req(0, 2000)], 0.0)  # compute-bound: the chunk adds to the bound
+    assert rec.bound_s > 2 * alone
+    est.observe(2032, 2.0 * alone + 5.0 * (rec.bound_s - alone), rec.bound_s, 2000, decodes)  # the chunk at 5x
+    assert est.ratio(32) == 2.0 and est.ratio(2000, prefill=True) == pytest.approx(5.0)
+    with_large = model.account([_req(500, 1)] * 32 + [_req(0, 3000)], 0.0).bound_s
+    assert est.predictor(decodes)([(0, 3000)]) == pytest.approx(2.0 * alone + 5.0 * (with_large - alone))
 
 
 def test_costs_are_cached_per_shape():
