@@ -96,8 +96,9 @@ HOSTILE = [
     ("/v1/chat/completions", json.dumps({**CHAT, "functions": [{"name": "f"}]}), 400, "function"),
     ("/v1/chat/completions", json.dumps({**CHAT, "temperature": "hot"}), 400, "temperature"),
     ("/v1/chat/completions", json.dumps({**CHAT, "seed": -(2**63) - 1}), 400, "seed"),
-    # constraints no text matches (400 at compile time), and one that reaches a dead end after "aa"
-    ("/v1/completions", json.dumps({**COMP, "structured_outputs": {"json": SELF_REQUIRING}}), 400, "never produce"),
+    # constraints no text matches (400 at compile time: xgrammar refuses the schema whose only content is itself,
+    # the engine finds the regex's dead end), and one that reaches a dead end after "aa"
+    ("/v1/completions", json.dumps({**COMP, "structured_outputs": {"json": SELF_REQUIRING}}), 400, "circular $ref"),
     ("/v1/completions", json.dumps({**COMP, "guided_regex": "[^\\s\\S]"}), 400, "never produce"),
     ("/v1/chat/completions", json.dumps({**CHAT, "max_tokens": 8, "temperature": 0, "guided_regex": "aa[^\\s\\S]"}),
      400, "allows no token after"),
