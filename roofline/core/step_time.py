@@ -124,15 +124,24 @@ class StepTimeModel:
         return self.tables[False].steps + self.tables[True].steps
 
     # ---- calibration -----------------------------------------------------------------------------
-    @staticmethod
-    def bucket(n: int) -> int:
-        return RatioTable.bucket(n)
-
     def observe(self, num_tokens: int, seconds: float, bound_s: float = 0.0, prefill_tokens: int = 0,
                 decodes: Chunks = ()) -> None:
         """A finished step: its token count, measured wall time and bound (the live roofline's record of it;
         0: the token-count bound of __call__); with prefill chunks, their tokens and the step's decodes
         ((start, tokens) each, the requests fed one token or verifying drafts)."""
+        self._observe(num_tokens, seconds, bound_s, prefill_tokens, *self._decodes_bound(decodes, prefill_tokens))
+
+    def finished(self, num_tokens: int, seconds: float, bound_s: float, prefill_tokens: int = 0,
+                 decodes: Chunks = ()) -> float:
+        """The engine's call after each step: what the estimate expected of it (estimate()), then observe() it --
+        its decodes' bound computed once for both."""
+        dec = self._decodes_bound(decodes, prefill_tokens)
+        expected = self._estimate(num_tokens, bound_s, prefill_tokens, *dec)
+        self._observe(num_tokens, seconds, bound_s, prefill_tokens, *dec)
+        return expected
+
+    def _observe(self, num_tokens: int, seconds: float, bound_s: float, prefill_tokens: int, n_dec: int,
+                 dec_bound: float) -> None:
         if num_tokens <= 0 or seconds <= 0:
             return
         bound = bound_s if bound_s > 0 else self.decode_bound(num_tokens)
@@ -141,7 +150,6 @@ class StepTimeModel:
         if prefill_tokens <= 0:
             self.tables[False].observe(num_tokens, seconds / bound)
             return
-        n_dec, dec_bound = self._decodes_bound(decodes)
         r_dec = self.tables[False].lookup(n_dec) if n_dec else 0.0
         if r_dec is None:  # no decode-only step seen: the whole step's ratio (which the estimate then gives back)
             self.tables[True].observe(prefill_tokens, seconds / bound)
@@ -160,21 +168,30 @@ class StepTimeModel:
 
     def estimate(self, num_tokens: int, bound_s: float, prefill_tokens: int = 0, decodes: Chunks = ()) -> float:
         """T for a step of this shape whose bound is bound_s (the formula above; arguments as for observe)."""
+        return self._estimate(num_tokens, bound_s, prefill_tokens, *self._decodes_bound(decodes, prefill_tokens))
+
+    def _estimate(self, num_tokens: int, bound_s: float, prefill_tokens: int, n_dec: int, dec_bound: float) -> float:
         if prefill_tokens <= 0:
             return self.ratio(num_tokens) * bound_s
-        n_dec, dec_bound = self._decodes_bound(decodes)
         return self._mixed(n_dec, dec_bound, prefill_tokens, bound_s)
 
     def _mixed(self, n_dec: int, dec_bound: float, prefill_tokens: int, bound_s: float) -> float:
         return ((self.ratio(n_dec) * dec_bound if n_dec else 0.0)
                 + self.ratio(prefill_tokens, True) * max(bound_s - dec_bound, 0.0))
 
-    def _decodes_bound(self, decodes: Chunks) -> tuple[int, float]:
-        """(tokens, bound) of these decodes alone."""
+    def _totals(self, decodes: Chunks) -> tuple[int, float, float]:
+        """(tokens, KV bytes, attention FLOPs) of these decodes."""
         tokens, kv, attn = 0, 0.0, 0.0
         for start, n in decodes:
             k, a = self.request_cost(start, n, "decode")
             tokens, kv, attn = tokens + n, kv + k, attn + a
+        return tokens, kv, attn
+
+    def _decodes_bound(self, decodes: Chunks, prefill_tokens: int) -> tuple[int, float]:
+        """(tokens, bound) of a step's decodes alone; (0, 0.0) for a decode-only step, which does not use it."""
+        if prefill_tokens <= 0:
+            return 0, 0.0
+        tokens, kv, attn = self._totals(decodes)
         return tokens, (self.cost.bound(tokens, kv, attn) if tokens else 0.0)
 
     # ---- estimates -------------------------------------------------------------------------------
@@ -202,10 +219,7 @@ class StepTimeModel:
         takes the chunks ((start, tokens) each, in any number; a chunk of one token counts with the decodes)
         and gives seconds by the formula above.  The decodes' part is summed once here, so that a search over
         chunk sizes costs one chunk's cost (and a bound of the decode-like part) per try."""
-        tokens, kv, attn = 0, 0.0, 0.0
-        for start, n in decodes:
-            k, a = self.request_cost(start, n, "decode")
-            tokens, kv, attn = tokens + n, kv + k, attn + a
+        tokens, kv, attn = self._totals(decodes)
 
         def predict(chunks: Chunks) -> float:
             t, k, a = tokens, kv, attn  # the whole step

@@ -53,7 +53,7 @@ from roofline.engine.output_processor import OutputProcessor
 from roofline.executor.base import ExecutorDeadError
 from roofline.executor.factory import create_executor, runs_in_process
 from roofline.kv_transfer import create_scheduler_connector, request_params
-from roofline.metrics.step_roofline import StepRoofline, model_for_engine
+from roofline.metrics.step_roofline import StepRoofline, is_decode, model_for_engine
 from roofline.model_executor.loader.source import load_hf_config, load_tokenizer, resolve_source
 from roofline.outputs import RequestOutput
 from roofline.sampling_params import SamplingParams
@@ -575,9 +575,8 @@ class EngineCore:
         if self.step_time is not None:
             n, p = record.prefill_tokens + record.decode_tokens, record.prefill_tokens
             decodes = [(s.num_computed_tokens, len(s.token_ids)) for s in sched_out.scheduled
-                       if 0 < len(s.token_ids) - s.num_draft_tokens <= 1] if p else ()
-            record.predicted_s = self.step_time.estimate(n, record.bound_s, p, decodes)  # what the scheduler expected
-            self.step_time.observe(n, seconds, record.bound_s, p, decodes)
+                       if is_decode(len(s.token_ids), s.num_draft_tokens)] if p else ()
+            record.predicted_s = self.step_time.finished(n, seconds, record.bound_s, p, decodes)
         if keep:
             record.token_budget, record.target_s = sched_out.token_budget, sched_out.target_step_s
             record.draft_length = sched_out.draft_length

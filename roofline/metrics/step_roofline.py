@@ -52,6 +52,12 @@ logger = logging.getLogger(__name__)
 PHASES = ("prefill", "decode", "mixed")
 
 
+def is_decode(new_tokens: int, draft_tokens: int = 0) -> bool:
+    """A scheduled request fed one token, or a decode verifying drafts (speculative decoding): a decode's row(s);
+    anything longer is a prefill chunk."""
+    return new_tokens == 1 or new_tokens - draft_tokens == 1
+
+
 class StepRoofline(msgspec.Struct, array_like=True):
     """One engine step against its bound."""
 
@@ -138,8 +144,7 @@ class StepRooflineModel:
             start = s.num_computed_tokens
             n_req += 1
             n_tokens += c
-            # one token, or a decode verifying drafts (speculative decoding): decode; else a prefill chunk
-            phase = "decode" if c == 1 or c - getattr(s, "num_draft_tokens", 0) == 1 else "prefill"
+            phase = "decode" if is_decode(c, getattr(s, "num_draft_tokens", 0)) else "prefill"
             if phase == "decode":
                 decode_tokens += c
             else:

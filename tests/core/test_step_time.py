@@ -103,3 +103,20 @@ def test_a_bucket_not_seen_for_a_while_counts_as_unseen():
     assert est.ratio(300) == 0.5  # stale: borrows the nearest fresh bucket below
     est.observe(300, 1.0)
     assert est.ratio(300) == 1.0  # starts over, no EMA with the old 4.0
+
+
+def test_finished_gives_the_estimate_before_it_observes_the_step():
+    """The engine's one call per step: what estimate() said of the step, then the same learning as observe()."""
+    model = _roofline_model()
+    decodes = [(500, 1)] * 32
+    rec = model.account([_req(500, 1)] * 32 + [_req(0, 2000)], 0.0)
+    alone = model.account([_req(500, 1)] * 32, 0.0).bound_s
+    a, b = StepTimeModel(model), StepTimeModel(model)
+    for est in (a, b):
+        est.observe(32, 2.0 * alone, alone)
+    seconds = 2.0 * alone + 5.0 * (rec.bound_s - alone)
+    expected = b.estimate(2032, rec.bound_s, 2000, decodes)
+    assert a.finished(2032, seconds, rec.bound_s, 2000, decodes) == expected
+    b.observe(2032, seconds, rec.bound_s, 2000, decodes)
+    assert a.ratio(2000, prefill=True) == b.ratio(2000, prefill=True) == pytest.approx(5.0)
+    assert a.finished(32, 2.0 * alone, alone) == pytest.approx(2.0 * alone) and a.ratio(32) == 2.0
