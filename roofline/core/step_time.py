@@ -20,8 +20,8 @@ token count mixed them: a step of 16 decodes and a few prefill tokens shares the
 the 16 decodes alone, the ratio the budget's default target comes from (the decode step) took the chunk
 steps' cost, and a whole-step ratio learned at one chunk size mispredicted the next (W4 on a 2-core CPU:
 the decoders' p99 ITL 2-3x their steady value under a 1.5x target).  A chunk that adds under
-MIN_INCREMENT of the step's bound (a memory-bound decode batch with room for it) teaches r_prefill nothing;
-before any decode-only step is seen, a step with prefill teaches it the whole step's ratio.
+MIN_INCREMENT of the step's bound (a memory-bound decode batch with room for it) teaches r_prefill nothing,
+and an observation below MIN_RATIO counts as MIN_RATIO; before any decode-only step is seen, a step with prefill teaches it the whole step's ratio.
 
 A bucket not seen in the last STALE_AFTER observations of its table counts as unseen (its ratio is old news,
 and a decision that avoids it -- a budget kept below it by a ratio measured in a slow spell -- would never
@@ -45,6 +45,8 @@ TYPICAL_CONTEXT = 512  # positions each decode attends to in the token-count est
 COST_CACHE_SIZE = 1 << 16  # (start, tokens, phase) entries kept before the cache starts over
 STALE_AFTER = 32  # steps: a ratio bucket not observed for this long counts as unseen (the EMA's memory is ~10)
 MIN_INCREMENT = 0.05  # of a step's bound: prefill chunks that add less to it teach r_prefill nothing
+MIN_RATIO = 0.5  # r_prefill's floor: the bound is a physical floor, so a chunk's share below half of it is
+# the noise of subtracting the decodes' share (a 0 would price the next chunks, and a prefill-only step, at 0)
 
 
 class StepCost(Protocol):
@@ -157,7 +159,7 @@ class StepTimeModel:
         increment = bound - dec_bound
         if increment < MIN_INCREMENT * bound:
             return
-        self.tables[True].observe(prefill_tokens, max(seconds - r_dec * dec_bound, 0.0) / increment)
+        self.tables[True].observe(prefill_tokens, max((seconds - r_dec * dec_bound) / increment, MIN_RATIO))
 
     def ratio(self, n: int, prefill: bool = False) -> float:
         """r_decode for a step of n tokens, or r_prefill for n prefill tokens."""

@@ -120,3 +120,19 @@ def test_finished_gives_the_estimate_before_it_observes_the_step():
     b.observe(2032, seconds, rec.bound_s, 2000, decodes)
     assert a.ratio(2000, prefill=True) == b.ratio(2000, prefill=True) == pytest.approx(5.0)
     assert a.finished(32, 2.0 * alone, alone) == pytest.approx(2.0 * alone) and a.ratio(32) == 2.0
+
+
+def test_a_chunk_step_faster_than_its_decodes_share_keeps_a_positive_ratio():
+    """Noise: the step ran faster than its decodes alone at their ratio.  What is left for the chunk is not a
+    ratio near 0 (which would price the next chunks, and a step of prefill alone, at nothing) but MIN_RATIO."""
+    from roofline.core.step_time import MIN_RATIO
+
+    model = _roofline_model()
+    est = StepTimeModel(model)
+    decodes = [(500, 1)] * 32
+    alone = model.account([_req(500, 1)] * 32, 0.0).bound_s
+    rec = model.account([_req(500, 1)] * 32 + [_req(0, 2000)], 0.0)
+    est.observe(32, 2.0 * alone, alone)
+    est.observe(2032, 1.5 * alone, rec.bound_s, 2000, decodes)
+    assert est.ratio(2000, prefill=True) == MIN_RATIO
+    assert est.predictor([])([(0, 2000)]) > 0
