@@ -7,10 +7,12 @@ decodes it will run (each (start, 1 + drafts)) and the prompts that could be pre
 would get tokens -- and the budget returns the largest number P of prefill tokens for which the predicted
 step time stays within the target:
 
-    T(decodes + the first P tokens of the prompts, in order) <= target
+    T(decodes + the first P tokens of the prompts, in order) * margin <= target
 
 T is the engine's step-time estimate (core/step_time.StepTimeModel: the live roofline's bound for that shape,
-every request at its own context, times the measured ratio of real step time to the bound).  P is found by
+every request at its own context, times the measured ratio of real step time to the bound) and margin its
+tail margin (what a step with prefill takes at its 90th percentile over that estimate, at least 1), so that
+nine steps in ten, not one in two, stay within the target.  P is found by
 bisection over whole tokens, so every token of slack goes to prefill.  The step's token budget is then
 decodes + P, never more than --max-num-batched-tokens (a hard cap).
 
@@ -62,6 +64,9 @@ class StepTimeEstimate(Protocol):
     def predictor(self, decodes: Chunks) -> Callable[[Chunks], float]:
         ...
 
+    def tail_margin(self) -> float:
+        ...
+
 
 @dataclass
 class StepPlan:
@@ -111,12 +116,13 @@ class StepBudget:
             target = self.factor * (self.step_time.predictor(list(decodes) + list(joining))(()) if joining
                                     else predict(()))
         room = max(cap - decode_tokens, 0)  # what the cap leaves beside the decodes
+        within = target / self.step_time.tail_margin()  # the mean estimate's limit
         lo, hi = 0, min(room, sum(n for _, n in prefills))
-        if predict(first_tokens(prefills, hi)) <= target:  # all of it fits (the usual case at low load)
+        if predict(first_tokens(prefills, hi)) <= within:  # all of it fits (the usual case at low load)
             lo = hi
         while lo < hi:  # the largest P whose step is predicted within the target
             mid = (lo + hi + 1) // 2
-            if predict(first_tokens(prefills, mid)) <= target:
+            if predict(first_tokens(prefills, mid)) <= within:
                 lo = mid
             else:
                 hi = mid - 1

@@ -31,6 +31,13 @@ the ratio of the nearest seen bucket of its table below (above when none is belo
 seen borrows the other's; 1 before any step.  A stale bucket seen again starts over from the new
 measurement.
 
+The estimate is a mean, and a step's measured time scatters around it (a shared CPU, the allocator, the
+caches: W4 on a 2-core CPU, measured over predicted for the chunk steps, median 1.03, p90 1.12, p99 1.17).
+A budget that fills a step up to its target with the mean would see half its steps above the target, and the
+tail is what a client's P99 ITL reads, so the model also tracks the TAIL_QUANTILE quantile of measured over
+expected for steps with prefill (TailMargin: a streaming quantile estimate, from 1, within [1, MAX_MARGIN]);
+the budget plans a step's predicted time times that margin against its target.
+
 The cost model reaches this module as an object (`StepCost`: the engine passes its StepRooflineModel), so
 that the core imports nothing from metrics or the planner; a plain callable n -> seconds (`TokenBound`) stands
 in for it where only the token count matters (tests, a fixed bound).  Costs are cached per (start, tokens,
@@ -47,6 +54,10 @@ STALE_AFTER = 32  # steps: a ratio bucket not observed for this long counts as u
 MIN_INCREMENT = 0.05  # of a step's bound: prefill chunks that add less to it teach r_prefill nothing
 MIN_RATIO = 0.5  # r_prefill's floor: the bound is a physical floor, so a chunk's share below half of it is
 # the noise of subtracting the decodes' share (a 0 would price the next chunks, and a prefill-only step, at 0)
+
+TAIL_QUANTILE = 0.9  # of the steps with prefill, the share the budget means to keep within its target
+TAIL_RATE = 0.02  # the quantile estimate's step per observation: up 0.9x it when a step overshoots, down 0.1x
+MAX_MARGIN = 1.5  # the margin's ceiling (a spell of 1.5x slow steps would otherwise starve prefill)
 
 
 class StepCost(Protocol):
@@ -109,6 +120,21 @@ class RatioTable:
         return self.ratios[min(fresh)] if fresh else None
 
 
+class TailMargin:
+    """The TAIL_QUANTILE quantile of measured / expected step time, by stochastic approximation: each
+    observation moves it up by TAIL_RATE * q when above it, down by TAIL_RATE * (1 - q) when not, so it settles
+    where a share q of the observations lie below it.  Kept within [1, MAX_MARGIN]: the budget never plans past
+    the mean estimate."""
+
+    def __init__(self, quantile: float = TAIL_QUANTILE, rate: float = TAIL_RATE) -> None:
+        self.quantile, self.rate = quantile, rate
+        self.value = 1.0
+
+    def observe(self, error: float) -> None:
+        step = self.quantile if error > self.value else self.quantile - 1.0
+        self.value = min(max(self.value + self.rate * step, 1.0), MAX_MARGIN)
+
+
 class StepTimeModel:
     def __init__(self, cost: Union[StepCost, Callable[[int], float]], decay: float = 0.9,
                  context: int = TYPICAL_CONTEXT) -> None:
@@ -119,6 +145,7 @@ class StepTimeModel:
         self.context = context
         self.tables = {False: RatioTable(decay), True: RatioTable(decay)}  # with prefill: False / True
         self._costs: dict[tuple[int, int, str], tuple[float, float]] = {}
+        self.margin = TailMargin()  # measured / expected of the steps with prefill, its upper quantile
 
     @property
     def steps(self) -> int:
@@ -136,9 +163,11 @@ class StepTimeModel:
     def finished(self, num_tokens: int, seconds: float, bound_s: float, prefill_tokens: int = 0,
                  decodes: Chunks = ()) -> float:
         """The engine's call after each step: what the estimate expected of it (estimate()), then observe() it --
-        its decodes' bound computed once for both."""
+        its decodes' bound computed once for both; a step with prefill also moves the tail margin."""
         dec = self._decodes_bound(decodes, prefill_tokens)
         expected = self._estimate(num_tokens, bound_s, prefill_tokens, *dec)
+        if prefill_tokens > 0 and expected > 0 and seconds > 0:
+            self.margin.observe(seconds / expected)
         self._observe(num_tokens, seconds, bound_s, prefill_tokens, *dec)
         return expected
 
@@ -160,6 +189,10 @@ class StepTimeModel:
         if increment < MIN_INCREMENT * bound:
             return
         self.tables[True].observe(prefill_tokens, max((seconds - r_dec * dec_bound) / increment, MIN_RATIO))
+
+    def tail_margin(self) -> float:
+        """What a step with prefill takes at its TAIL_QUANTILE over its estimate (>= 1): the budget's margin."""
+        return self.margin.value
 
     def ratio(self, n: int, prefill: bool = False) -> float:
         """r_decode for a step of n tokens, or r_prefill for n prefill tokens."""

@@ -35,6 +35,10 @@ class FakeStepTime:
 
     def __init__(self, base=0.010, per_decode=0.0002, per_prefill=0.0001):
         self.base, self.per_decode, self.per_prefill, self.slowdown = base, per_decode, per_prefill, 1.0
+        self.margin = 1.0
+
+    def tail_margin(self):
+        return self.margin
 
     def predictor(self, decodes):
         d = sum(n for _, n in decodes)
@@ -95,6 +99,14 @@ def test_explicit_target_takes_every_token_of_slack():
     # the cap stays hard, and no more than there is to prefill
     assert StepBudget(est, target_s=10.0).plan([(100, 1)] * 8, [(0, 5000)], cap=2048).budget == 2048
     assert StepBudget(est, target_s=10.0).plan([(100, 1)] * 8, [(0, 50), (0, 30)], cap=2048).prefill_tokens == 80
+
+
+def test_the_tail_margin_shrinks_the_prefill_to_keep_the_slow_steps_within_the_target():
+    est = FakeStepTime()
+    decodes = [(100, 1)] * 8  # 0.0116 s; each prefill token 0.1 ms
+    assert StepBudget(est, target_s=0.02165).plan(decodes, [(0, 5000)], cap=2048).prefill_tokens == 100
+    est.margin = 1.25  # a step with prefill runs up to 1.25x its estimate: plan to 0.01732 s
+    assert StepBudget(est, target_s=0.02165).plan(decodes, [(0, 5000)], cap=2048).prefill_tokens == 57
 
 
 def test_a_target_below_the_decodes_alone_still_gives_the_minimum_chunk():

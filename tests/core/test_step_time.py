@@ -136,3 +136,38 @@ def test_a_chunk_step_faster_than_its_decodes_share_keeps_a_positive_ratio():
     est.observe(2032, 1.5 * alone, rec.bound_s, 2000, decodes)
     assert est.ratio(2000, prefill=True) == MIN_RATIO
     assert est.predictor([])([(0, 2000)]) > 0
+
+
+def test_the_tail_margin_settles_at_the_upper_quantile_of_the_errors():
+    """Measured over expected spread evenly over 0.9-1.3: the 90th percentile is 1.26.  Errors all below 1 leave
+    the margin at 1; a long slow spell stops at MAX_MARGIN."""
+    from roofline.core.step_time import MAX_MARGIN, TailMargin
+
+    m = TailMargin()
+    errors = [0.9 + 0.4 * ((i * 37) % 100) / 100 for i in range(3000)]
+    tail = []
+    for i, e in enumerate(errors):
+        m.observe(e)
+        if i >= 1000:
+            tail.append(m.value)
+    assert 1.22 < sum(tail) / len(tail) < 1.30
+    low = TailMargin()
+    for _ in range(200):
+        low.observe(0.8)
+    assert low.value == 1.0
+    for _ in range(1000):
+        low.observe(3.0)
+    assert low.value == MAX_MARGIN
+
+
+def test_only_steps_with_prefill_move_the_tail_margin():
+    model = _roofline_model()
+    est = StepTimeModel(model)
+    decodes = [(500, 1)] * 32
+    alone = model.account([_req(500, 1)] * 32, 0.0).bound_s
+    rec = model.account([_req(500, 1)] * 32 + [_req(0, 200)], 0.0)
+    for _ in range(20):
+        est.finished(32, 3.0 * alone, alone)  # decode steps, far off the estimate at first
+    assert est.tail_margin() == 1.0
+    est.finished(232, 5.0 * rec.bound_s, rec.bound_s, 200, decodes)  # above its estimate (3x the bound)
+    assert est.tail_margin() > 1.0
