@@ -577,6 +577,7 @@ class EngineCore:
             decodes = [(s.num_computed_tokens, len(s.token_ids)) for s in sched_out.scheduled
                        if is_decode(len(s.token_ids), s.num_draft_tokens)] if p else ()
             record.predicted_s = self.step_time.finished(n, seconds, record.bound_s, p, decodes)
+            record.tail_margin = self.step_time.tail_margin()
         if keep:
             record.token_budget, record.target_s = sched_out.token_budget, sched_out.target_step_s
             record.draft_length = sched_out.draft_length

@@ -265,6 +265,10 @@ class PrometheusStatLogger:
         self.step_target = Gauge(PREFIX + "step_target_seconds", "Step time the token budget aimed at for the last "
                                  "budgeted step (--target-itl-ms, or 1.5x the decodes' own time; 0: no decodes, the "
                                  "cap).", ["model_name"], registry=reg).labels(m)
+        self.step_tail_margin = Gauge(PREFIX + "step_tail_margin", "The step-time model's tail margin after the last "
+                                      "step: the 90th percentile of measured / predicted time of steps with prefill "
+                                      "(>= 1); the token budget plans predicted x margin against its target.",
+                                      ["model_name"], registry=reg).labels(m)
         self.step_draft_length = Histogram(PREFIX + "step_draft_length", "Speculative draft length the scheduler chose "
                                            "for an engine step.", ["model_name"], registry=reg,
                                            buckets=DRAFT_LENGTH_BUCKETS).labels(m)
@@ -301,6 +305,8 @@ class PrometheusStatLogger:
         if getattr(r, "token_budget", 0) > 0:
             self.step_token_budget.observe(r.token_budget)
             self.step_target.set(r.target_s)
+        if getattr(r, "tail_margin", 0.0) > 0:
+            self.step_tail_margin.set(r.tail_margin)
         if getattr(r, "draft_length", -1) >= 0:
             self.step_draft_length.observe(r.draft_length)
 

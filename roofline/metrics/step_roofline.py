@@ -76,11 +76,13 @@ class StepRoofline(msgspec.Struct, array_like=True):
     # what the scheduler planned (core/step_budget.py, core/step_time.py): the step time it predicted for the
     # step as scheduled (the bound times the measured ratio; 0.0: no estimate kept), the token budget the ITL
     # budget chose (0: none, max_num_batched_tokens alone), the step time that budget aimed at (0.0: none, or
-    # no decodes to protect), the speculative draft length (-1: no speculation)
+    # no decodes to protect), the speculative draft length (-1: no speculation), the step-time model's tail
+    # margin after the step (core/step_time.TailMargin: the budget plans predicted x margin; 0.0: no estimate)
     predicted_s: float = 0.0
     token_budget: int = 0
     target_s: float = 0.0
     draft_length: int = -1
+    tail_margin: float = 0.0
 
     @property
     def bytes_read(self) -> float:

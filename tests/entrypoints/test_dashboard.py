@@ -126,6 +126,7 @@ def test_the_schedulers_plan_is_on_metrics_and_stats(server):
     # a prompt waiting for tokens: the step got a budget (max_num_batched_tokens when no decode ran)
     assert metric_value(after, "roofline:step_token_budget_count") > metric_value(before, "roofline:step_token_budget_count")
     assert "roofline:step_target_seconds" in {k.split("{")[0] for k in after}
+    assert metric_value(after, "roofline:step_tail_margin") >= 1.0
     assert metric_value(after, "roofline:step_draft_length_count") == 0
     doc = http.get("/stats").json()
     assert all(st["predicted_ms"] > 0 and st["draft_length"] is None for st in doc["steps"])

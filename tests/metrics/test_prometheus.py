@@ -136,15 +136,17 @@ def test_the_schedulers_plan_is_exported():
 
     from roofline.metrics.step_roofline import StepRoofline
 
-    def rec(step, predicted=0.0, budget=0, target=0.0, k=-1):
-        return StepRoofline(0.0, step, 0.01, 0.01, 0.001, 100.0, 20.0, 1e6, 0, 2, 2, 0.3, predicted, budget, target, k)
+    def rec(step, predicted=0.0, budget=0, target=0.0, k=-1, margin=0.0):
+        return StepRoofline(0.0, step, 0.01, 0.01, 0.001, 100.0, 20.0, 1e6, 0, 2, 2, 0.3, predicted, budget, target, k,
+                            margin)
 
     p = PrometheusStatLogger("m")
     p.record(IterationStats(timestamp=1.0, engine=replace(Snap(), step_roofline=[rec(0.02)])))
     m = parse_metrics(p.render().decode())
     for name in ("step_predicted_seconds_count", "step_token_budget_count", "step_draft_length_count"):
         assert metric_value(m, "roofline:" + name) == 0, name
-    snap = replace(Snap(), step_roofline=[rec(0.02, 0.01, 300, 0.03, 0), rec(0.04, 0.02, 100, 0.025, 3),
+    assert metric_value(m, "roofline:step_tail_margin") == 0
+    snap = replace(Snap(), step_roofline=[rec(0.02, 0.01, 300, 0.03, 0, 1.0), rec(0.04, 0.02, 100, 0.025, 3, 1.08),
                                           rec(0.03, 0.01, 0, 0.0, 2)])
     p.record(IterationStats(timestamp=2.0, engine=snap))
     m = parse_metrics(p.render().decode())
@@ -155,6 +157,7 @@ def test_the_schedulers_plan_is_exported():
     assert metric_value(m, "roofline:step_token_budget_sum") == 400
     assert metric_value(m, "roofline:step_token_budget_bucket", le="256.0") == 1
     assert metric_value(m, "roofline:step_target_seconds") == 0.025  # the last budgeted step's
+    assert metric_value(m, "roofline:step_tail_margin") == 1.08  # the last step that carried one
     assert metric_value(m, "roofline:step_draft_length_count") == 3
     assert metric_value(m, "roofline:step_draft_length_sum") == 5
     assert metric_value(m, "roofline:step_draft_length_bucket", le="0.0") == 1
