@@ -12,7 +12,10 @@ measurements that alternate DSA and dense, so a slow spell of a shared machine h
 thread's CPU time, as the probes take them).  The planner's prediction for the same shapes
 (cost_model.attention_time: ModelSpec's DSA-aware cache bytes and FLOPs against the measured copy bandwidth and
 the measured FLOP/s of the kernels that run: probes.measure_attention_flops, measure_indexer_flops,
-measure_sparse_attention_flops) is printed beside it.
+measure_sparse_attention_flops) is printed beside it.  The probes run in every round too, beside the
+measurements, and each context's prediction takes their medians over its rounds: probed once at the start they
+moved by up to 2x between runs a minute apart on a 2-core Zen 3 (the sparse decode 57-109 GFLOP/s), more than
+the measured times, so the prediction's error was the snapshot's, not the model's.
 """
 
 from __future__ import annotations
@@ -98,10 +101,17 @@ def run(args) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
 
-    bandwidth = probes.measure_bandwidth("cpu")
-    rates = {"attention_flops": probes.measure_attention_flops(),
-             "indexer_flops": probes.measure_indexer_flops(topk=args.index_topk),
-             "sparse_attention_flops": probes.measure_sparse_attention_flops(topk=args.index_topk)}
+    def probe() -> dict:
+        """The machine's figures the planner prices the layer with, measured now."""
+        return {"bandwidth": probes.measure_bandwidth("cpu"),
+                "attention_flops": probes.measure_attention_flops(),
+                "indexer_flops": probes.measure_indexer_flops(topk=args.index_topk),
+                "sparse_attention_flops": probes.measure_sparse_attention_flops(topk=args.index_topk)}
+
+    def medians(samples: list) -> dict:
+        return {k: statistics.median(x[k] for x in samples) for k in samples[0]}
+
+    all_probes = []
     rows = []
     layers, baselines = {}, {}
     for dense in (False, True):
@@ -116,10 +126,15 @@ def run(args) -> int:
         row = {"context": context}
         times = {False: [], True: []}
         base = {False: [], True: []}
-        for _ in range(args.rounds):  # DSA and dense (and each one's projections alone) alternate, so a slow
-            for dense in (False, True):  # spell of the machine hits all of them
+        rounds_probes = []
+        for _ in range(args.rounds):  # DSA and dense (and each one's projections alone, and the probes)
+            rounds_probes.append(probe())  # alternate, so a slow spell of the machine hits all of them
+            for dense in (False, True):
                 times[dense].append(time_decode(layers[dense], context, args.block_size, args.repeats))
                 base[dense].append(time_decode(baselines[dense], 16, args.block_size, args.repeats))
+        all_probes += rounds_probes
+        figures = medians(rounds_probes)
+        bandwidth, rates = figures.pop("bandwidth"), figures
         for dense, name in ((False, "dsa"), (True, "dense")):
             t = statistics.median(times[dense])
             row[f"{name}_layer_ms"] = t * 1e3
@@ -127,10 +142,13 @@ def run(args) -> int:
             row[f"{name}_predicted_ms_per_token"] = predicted_attention_s(_config(args, dense), context, bandwidth,
                                                                           rates) * 1e3
         row["speedup"] = row["dense_attention_ms_per_token"] / max(row["dsa_attention_ms_per_token"], 1e-9)
+        row.update({f"probed_{k}": v for k, v in medians(rounds_probes).items()})
         rows.append(row)
+    figures = medians(all_probes)
+    bandwidth, rates = figures.pop("bandwidth"), figures
     print(f"DeepSeek-V3.2-shaped attention: hidden {args.hidden}, {args.heads} MLA heads, latent 512 + 64, "
           f"indexer 64 x 128, index_topk {args.index_topk}, {args.layers} layers; one decoding stream")
-    print(f"measured CPU: copy {bandwidth / 1e9:.1f} GB/s, MLA decode kernel {rates['attention_flops'] / 1e9:.1f} "
+    print(f"measured CPU (medians of every round's probes; each context is predicted with its own rounds'): copy {bandwidth / 1e9:.1f} GB/s, MLA decode kernel {rates['attention_flops'] / 1e9:.1f} "
           f"GFLOP/s, sparse MLA decode {rates['sparse_attention_flops'] / 1e9:.1f} GFLOP/s, indexer (scores + top-k) "
           f"{rates['indexer_flops'] / 1e9:.1f} GFLOP/s")
     print(f"{'context':>8} | {'dense ms/tok':>12} {'planner':>8} | {'DSA ms/tok':>10} {'planner':>8} | {'speedup':>7}")

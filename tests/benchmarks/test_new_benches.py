@@ -4,6 +4,7 @@ and `roofline bench dbo` (dual-batch overlap on two gloo ranks).  Figures are th
 check the plumbing and that each reports what it claims to."""
 
 import argparse
+import json
 
 import pytest
 
@@ -29,10 +30,17 @@ def test_dsa_against_dense_with_the_planner(capsys):
     from roofline.benchmarks import sparse_attention
 
     args = argparse.Namespace(contexts=[48, 96], hidden=64, heads=4, q_lora_rank=32, index_topk=32, layers=1,
-                              block_size=16, repeats=1, rounds=1, threads=0, json=False)
+                              block_size=16, repeats=1, rounds=1, threads=0, json=True)
     assert sparse_attention.run(args) == 0
     out = capsys.readouterr().out
     assert "speedup" in out and out.count("\n") >= 5
+    # each context is predicted with the probes of its own rounds, which the row carries
+    rows = json.loads(out.strip().splitlines()[-1])["rows"]
+    for row in rows:
+        assert row["probed_sparse_attention_flops"] > 0 and row["probed_bandwidth"] > 0
+        assert row["dsa_predicted_ms_per_token"] == pytest.approx(1e3 * sparse_attention.predicted_attention_s(
+            sparse_attention._config(args, False), row["context"], row["probed_bandwidth"],
+            {k: row["probed_" + k] for k in ("attention_flops", "indexer_flops", "sparse_attention_flops")}))
 
 
 def test_dbo_on_two_ranks(capsys):
