@@ -133,30 +133,30 @@ def run(args) -> int:
                 times[dense].append(time_decode(layers[dense], context, args.block_size, args.repeats))
                 base[dense].append(time_decode(baselines[dense], 16, args.block_size, args.repeats))
         all_probes += rounds_probes
-        figures = medians(rounds_probes)
-        bandwidth, rates = figures.pop("bandwidth"), figures
+        probed = medians(rounds_probes)
+        rates = {k: v for k, v in probed.items() if k != "bandwidth"}
         for dense, name in ((False, "dsa"), (True, "dense")):
             t = statistics.median(times[dense])
             row[f"{name}_layer_ms"] = t * 1e3
             row[f"{name}_attention_ms_per_token"] = max(t - statistics.median(base[dense]), 0.0) * 1e3 * args.layers
-            row[f"{name}_predicted_ms_per_token"] = predicted_attention_s(_config(args, dense), context, bandwidth,
-                                                                          rates) * 1e3
+            row[f"{name}_predicted_ms_per_token"] = predicted_attention_s(_config(args, dense), context,
+                                                                          probed["bandwidth"], rates) * 1e3
         row["speedup"] = row["dense_attention_ms_per_token"] / max(row["dsa_attention_ms_per_token"], 1e-9)
-        row.update({f"probed_{k}": v for k, v in medians(rounds_probes).items()})
+        row.update({f"probed_{k}": v for k, v in probed.items()})
         rows.append(row)
-    figures = medians(all_probes)
-    bandwidth, rates = figures.pop("bandwidth"), figures
+    overall = medians(all_probes)
     print(f"DeepSeek-V3.2-shaped attention: hidden {args.hidden}, {args.heads} MLA heads, latent 512 + 64, "
           f"indexer 64 x 128, index_topk {args.index_topk}, {args.layers} layers; one decoding stream")
-    print(f"measured CPU (medians of every round's probes; each context is predicted with its own rounds'): copy {bandwidth / 1e9:.1f} GB/s, MLA decode kernel {rates['attention_flops'] / 1e9:.1f} "
-          f"GFLOP/s, sparse MLA decode {rates['sparse_attention_flops'] / 1e9:.1f} GFLOP/s, indexer (scores + top-k) "
-          f"{rates['indexer_flops'] / 1e9:.1f} GFLOP/s")
+    print(f"measured CPU (medians of every round's probes; each context is predicted with its own rounds'): "
+          f"copy {overall['bandwidth'] / 1e9:.1f} GB/s, MLA decode kernel {overall['attention_flops'] / 1e9:.1f} "
+          f"GFLOP/s, sparse MLA decode {overall['sparse_attention_flops'] / 1e9:.1f} GFLOP/s, indexer (scores + "
+          f"top-k) {overall['indexer_flops'] / 1e9:.1f} GFLOP/s")
     print(f"{'context':>8} | {'dense ms/tok':>12} {'planner':>8} | {'DSA ms/tok':>10} {'planner':>8} | {'speedup':>7}")
     for r in rows:
         print(f"{r['context']:>8} | {r['dense_attention_ms_per_token']:12.1f} {r['dense_predicted_ms_per_token']:8.1f} | "
               f"{r['dsa_attention_ms_per_token']:10.1f} {r['dsa_predicted_ms_per_token']:8.1f} | {r['speedup']:7.2f}")
     if args.json:
-        print(json.dumps({"rows": rows, "bandwidth": bandwidth, **rates}))
+        print(json.dumps({"rows": rows, **overall}))
     return 0
 
 
