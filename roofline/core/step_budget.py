@@ -18,11 +18,15 @@ decodes + P, never more than --max-num-batched-tokens (a hard cap).
 
 The target:
   - --target-itl-ms given: that, for every step.
-  - default: DEFAULT_ITL_FACTOR (1.5) times the predicted decode-only step of the batch being built: the running
+  - default: DEFAULT_ITL_FACTOR (1.25) times the predicted decode-only step of the batch being built: the running
     decodes plus the requests that join them as decodes once prefilled (the prompts in prefill and the waiting
     queue behind them, as far as max_num_seqs leaves seats; the scheduler passes them as `joining`).  A step
-    with prefill then takes at most half again what a decode step of that batch takes, so no stream's ITL
-    rises by more than half its steady-state value while prompts advance.  A burst of prompts meeting few
+    with prefill then takes at most a quarter more than a decode step of that batch, so a stream's ITL, at its
+    P99 too, stays within half again its steady-state value while prompts advance: the steps of a 2-core CPU
+    scatter by 10-25% around the estimate (the tail margin covers nine steps in ten), and at 1.5 the slowest
+    chunk steps of W4 ran 1.75-2.05x the decoders' P99 before the long prompt (1.3: 1.18-1.49x with the 4-token
+    floor).  The long prompt's TTFT barely moved (21-27 s in either case on that CPU): late in it the floor,
+    not the factor, sets the chunk.  A burst of prompts meeting few
     decodes is admitted at the pace the full batch will run at: with the running decodes alone as the
     reference, the first few decodes of a burst (a 2-core CPU: 1-15 decodes at 14-80 ms a step, beside 32
     arriving prompts at ~1.7 ms a prefill token) would have left prefill only the minimum chunk, and any larger
@@ -36,7 +40,9 @@ Rules that hold whatever the estimate says:
     advances by that much every step however tight the target (a target below the decodes' own time gives
     exactly that).  It is small on purpose: late in a long prompt each prefill token attends to the whole
     prefix, and a floor of 32 tokens alone made a step 2-3x its decodes' time there (W4, 2048-token prompt,
-    16 decoders, 2-core CPU), so the floor, not the target, set the decoders' ITL;
+    16 decoders, 2-core CPU), so the floor, not the target, set the decoders' ITL; at 8 tokens the floor still
+    bound through the last third of that prompt (8 tokens over a 1.5-2k prefix: ~40-60 ms beside a 60-85 ms
+    step of 16 decodes, the slowest steps of the window all at the floor), at 4 it binds rarely;
   - order: prefill tokens go to the oldest first (running prompts in admission order, then swapped ones, then
     the waiting queue in its order: FCFS or priority), decodes before any of them (the scheduler reserves the
     decodes' tokens, so a long prompt ahead of them in the running list cannot take their place);
@@ -54,8 +60,8 @@ from typing import Callable, Optional, Protocol, Sequence
 
 Chunks = Sequence[tuple[int, int]]  # (start: tokens already computed, new tokens) per request
 
-DEFAULT_ITL_FACTOR = 1.5
-MIN_CHUNK_TOKENS = 8
+DEFAULT_ITL_FACTOR = 1.25
+MIN_CHUNK_TOKENS = 4
 
 
 class StepTimeEstimate(Protocol):

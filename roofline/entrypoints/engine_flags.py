@@ -43,7 +43,7 @@ _HELP = {
     "target_itl_ms": "inter-token latency target of a step that runs decodes, in ms: prefill chunks join the "
                      "decodes while the cost model (calibrated by measured steps) predicts the step within it, "
                      "at least a minimum chunk, at most --max-num-batched-tokens; a step without decodes gets "
-                     "--max-num-batched-tokens. Unset: 1.5x the predicted decode step of the batch being built (the "
+                     "--max-num-batched-tokens. Unset: 1.25x the predicted decode step of the batch being built (the "
                      "running decodes and the requests that join them, as far as --max-num-seqs leaves seats); "
                      "0: off (--max-num-batched-tokens every step)",
     "scheduling_policy": "fcfs | priority",

@@ -263,7 +263,7 @@ class PrometheusStatLogger:
                                            "max_num_batched_tokens when no decode runs).", ["model_name"],
                                            registry=reg, buckets=TOKEN_BUDGET_BUCKETS).labels(m)
         self.step_target = Gauge(PREFIX + "step_target_seconds", "Step time the token budget aimed at for the last "
-                                 "budgeted step (--target-itl-ms, or 1.5x the decodes' own time; 0: no decodes, the "
+                                 "budgeted step (--target-itl-ms, or 1.25x the decodes' own time; 0: no decodes, the "
                                  "cap).", ["model_name"], registry=reg).labels(m)
         self.step_tail_margin = Gauge(PREFIX + "step_tail_margin", "The step-time model's tail margin after the last "
                                       "step: the 90th percentile of measured / predicted time of steps with prefill "

@@ -122,7 +122,7 @@ def test_default_target_is_a_multiple_of_the_decodes_alone():
     plan = StepBudget(est).plan([(100, 1)] * 256, [(0, 5000)], cap=8192)
     decodes_alone = 0.25
     assert plan.target_s == DEFAULT_ITL_FACTOR * decodes_alone
-    assert plan.prefill_tokens == (DEFAULT_ITL_FACTOR - 1) * decodes_alone * 4096 == 512
+    assert plan.prefill_tokens == (DEFAULT_ITL_FACTOR - 1) * decodes_alone * 4096 == 256
     # a small batch with nothing joining it: the minimum chunk, as far as the cap leaves room beside the decodes
     assert StepBudget(est).plan([(100, 1)], [(0, 5000)], cap=8192).prefill_tokens == MIN_CHUNK_TOKENS
     assert StepBudget(est).plan([(100, 1)] * 50, [(0, 5000)], cap=100).budget == 100
@@ -137,9 +137,9 @@ def test_default_target_counts_the_batch_being_built():
     joining = [(128, 1)] * 252  # the 60 prompts in the step's list and the queue behind them: 256 decodes in all
     plan = StepBudget(est).plan(decodes, prompts, cap=8192, joining=joining)
     assert plan.target_s == DEFAULT_ITL_FACTOR * 256 * 2**-10
-    # 4 decodes (2**-8 s) + P prefill tokens within 0.375 s: P = (0.375 - 2**-8) * 4096 = 1520
-    assert plan.prefill_tokens == 1520
-    # the 4 decodes alone as the reference: 1.5 x 2**-8 s leaves 8 prefill tokens, so the minimum chunk
+    # 4 decodes (2**-8 s) + P prefill tokens within 1.25 x 0.25 s: P = (0.3125 - 2**-8) * 4096 = 1264
+    assert plan.prefill_tokens == 1264
+    # the 4 decodes alone as the reference: 1.25 x 2**-8 s leaves 4 prefill tokens, the minimum chunk
     assert StepBudget(est).plan(decodes, prompts, cap=8192).prefill_tokens == MIN_CHUNK_TOKENS
 
 
@@ -155,8 +155,8 @@ def test_the_scheduler_passes_the_batch_being_built():
         sched.add_request(_req(f"p{i}", 100))
     out = sched.schedule()
     assert out.target_step_s == DEFAULT_ITL_FACTOR * (2 + 14) * 2**-10
-    # 2 decodes + P tokens within 24 * 2**-10 s: P = 22 * 4 = 88 (above the minimum chunk)
-    assert out.token_budget == 2 + 88
+    # 2 decodes + P tokens within 20 * 2**-10 s: P = 18 * 4 = 72 (above the minimum chunk)
+    assert out.token_budget == 2 + 72
 
 
 def test_budget_follows_the_model_when_steps_get_slower_or_faster():
@@ -215,10 +215,10 @@ def test_decode_steps_and_steps_with_prefill_keep_their_own_ratios():
     predict = model.predictor(decodes)
     assert predict(()) == 32 * unit and predict([(500, 4)]) == 36 * unit
     assert predict([(500, 1)]) == 2 * 17 * unit  # a prompt's last token alone is a decode's row
-    plan = StepBudget(model).plan(decodes, [(500, 1000)], cap=2048)
+    plan = StepBudget(model, factor=1.5).plan(decodes, [(500, 1000)], cap=2048)
     # target 1.5 x 32 units: 16 units of slack at 1 unit a prefill token (one ratio of 36/20 for the whole
     # step, as before, gave 8)
-    assert plan.target_s == DEFAULT_ITL_FACTOR * 32 * unit and plan.prefill_tokens == 16
+    assert plan.target_s == 1.5 * 32 * unit and plan.prefill_tokens == 16
 
 
 def test_a_kind_of_step_not_yet_seen_borrows_the_other_kinds_ratio():
