@@ -25,8 +25,8 @@ The target:
     P99 too, stays within half again its steady-state value while prompts advance: the steps of a 2-core CPU
     scatter by 10-25% around the estimate (the tail margin covers nine steps in ten), and at 1.5 the slowest
     chunk steps of W4 ran 1.75-2.05x the decoders' P99 before the long prompt (1.3: 1.18-1.49x with the 4-token
-    floor).  The long prompt's TTFT barely moved (21-27 s in either case on that CPU): late in it the floor,
-    not the factor, sets the chunk.  A burst of prompts meeting few
+    floor).  The price is the long prompt's TTFT: 16-19 s -> 21-22 s in W4 on that CPU (1.5 with an 8-token
+    floor against 1.25 with 4; late in the prompt the floor, not the factor, sets the chunk).  A burst of prompts meeting few
     decodes is admitted at the pace the full batch will run at: with the running decodes alone as the
     reference, the first few decodes of a burst (a 2-core CPU: 1-15 decodes at 14-80 ms a step, beside 32
     arriving prompts at ~1.7 ms a prefill token) would have left prefill only the minimum chunk, and any larger
@@ -42,7 +42,8 @@ Rules that hold whatever the estimate says:
     prefix, and a floor of 32 tokens alone made a step 2-3x its decodes' time there (W4, 2048-token prompt,
     16 decoders, 2-core CPU), so the floor, not the target, set the decoders' ITL; at 8 tokens the floor still
     bound through the last third of that prompt (8 tokens over a 1.5-2k prefix: ~40-60 ms beside a 60-85 ms
-    step of 16 decodes, the slowest steps of the window all at the floor), at 4 it binds rarely;
+    step of 16 decodes, the slowest steps of the window all at the floor); at 4 it still binds there, but those
+    steps stay within the decoders' 1.5x;
   - order: prefill tokens go to the oldest first (running prompts in admission order, then swapped ones, then
     the waiting queue in its order: FCFS or priority), decodes before any of them (the scheduler reserves the
     decodes' tokens, so a long prompt ahead of them in the running list cannot take their place);
