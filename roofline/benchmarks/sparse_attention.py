@@ -16,6 +16,9 @@ measure_sparse_attention_flops) is printed beside it.  The probes run in every r
 measurements, and each context's prediction takes their medians over its rounds: probed once at the start they
 moved by up to 2x between runs a minute apart on a 2-core Zen 3 (the sparse decode 57-109 GFLOP/s), more than
 the measured times, so the prediction's error was the snapshot's, not the model's.
+The probes time each kernel call cold (probes._kernel_rate: after reading twice the last-level cache), as a
+model runs it: back to back, the few MB a call touches stay in the last-level cache and the probe read ~10-20%
+faster than the same call inside the layer, so DSA's prediction leaned low.
 """
 
 from __future__ import annotations

@@ -80,11 +80,42 @@ def measure_matmul_flops(device: str = "cpu", dtype: str = "float32", n: Optiona
     return 2.0 * n ** 3 / median_time(lambda: a @ b, device, repeats)
 
 
-def _kernel_rate(fn, flops: float, repeats: int, sample_s: float = 0.05) -> float:
+def last_level_cache_bytes() -> int:
+    """The CPU's largest cache in bytes (sysfs; 32 MiB where it does not say)."""
+    import glob
+
+    sizes = []
+    for path in glob.glob("/sys/devices/system/cpu/cpu0/cache/index*/size"):
+        try:
+            text = open(path).read().strip().upper()
+        except OSError:
+            continue
+        scale = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(text[-1:], 1)
+        digits = text.rstrip("KMG")
+        if digits.isdigit():
+            sizes.append(int(digits) * scale)
+    return max(sizes, default=32 << 20)
+
+
+def _kernel_rate(fn, flops: float, repeats: int, sample_s: float = 0.05, cold: bool = False) -> float:
     """FLOP/s of a native CPU kernel call `fn` of `flops` FLOPs: the median of `repeats` samples, each as many
     calls as take about `sample_s` (a short call timed alone on a shared machine reads a whole time slice of
-    a neighbour as its own)."""
+    a neighbour as its own).  cold: each sample is one call after the caches are emptied (not timed), and there
+    are 2 x repeats + 1 of them -- as a model's attention kernel runs: between two calls of a layer's
+    attention the step streams the other weights through every cache, so its cache rows come from memory,
+    while back-to-back calls over a few MB find them in the last-level cache."""
     fn()  # warm up: pages faulted in, scratch allocated
+    if cold:
+        import torch
+
+        buffer = torch.ones(2 * last_level_cache_bytes() // 4, dtype=torch.float32)
+        times = []
+        for _ in range(2 * repeats + 1):
+            buffer.sum()  # twice the last-level cache read: what fn touched before is gone from every level
+            t0 = _clock("cpu")()
+            fn()
+            times.append(_clock("cpu")() - t0)
+        return flops / statistics.median(times)
     t0 = time.perf_counter()
     fn()
     calls = max(1, round(sample_s / max(time.perf_counter() - t0, 1e-6)))
@@ -110,7 +141,8 @@ def _latent_cache(positions: int, heads: int):
 def measure_attention_flops(positions: int = 4096, heads: int = 64, repeats: int = 5) -> float:
     """FLOP/s of the CPU's native latent-attention decode (cpu_ops.mla_decode: DeepSeek's 512 + 64 latent, one
     query over `positions` rows): the rate attention FLOPs run at, which dot-product kernels reach well below
-    a large matmul's.  The planner's attention_time uses it beside the copy bandwidth."""
+    a large matmul's.  The planner's attention_time uses it beside the copy bandwidth.  Timed cold, as the
+    sparse decode: warm, a 4096-row cache (9 MB) sits in the last-level cache across calls."""
     import torch
 
     from roofline.cpu import ops as cpu_ops
@@ -120,14 +152,15 @@ def measure_attention_flops(positions: int = 4096, heads: int = 64, repeats: int
     cache, tables, q = _latent_cache(positions, heads)
     lens = torch.tensor([positions])
     return _kernel_rate(lambda: cpu_ops.mla_decode(q, cache, tables, lens, 512, 0.1),
-                        2.0 * positions * heads * (576 + 512), repeats)
+                        2.0 * positions * heads * (576 + 512), repeats, cold=True)
 
 
 def measure_sparse_attention_flops(topk: int = 2048, positions: int = 16384, heads: int = 64,
                                    repeats: int = 5) -> float:
     """FLOP/s of DSA's sparse latent decode (cpu_dsa.sparse_mla_decode: one query over `topk` rows scattered
     over a `positions`-row cache, as the indexer's top-k leaves them): the rate of a DSA decode's attention
-    FLOPs, whose rows are gathered through the block table one by one."""
+    FLOPs, whose rows are gathered through the block table one by one.  Timed cold (_kernel_rate), as in a
+    model, whose other weights and caches pass through the caches between two calls of one layer."""
     import torch
 
     from roofline.cpu import dsa as cpu_dsa
@@ -135,14 +168,14 @@ def measure_sparse_attention_flops(topk: int = 2048, positions: int = 16384, hea
     cache, tables, q = _latent_cache(positions, heads)
     kept = torch.randperm(positions, generator=torch.Generator().manual_seed(0))[:topk][None]
     return _kernel_rate(lambda: cpu_dsa.sparse_mla_decode(q, cache, tables, kept, 0.1, 512),
-                        2.0 * topk * heads * (576 + 512), repeats)
+                        2.0 * topk * heads * (576 + 512), repeats, cold=True)
 
 
 def measure_indexer_flops(positions: int = 16384, heads: int = 64, dim: int = 128, topk: int = 2048,
                           repeats: int = 5) -> float:
     """FLOP/s of DSA's native indexer as a decode runs it: its scores (cpu_dsa.index_scores: one query token,
     heads x dim, over `positions` paged keys) and their top-`topk` (cpu_dsa.topk_positions), per FLOP of the
-    scores."""
+    scores; timed cold, as the sparse decode."""
     import torch
 
     from roofline.cpu import dsa as cpu_dsa
@@ -156,7 +189,7 @@ def measure_indexer_flops(positions: int = 16384, heads: int = 64, dim: int = 12
     def indexer():
         cpu_dsa.topk_positions(cpu_dsa.index_scores(q, w, cache, table, positions - 1, positions, 0.1), topk)
 
-    return _kernel_rate(indexer, 2.0 * positions * heads * dim, repeats)
+    return _kernel_rate(indexer, 2.0 * positions * heads * dim, repeats, cold=True)
 
 
 def measure_hardware(device: str = "cpu", dtype: str = "float32", name: Optional[str] = None) -> HardwareSpec:

@@ -193,3 +193,29 @@ def test_measure_default_model_within_2x(capsys):
     kv = d["kv_pool_check"]
     if kv is not None:  # the planner's KV pool for the engine's own budget is the engine's pool
         assert kv["predicted_kv_tokens"] == kv["engine_kv_tokens"]
+
+
+def test_cold_kernel_rate_times_single_calls_after_emptying_the_caches(monkeypatch):
+    """A cold probe times 2 x repeats + 1 single calls, each after the caches are emptied (not timed), and
+    gives the FLOPs over their median; the warm one batches calls per sample."""
+    from roofline.planner import probes
+
+    calls, evictions = [], []
+    monkeypatch.setattr(probes, "last_level_cache_bytes", lambda: 1 << 20)
+    real_ones = __import__("torch").ones
+
+    class Buffer:
+        def __init__(self, *a, **k):
+            self.t = real_ones(*a, **k)
+
+        def sum(self):
+            evictions.append(len(calls))
+            return self.t.sum()
+
+    monkeypatch.setattr("torch.ones", Buffer)
+    rate = probes._kernel_rate(lambda: calls.append(1), 1e6, repeats=3, cold=True)
+    assert len(calls) == 1 + 7 and evictions == list(range(1, 8))  # a warm-up, then evict-call x 7
+    assert rate > 0
+    assert probes.last_level_cache_bytes() == 1 << 20
+    monkeypatch.undo()
+    assert probes.last_level_cache_bytes() >= 1 << 20  # sysfs's largest cache, or 32 MiB
