@@ -530,8 +530,16 @@ void paged_decode_attention_opts_f32(const float *q, int64_t q_row_stride, float
                      num_heads, num_kv_heads, head_dim, block_size, scale, &o, nthreads);
 }
 
-/* out[r, i] = silu(x[r, i]) * x[r, d + i], silu(g) = g / (1 + exp(-g)). */
-void silu_and_mul_f32(const float *x, float *out, int64_t rows, int64_t d, int nthreads) {
+/* The gated activations on a merged [gate | up] row pair: out[r, i] = act(x[r, i]) * x[r, d + i], both
+ * act(g) = g / (1 + exp(z)), in the lanes and the tail with the same operations (exp256 / exp_clamped, whose
+ * clamp keeps large |g| finite):
+ *   SiLU (SwiGLU)        z = -g
+ *   tanh-GELU (GeGLU)    z = -2 sqrt(2 / pi) (g + 0.044715 g^3): gelu_tanh(g) = g (1 + tanh(y)) / 2 with
+ *                        y = sqrt(2 / pi) (g + 0.044715 g^3), and (1 + tanh y) / 2 is sigmoid(2 y) */
+#define GELU_CUBE 0.044715f
+#define GELU_MINUS_2K -1.5957691216057308f /* -2 sqrt(2 / pi) */
+static inline __attribute__((always_inline)) void gated_and_mul(const float *x, float *out, int64_t rows, int64_t d,
+                                                                int gelu, int nthreads) {
 #pragma omp parallel for num_threads(nthreads) schedule(static) if (rows * d > 32768)
     for (int64_t r = 0; r < rows; r++) {
         const float *g = x + r * 2 * d, *u = g + d;
@@ -539,17 +547,29 @@ void silu_and_mul_f32(const float *x, float *out, int64_t rows, int64_t d, int n
         int64_t i = 0;
 #ifdef HAVE_AVX2
         const __m256 one = _mm256_set1_ps(1.0f), zero = _mm256_setzero_ps();
+        const __m256 cube = _mm256_set1_ps(GELU_CUBE), k2 = _mm256_set1_ps(GELU_MINUS_2K);
         for (; i + 8 <= d; i += 8) {
             const __m256 gv = _mm256_loadu_ps(g + i);
-            const __m256 s = _mm256_div_ps(gv, _mm256_add_ps(one, exp256(_mm256_sub_ps(zero, gv))));
+            const __m256 z = gelu ? _mm256_mul_ps(k2, _mm256_add_ps(gv, _mm256_mul_ps(cube, _mm256_mul_ps(_mm256_mul_ps(gv, gv), gv))))
+                                  : _mm256_sub_ps(zero, gv);
+            const __m256 s = _mm256_div_ps(gv, _mm256_add_ps(one, exp256(z)));
             _mm256_storeu_ps(o + i, _mm256_mul_ps(s, _mm256_loadu_ps(u + i)));
         }
 #endif
         for (; i < d; i++) {
-            const float s = g[i] / (1.0f + exp_clamped(-g[i]));
+            const float z = gelu ? GELU_MINUS_2K * (g[i] + GELU_CUBE * (g[i] * g[i] * g[i])) : -g[i];
+            const float s = g[i] / (1.0f + exp_clamped(z));
             o[i] = s * u[i];
         }
     }
+}
+
+void silu_and_mul_f32(const float *x, float *out, int64_t rows, int64_t d, int nthreads) {
+    gated_and_mul(x, out, rows, d, 0, nthreads);
+}
+
+void gelu_tanh_and_mul_f32(const float *x, float *out, int64_t rows, int64_t d, int nthreads) {
+    gated_and_mul(x, out, rows, d, 1, nthreads);
 }
 
 /* acc[0..n) = x[k0..k1) W[k0..k1, 0..n) for W stored [in x out]-major (row k at w + k * ldw): four

@@ -18,6 +18,7 @@ the reference the kernels are tested against.
 Contracts (all tensors fp32 on CPU, unit stride in the last dim):
     rms_norm(x, w, eps, residual)          same as RMSNorm.forward
     silu_and_mul(x)                        same as SiluAndMul.forward
+    gelu_tanh_and_mul(x)                   same as GeluTanhAndMul.forward (GeGLU)
     rotary_(q, k, cos, sin)                rotate-half rope of q [N,H,D], k [N,Hk,D] IN PLACE
     write_kv(k, v, kv_cache, slots)        same as attention.backend.write_kv_torch
     paged_decode_attention(q, kv_cache, block_tables, seq_lens, scale) -> [n, H, D]
@@ -71,6 +72,7 @@ _SIGNATURES = {
     "rotary_f32": [_P, _I, _I, _P, _I, _I, _I, _I, _I, _P, _P, ctypes.c_int],
     "write_kv_f32": [_P, _I, _P, _I, _P, _P, _P, _I, _I],
     "silu_and_mul_f32": [_P, _P, _I, _I, ctypes.c_int],
+    "gelu_tanh_and_mul_f32": [_P, _P, _I, _I, ctypes.c_int],
     "paged_decode_attention_f32": [_P, _I, _P, _P, _P, _P, _I, _P, _I, _I, _I, _I, _I, _F, ctypes.c_int],
     "paged_prefill_attention_f32": [_P, _I, _P, _P, _P, _P, _I, _P, _P, _I, _I, _I, _I, _I, _F, ctypes.c_int],
     "paged_decode_attention_opts_f32": [_P, _I, _P, _P, _P, _P, _I, _P, _I, _I, _I, _I, _I, _F, _I, _F, _P,
@@ -341,6 +343,15 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     d = x.shape[-1] // 2
     out = torch.empty((*x.shape[:-1], d), dtype=x.dtype)
     _need().silu_and_mul_f32(x.data_ptr(), out.data_ptr(), x.numel() // (2 * d) if d else 0, d, torch.get_num_threads())
+    return out
+
+
+def gelu_tanh_and_mul(x: torch.Tensor) -> torch.Tensor:
+    x = x.contiguous()
+    d = x.shape[-1] // 2
+    out = torch.empty((*x.shape[:-1], d), dtype=x.dtype)
+    _need().gelu_tanh_and_mul_f32(x.data_ptr(), out.data_ptr(), x.numel() // (2 * d) if d else 0, d,
+                                  torch.get_num_threads())
     return out
 
 

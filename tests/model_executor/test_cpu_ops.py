@@ -14,7 +14,7 @@ from roofline.attention.selector import get_attention_backend
 from roofline.attention.cpu_backend import CpuAttentionBackend
 from roofline.cpu import ops as cpu_ops
 from roofline.model_executor.layers import fused_ops
-from roofline.model_executor.layers.activation import SiluAndMul
+from roofline.model_executor.layers.activation import GeluTanhAndMul, SiluAndMul
 from roofline.model_executor.layers.norm import RMSNorm
 from roofline.model_executor.layers.rotary import RotaryEmbedding
 from tests.attention.paged_batches import make_batch, run_both
@@ -113,13 +113,28 @@ def test_cpu_backend_mixed_batch(block_size, num_heads, num_kv_heads, qkv_view):
     torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
 
 
-def test_silu_and_mul_extremes():
-    x = torch.tensor([[-200.0, -88.5, -20.0, -1e-3, 0.0, 1e-3, 20.0, 90.0, 200.0] * 2])
+@pytest.mark.parametrize("module,native", [(SiluAndMul, cpu_ops.silu_and_mul),
+                                           (GeluTanhAndMul, cpu_ops.gelu_tanh_and_mul)])
+def test_gated_activations_at_extremes(module, native):
+    """Large |g| stays finite (exp's clamp): g far above 0 passes through, far below gives (minus) zero."""
+    x = torch.tensor([[-200.0, -88.5, -30.0, -5.0, -1e-3, 0.0, 1e-3, 5.0, 20.0, 90.0, 200.0] * 2])
     with cpu_ops.forced(False):
-        expected = SiluAndMul()(x)
-    got = cpu_ops.silu_and_mul(x)
+        expected = module()(x)
+    got = native(x)
     assert torch.isfinite(got).all()
     torch.testing.assert_close(got, expected, atol=1e-6, rtol=1e-6)
+
+
+@pytest.mark.parametrize("rows,d", [(1, 1536), (64, 96), (3, 7)])
+def test_gelu_tanh_and_mul(rows, d):
+    """GeGLU's native pass against torch's gelu(approximate="tanh") * up, in every vector build (the lanes and
+    the scalar tail: d = 7)."""
+    x = torch.randn(rows, 2 * d) * 3
+    with cpu_ops.forced(False):
+        expected = GeluTanhAndMul()(x)
+    for _ in each_vector_build():
+        torch.testing.assert_close(GeluTanhAndMul()(x), expected, **TOL)
+        torch.testing.assert_close(cpu_ops.gelu_tanh_and_mul(x.view(rows, 1, 2 * d)), expected.view(rows, 1, d), **TOL)
 
 
 @pytest.mark.parametrize("head_dim", [16, 12])  # 12: not a multiple of the SIMD width (scalar loops)

@@ -1,7 +1,7 @@
 """The switch between the torch layers and fused kernels: Triton (triton_ops) on CUDA, native C
 (cpu_ops) on CPU.
 
-The layers (RMSNorm, SiluAndMul, RotaryEmbedding) ask `active(x)` at the top of forward and, when it
+The layers (RMSNorm, SiluAndMul, GeluTanhAndMul, RotaryEmbedding) ask `active(x)` at the top of forward and, when it
 says yes, return the fused result instead of running their torch code:
 
     if fused_ops.active(x):
@@ -92,6 +92,14 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     if not x.is_cuda:
         return cpu_ops.silu_and_mul(x)
     return _triton_ops().silu_and_mul(x)
+
+
+def gelu_tanh_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """GeluTanhAndMul.forward: gelu_tanh(x[..., :d]) * x[..., d:] (native on CPU; CUDA keeps the torch code)."""
+    if not x.is_cuda:
+        return cpu_ops.gelu_tanh_and_mul(x)
+    d = x.shape[-1] // 2
+    return torch.nn.functional.gelu(x[..., :d], approximate="tanh") * x[..., d:]
 
 
 def can_rope(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor) -> bool:

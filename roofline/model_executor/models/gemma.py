@@ -17,10 +17,10 @@ from __future__ import annotations
 from typing import Optional
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from roofline.attention.backend import AttentionBackend, AttentionMetadata, AttentionOptions
+from roofline.model_executor.layers.activation import GeluTanhAndMul
 from roofline.model_executor.layers.linear import MergedColumnParallelLinear, RowParallelLinear
 from roofline.model_executor.layers.norm import RMSNorm
 from roofline.model_executor.layers.rotary import RotaryEmbedding
@@ -47,11 +47,10 @@ class GemmaMLP(nn.Module):
         width = config.intermediate_size
         self.gate_up_proj = MergedColumnParallelLinear(config.hidden_size, [width] * 2, bias=False)
         self.down_proj = RowParallelLinear(width, config.hidden_size, bias=False)
+        self.act = GeluTanhAndMul()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = self.gate_up_proj(x)
-        d = h.shape[-1] // 2
-        return self.down_proj(F.gelu(h[..., :d], approximate="tanh") * h[..., d:])
+        return self.down_proj(self.act(self.gate_up_proj(x)))
 
 
 def layer_rope_parameters(config, layer_type: str) -> dict:
