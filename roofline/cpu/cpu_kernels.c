@@ -969,7 +969,17 @@ void gemm_packed_silu_mul_f32(const float *a, int64_t lda, const float *panels, 
  * The GEMM work items -- (expert, block of up to 96 rows, panel group) over every active expert -- are
  * dealt dynamically, so at decode, where each expert has a few rows, all experts' panels stream
  * through both cores back to back.  Each item computes exactly what packed_gemm's item does for that
- * expert alone, so rows get the bits of the per-expert calls.  I must be a multiple of 16. */
+ * expert alone, so rows get the bits of the per-expert calls.  I must be a multiple of 16.
+ *
+ * moe_experts_opts_f32 adds gpt-oss's experts: biases (b13 [E, 2I] on the gate/up projection, b2 [E, H] on
+ * the down projection, before the routing weight; NULL: none) and the activation act (MOE_ACT_SILU, or
+ * MOE_ACT_CLAMPED_SWIGLU: gate g = min(g, limit), up u clamped to [-limit, limit], (u + 1) g sigmoid(alpha g),
+ * in the order of HF's GptOssExperts).  Unless the experts are plain SiLU without b13 (the fused route
+ * above), the gate/up phase writes the whole [rows x 2I] projection with its bias into gu, an activation
+ * phase leaves act(gate, up) in each row's first I floats, and the down GEMM reads them at stride 2I; I then
+ * need not be a multiple of 16.  hs is unused there (NULL allowed), gu unused on the fused route. */
+#define MOE_ACT_SILU 0
+#define MOE_ACT_CLAMPED_SWIGLU 1
 typedef struct { int64_t e, mi, gi; } moe_item_t;
 
 static int64_t moe_items(const int64_t *offsets, int64_t E, int64_t ng, moe_item_t *items) {
@@ -985,14 +995,53 @@ static int64_t moe_items(const int64_t *offsets, int64_t E, int64_t ng, moe_item
     return n;
 }
 
-void moe_experts_f32(const float *x, int64_t ldx, int64_t N, int64_t k, const int64_t *row_token,
-                     const int64_t *slot_row, const float *slot_weight, const int64_t *offsets, int64_t E,
-                     const float *w13, const float *w2, int64_t H, int64_t I, float *xs, float *hs, float *ys,
-                     float *out, int nthreads) {
-    const int64_t R = N * k, np2 = (H + GEMM_NR - 1) / GEMM_NR;
-    const int64_t w13_size = 2 * I * H, w2_size = np2 * GEMM_NR * I;  /* floats per expert */
-    const int64_t ng1 = panel_groups(I / GEMM_NR, 1, nthreads), ng2 = panel_groups(np2, 0, nthreads);
+/* One row's act(gate, up) over [gate | up] (2I floats at gu) into out[0..I) (out may be gu itself: each
+ * lane reads its gate and up before writing where the gate was). */
+static void moe_activation_row(const float *gu, float *out, int64_t I, int act, float alpha, float limit) {
+    const float *g = gu, *u = gu + I;
+    int64_t i = 0;
+#ifdef HAVE_AVX2
+    const __m256 one = _mm256_set1_ps(1.0f), zero = _mm256_setzero_ps();
+    const __m256 lim = _mm256_set1_ps(limit), nlim = _mm256_set1_ps(-limit), nalpha = _mm256_set1_ps(-alpha);
+    for (; i + 8 <= I; i += 8) {
+        __m256 gv = _mm256_loadu_ps(g + i), uv = _mm256_loadu_ps(u + i), r;
+        if (act == MOE_ACT_SILU) {
+            r = _mm256_mul_ps(_mm256_div_ps(gv, _mm256_add_ps(one, exp256(_mm256_sub_ps(zero, gv)))), uv);
+        } else {
+            gv = _mm256_min_ps(gv, lim);
+            uv = _mm256_max_ps(_mm256_min_ps(uv, lim), nlim);
+            const __m256 glu = _mm256_div_ps(gv, _mm256_add_ps(one, exp256(_mm256_mul_ps(nalpha, gv))));
+            r = _mm256_mul_ps(_mm256_add_ps(uv, one), glu);
+        }
+        _mm256_storeu_ps(out + i, r);
+    }
+#endif
+    for (; i < I; i++) {
+        float gi = g[i], ui = u[i];
+        if (act == MOE_ACT_SILU) {
+            out[i] = gi / (1.0f + exp_clamped(-gi)) * ui;
+        } else {
+            gi = gi < limit ? gi : limit;
+            ui = ui < limit ? (ui > -limit ? ui : -limit) : limit;
+            out[i] = (ui + 1.0f) * (gi / (1.0f + exp_clamped(-alpha * gi)));
+        }
+    }
+}
+
+static void moe_experts(const float *x, int64_t ldx, int64_t N, int64_t k, const int64_t *row_token,
+                        const int64_t *slot_row, const float *slot_weight, const int64_t *offsets, int64_t E,
+                        const float *w13, const float *w2, const float *b13, const float *b2, int act, float alpha,
+                        float limit, int64_t H, int64_t I, float *xs, float *hs, float *gu, float *ys, float *out,
+                        int nthreads) {
+    const int64_t R = N * k, np2 = (H + GEMM_NR - 1) / GEMM_NR, np1 = (2 * I + GEMM_NR - 1) / GEMM_NR;
+    const int fused = act == MOE_ACT_SILU && !b13;  /* SiLU-and-mul in the gate/up GEMM's epilogue */
+    const int64_t w13_size = np1 * GEMM_NR * H, w2_size = np2 * GEMM_NR * I;  /* floats per expert */
+    const int64_t ng1 = fused ? panel_groups(I / GEMM_NR, 1, nthreads) : panel_groups(np1, 0, nthreads);
+    const int64_t ng2 = panel_groups(np2, 0, nthreads);
     const int64_t n1 = moe_items(offsets, E, ng1, 0), n2 = moe_items(offsets, E, ng2, 0);
+    /* the down GEMM's input: hs [R x I], or the activations left in gu's rows (stride 2I) */
+    float *h_in = fused ? hs : gu;
+    const int64_t ldh = fused ? I : 2 * I;
     moe_item_t *items1 = malloc((size_t)(n1 + n2 + 1) * sizeof(moe_item_t)), *items2 = items1 + n1;
     if (!items1) return;
     moe_items(offsets, E, ng1, items1);
@@ -1004,16 +1053,23 @@ void moe_experts_f32(const float *x, int64_t ldx, int64_t N, int64_t k, const in
 #pragma omp for schedule(dynamic)
         for (int64_t it = 0; it < n1; it++) {
             const moe_item_t m = items1[it];
-            const int64_t o = offsets[m.e], M = offsets[m.e + 1] - o;
-            packed_gemm_item(xs + o * H, H, w13 + m.e * w13_size, 0, hs + o * I, I, M, H, I, 1, ng1,
-                             (M + GEMM_MB - 1) / GEMM_MB, m.gi, m.mi);
+            const int64_t o = offsets[m.e], M = offsets[m.e + 1] - o, nmb = (M + GEMM_MB - 1) / GEMM_MB;
+            if (fused)
+                packed_gemm_item(xs + o * H, H, w13 + m.e * w13_size, 0, hs + o * I, I, M, H, I, 1, ng1, nmb, m.gi, m.mi);
+            else
+                packed_gemm_item(xs + o * H, H, w13 + m.e * w13_size, b13 ? b13 + m.e * 2 * I : 0, gu + o * 2 * I,
+                                 2 * I, M, H, 2 * I, 0, ng1, nmb, m.gi, m.mi);
+        }
+        if (!fused) {
+#pragma omp for schedule(static)
+            for (int64_t r = 0; r < R; r++) moe_activation_row(gu + r * 2 * I, gu + r * 2 * I, I, act, alpha, limit);
         }
 #pragma omp for schedule(dynamic)
         for (int64_t it = 0; it < n2; it++) {
             const moe_item_t m = items2[it];
             const int64_t o = offsets[m.e], M = offsets[m.e + 1] - o;
-            packed_gemm_item(hs + o * I, I, w2 + m.e * w2_size, 0, ys + o * H, H, M, I, H, 0, ng2,
-                             (M + GEMM_MB - 1) / GEMM_MB, m.gi, m.mi);
+            packed_gemm_item(h_in + o * ldh, ldh, w2 + m.e * w2_size, b2 ? b2 + m.e * H : 0, ys + o * H, H, M, I, H,
+                             0, ng2, (M + GEMM_MB - 1) / GEMM_MB, m.gi, m.mi);
         }
 #pragma omp for schedule(static)
         for (int64_t t = 0; t < N; t++) {
@@ -1031,6 +1087,23 @@ void moe_experts_f32(const float *x, int64_t ldx, int64_t N, int64_t k, const in
         }
     }
     free(items1);
+}
+
+void moe_experts_f32(const float *x, int64_t ldx, int64_t N, int64_t k, const int64_t *row_token,
+                     const int64_t *slot_row, const float *slot_weight, const int64_t *offsets, int64_t E,
+                     const float *w13, const float *w2, int64_t H, int64_t I, float *xs, float *hs, float *ys,
+                     float *out, int nthreads) {
+    moe_experts(x, ldx, N, k, row_token, slot_row, slot_weight, offsets, E, w13, w2, 0, 0, MOE_ACT_SILU, 0.f, 0.f, H,
+                I, xs, hs, 0, ys, out, nthreads);
+}
+
+void moe_experts_opts_f32(const float *x, int64_t ldx, int64_t N, int64_t k, const int64_t *row_token,
+                          const int64_t *slot_row, const float *slot_weight, const int64_t *offsets, int64_t E,
+                          const float *w13, const float *w2, const float *b13, const float *b2, int act, float alpha,
+                          float limit, int64_t H, int64_t I, float *xs, float *hs, float *gu, float *ys, float *out,
+                          int nthreads) {
+    moe_experts(x, ldx, N, k, row_token, slot_row, slot_weight, offsets, E, w13, w2, b13, b2, act, alpha, limit, H,
+                I, xs, hs, gu, ys, out, nthreads);
 }
 
 /* ---- prefill attention ------------------------------------------------------------------------

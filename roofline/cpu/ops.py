@@ -85,6 +85,8 @@ _SIGNATURES = {
     "gemm_packed_f32": [_P, _I, _P, _P, _P, _I, _I, _I, _I, ctypes.c_int],
     "gemm_packed_silu_mul_f32": [_P, _I, _P, _P, _I, _I, _I, _I, ctypes.c_int],
     "moe_experts_f32": [_P, _I, _I, _I, _P, _P, _P, _P, _I, _P, _P, _I, _I, _P, _P, _P, _P, ctypes.c_int],
+    "moe_experts_opts_f32": [_P, _I, _I, _I, _P, _P, _P, _P, _I, _P, _P, _P, _P, ctypes.c_int, _F, _F, _I, _I, _P, _P,
+                             _P, _P, _P, ctypes.c_int],
     "greedy_head_f32": [_P, _I, _I, _I, _I, _P, _P, _P, _P, _F, ctypes.c_int32, _P, _P, _I, _I, _P, _P, _P,
                         ctypes.c_int],
     "route_logits_f32": [_P, _I, _P, _I, _P, _P, _I, _I, _P],
@@ -551,35 +553,62 @@ def gemm_packed_silu_mul(x: torch.Tensor, panels: torch.Tensor, d: int) -> torch
     return y
 
 
+MOE_ACTIVATIONS = {"silu": 0, "clamped_swiglu": 1}  # cpu_kernels.c MOE_ACT_*
+
+
 def moe_experts(x: torch.Tensor, row_token: torch.Tensor, slot_row: torch.Tensor, slot_weight: torch.Tensor,
-                offsets: torch.Tensor, w13_packed: torch.Tensor, w2_packed: torch.Tensor, inter: int) -> torch.Tensor:
-    """A MoE layer's routed experts in one native call (cpu_kernels.c moe_experts_f32): x [N, H]; the N*k
-    (token, slot) rows sorted by expert, sorted row r from token row_token[r] (int64 [N*k]); expert e's
-    rows offsets[e]..offsets[e+1] (int64 [E+1]); (token t, slot j) at sorted row slot_row[t*k+j] with
-    weight slot_weight[t*k+j] (fp32); w13_packed [E, 2*inter*H] and w2_packed [E, ceil(H/16)*16*inter],
-    each expert's pack_panels of its [2*inter, H] gate/up and [H, inter] down weights; inter a multiple
-    of 16.  Returns out [N, H] = sum over k of weight * expert(x)."""
+                offsets: torch.Tensor, w13_packed: torch.Tensor, w2_packed: torch.Tensor, inter: int,
+                b13: Optional[torch.Tensor] = None, b2: Optional[torch.Tensor] = None, activation: str = "silu",
+                alpha: float = 0.0, limit: float = 0.0) -> torch.Tensor:
+    """A MoE layer's routed experts in one native call (cpu_kernels.c moe_experts_f32 / moe_experts_opts_f32):
+    x [N, H]; the N*k (token, slot) rows sorted by expert, sorted row r from token row_token[r] (int64 [N*k]);
+    expert e's rows offsets[e]..offsets[e+1] (int64 [E+1]); (token t, slot j) at sorted row slot_row[t*k+j]
+    with weight slot_weight[t*k+j] (fp32); w13_packed [E, ceil(2*inter/16)*16*H] and
+    w2_packed [E, ceil(H/16)*16*inter], each expert's pack_panels of its [2*inter, H] gate/up and [H, inter]
+    down weights.  Options (gpt-oss): b13 [E, 2*inter] / b2 [E, H] biases (None: none), activation "silu" or
+    "clamped_swiglu" (with alpha and limit).  Plain SiLU experts without b13 need inter a multiple of 16 (the
+    activation fused into the gate/up GEMM).  Returns out [N, H] = sum over k of weight * expert(x)."""
     n, h = x.shape
     e = offsets.numel() - 1
     r = row_token.numel()
-    if inter % PANEL or w13_packed.shape != (e, 2 * inter * h) or w2_packed.shape != (e, -(-h // PANEL) * PANEL * inter):
+    if activation not in MOE_ACTIVATIONS:
+        raise ValueError(f"moe_experts: unknown activation {activation!r} (expected one of {sorted(MOE_ACTIVATIONS)})")
+    fused = activation == "silu" and b13 is None
+    w13_cols = -(-2 * inter // PANEL) * PANEL
+    if ((fused and inter % PANEL) or w13_packed.shape != (e, w13_cols * h)
+            or w2_packed.shape != (e, -(-h // PANEL) * PANEL * inter)):
         raise ValueError(f"expert panels {tuple(w13_packed.shape)} / {tuple(w2_packed.shape)} do not fit {e} experts "
-                         f"of [{2 * inter} x {h}] / [{h} x {inter}] with {inter} a multiple of {PANEL}")
+                         f"of [{2 * inter} x {h}] / [{h} x {inter}]"
+                         + (f" with {inter} a multiple of {PANEL}" if fused else ""))
     if n and r % n or slot_row.numel() != r or slot_weight.numel() != r:
         raise ValueError("row_token, slot_row and slot_weight must hold N*k entries each")
     if x.stride(-1) != 1:
         x = x.contiguous()
-    for t, dtype in ((row_token, torch.int64), (slot_row, torch.int64), (offsets, torch.int64),
-                     (slot_weight, torch.float32), (w13_packed, torch.float32), (w2_packed, torch.float32)):
+    checked = [(row_token, torch.int64), (slot_row, torch.int64), (offsets, torch.int64),
+               (slot_weight, torch.float32), (w13_packed, torch.float32), (w2_packed, torch.float32)]
+    for bias, want in ((b13, (e, 2 * inter)), (b2, (e, h))):
+        if bias is not None:
+            if tuple(bias.shape) != want:
+                raise ValueError(f"moe_experts: bias of shape {tuple(bias.shape)}, expected {want}")
+            checked.append((bias, torch.float32))
+    for t, dtype in checked:
         if t.dtype != dtype or not t.is_contiguous():
             raise ValueError(f"moe_experts: expected a contiguous {dtype} tensor, got {t.dtype}")
     xs, ys = torch.empty((r, h), dtype=torch.float32), torch.empty((r, h), dtype=torch.float32)
-    hs = torch.empty((r, inter), dtype=torch.float32)
     out = torch.empty((n, h), dtype=torch.float32)
-    _need().moe_experts_f32(x.data_ptr(), x.stride(0), n, r // n if n else 0, row_token.data_ptr(),
-                            slot_row.data_ptr(), slot_weight.data_ptr(), offsets.data_ptr(), e,
-                            w13_packed.data_ptr(), w2_packed.data_ptr(), h, inter, xs.data_ptr(), hs.data_ptr(),
-                            ys.data_ptr(), out.data_ptr(), torch.get_num_threads())
+    args = (x.data_ptr(), x.stride(0), n, r // n if n else 0, row_token.data_ptr(), slot_row.data_ptr(),
+            slot_weight.data_ptr(), offsets.data_ptr(), e, w13_packed.data_ptr(), w2_packed.data_ptr())
+    if fused and b2 is None:
+        hs = torch.empty((r, inter), dtype=torch.float32)
+        _need().moe_experts_f32(*args, h, inter, xs.data_ptr(), hs.data_ptr(), ys.data_ptr(), out.data_ptr(),
+                                torch.get_num_threads())
+        return out
+    # the activations: hs [R, inter] on the fused route, else left in gu's rows [R, 2*inter]
+    hs = torch.empty((r, inter) if fused else (0,), dtype=torch.float32)
+    gu = torch.empty((0,) if fused else (r, 2 * inter), dtype=torch.float32)
+    _need().moe_experts_opts_f32(*args, 0 if b13 is None else b13.data_ptr(), 0 if b2 is None else b2.data_ptr(),
+                                 MOE_ACTIVATIONS[activation], alpha, limit, h, inter, xs.data_ptr(), hs.data_ptr(),
+                                 gu.data_ptr(), ys.data_ptr(), out.data_ptr(), torch.get_num_threads())
     return out
 
 

@@ -55,7 +55,7 @@ def _check_default_model(hf):
             attn, moe = layer.self_attn, layer.mlp
             assert attn.attn_options.sliding_window == (6 if ref.self_attn.sliding_window else None)
             assert attn.attn_options.sinks is attn.sinks and torch.equal(attn.sinks, ref.self_attn.sinks)
-            assert moe.experts.activation.kind == "clamped_swiglu" and moe.experts.cpu_experts is None
+            assert moe.experts.activation.kind == "clamped_swiglu" and moe.experts.cpu_experts is not None
             assert torch.equal(moe.router.bias, ref.mlp.router.bias)
     return check
 

@@ -12,7 +12,7 @@ import torch
 from roofline.distributed.parallel_state import tp_group_as
 from roofline.cpu import ops as cpu_ops
 from roofline.model_executor.layers.moe import FusedMoE, RoutingConfig, cpu_experts, select_experts
-from roofline.model_executor.layers.moe.torch_experts import torch_experts
+from roofline.model_executor.layers.moe.torch_experts import ExpertActivation, torch_experts
 
 E, H = 8, 64
 
@@ -25,13 +25,19 @@ def _experts(inter: int, seed: int = 0):
     return gate, up, down
 
 
-def _layer(inter: int, gate, up, down, routing=None, tp=(0, 1)) -> FusedMoE:
+def _layer(inter: int, gate, up, down, routing=None, tp=(0, 1), activation=None, biases=None) -> FusedMoE:
+    """biases: (b_gate [E, I], b_up [E, I], b_down [E, H]) or None."""
+    extra = {} if activation is None else dict(activation=activation)
     with tp_group_as(*tp):
-        layer = FusedMoE(E, H, inter, routing or RoutingConfig(top_k=2, renormalize=True))
+        layer = FusedMoE(E, H, inter, routing or RoutingConfig(top_k=2, renormalize=True), bias=biases is not None,
+                         **extra)
     for e in range(E):
         layer.weight_loader(layer.w13_weight, gate[e], "w1", e)
         layer.weight_loader(layer.w13_weight, up[e], "w3", e)
         layer.weight_loader(layer.w2_weight, down[e], "w2", e)
+        if biases is not None:
+            for b, shard in zip(biases, ("w1", "w3", "w2")):
+                layer.bias_loader(b[e], shard, e)
     assert layer.missing_experts() == []
     return layer
 
@@ -162,3 +168,76 @@ def test_grouped_native_call_gives_the_per_expert_calls_bits(threads, n, k):
     finally:
         torch.set_num_threads(old)
     assert torch.equal(got, expected)
+
+
+OSS = ExpertActivation("clamped_swiglu", alpha=1.702, limit=0.9)  # a limit the projections pass (the clamps bite)
+
+
+def _biases(inter: int, seed: int):
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn(E, inter, generator=g) * 0.3, torch.randn(E, inter, generator=g) * 0.3,
+            torch.randn(E, H, generator=g) * 0.3)
+
+
+@pytest.mark.skipif(not cpu_ops.available(), reason="native CPU kernels not built here")
+@pytest.mark.parametrize("inter", [32, 40])  # 16-aligned and not: both take the one native call
+@pytest.mark.parametrize("n,k", [(1, 2), (5, 2), (37, 3), (300, 2)])
+@pytest.mark.parametrize("kind", ["clamped_swiglu", "silu"])
+def test_cpu_experts_with_biases_and_the_clamped_swiglu_match_reference(inter, n, k, kind):
+    """gpt-oss's experts (gate/up and down biases, the clamped SwiGLU) on the native grouped call: within fp32
+    rounding of torch_experts, the clamps reached; SiLU experts with biases take the unfused route too."""
+    act = OSS if kind == "clamped_swiglu" else ExpertActivation()
+    gate, up, down = _experts(inter, seed=inter + 1)
+    biases = _biases(inter, seed=inter + 2)
+    layer = _layer(inter, gate, up, down, RoutingConfig(top_k=k, renormalize=True), activation=act, biases=biases)
+    x, logits, w, ids = _route(n, k, seed=n + 3)
+    w13, w2 = layer.w13_weight.detach().clone(), layer.w2_weight.detach().clone()
+    expected = torch_experts(x, w13, w2, w, ids, act, layer.w13_bias, layer.w2_bias)
+    assert not torch.allclose(expected, torch_experts(x, w13, w2, w, ids, act), atol=1e-3)  # the biases count
+    if kind == "clamped_swiglu":
+        h = torch.einsum("nh,eih->nei", x, w13) + layer.w13_bias
+        assert (h[..., :inter] > OSS.limit).any() and (h[..., inter:].abs() > OSS.limit).any()
+    layer.prepare_cpu()
+    assert layer.cpu_experts is not None and layer.cpu_experts.takes(x)
+    torch.testing.assert_close(layer(x, logits), expected, rtol=1e-5, atol=1e-5)
+    with cpu_experts.SWITCH.forced(False):  # the torch reference on the relaid weights (other GEMM kernels)
+        torch.testing.assert_close(layer(x, logits), expected, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.skipif(not cpu_ops.available(), reason="native CPU kernels not built here")
+def test_cpu_experts_with_biases_under_tensor_parallelism_sum_to_the_whole():
+    """Two TP slices of a biased clamped-SwiGLU layer on the native call: rank 0 adds the down bias, rank 1 not,
+    and their partial sums add up to the whole layer's output."""
+    inter = 64
+    gate, up, down = _experts(inter, seed=5)
+    biases = _biases(inter, seed=6)
+    x, logits, w, ids = _route(23, 2, seed=7)
+    whole = _layer(inter, gate, up, down, activation=OSS, biases=biases)
+    expected = torch_experts(x, whole.w13_weight, whole.w2_weight, w, ids, OSS, whole.w13_bias, whole.w2_bias)
+    parts = []
+    for rank in range(2):
+        layer = _layer(inter, gate, up, down, tp=(rank, 2), activation=OSS, biases=biases)
+        layer.prepare_cpu()
+        assert layer.cpu_experts is not None
+        parts.append(layer.experts(x, w, ids))
+    torch.testing.assert_close(parts[0] + parts[1], expected, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.skipif(not cpu_ops.available(), reason="native CPU kernels not built here")
+def test_moe_experts_refuses_what_it_cannot_compute():
+    inter = 40
+    gate, up, down = _experts(inter)
+    layer = _layer(inter, gate, up, down)
+    layer.prepare_cpu()
+    ce = layer.cpu_experts
+    x, _, w, ids = _route(3, 2)
+    tokens = torch.zeros(6, dtype=torch.int64)
+    offsets = torch.tensor([0, 6] + [6] * (E - 1), dtype=torch.int64)
+    with pytest.raises(ValueError, match="multiple of 16"):  # SiLU fused into the GEMM needs 16-column panels
+        cpu_ops.moe_experts(x, tokens, tokens, torch.ones(6), offsets, ce.w13_packed, ce.w2_packed, inter)
+    with pytest.raises(ValueError, match="unknown activation 'gelu'"):
+        cpu_ops.moe_experts(x, tokens, tokens, torch.ones(6), offsets, ce.w13_packed, ce.w2_packed, inter,
+                            activation="gelu")
+    with pytest.raises(ValueError, match="bias of shape"):
+        cpu_ops.moe_experts(x, tokens, tokens, torch.ones(6), offsets, ce.w13_packed, ce.w2_packed, inter,
+                            b13=torch.zeros(E, inter), activation="clamped_swiglu", alpha=1.0, limit=1.0)

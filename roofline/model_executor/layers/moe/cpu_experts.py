@@ -6,7 +6,10 @@ then ONE native call (cpu_ops.moe_experts): gather the rows, every active expert
 the SiLU-and-mul fused in and its down GEMM on the packed panels -- the (expert, row block, panel
 group) work items of all experts dealt to one thread team -- and the routing-weighted sum back per
 token.  Other widths run one native call per projection of each ACTIVE expert (the packed GEMM, or
-the threaded GEMV for a single row) and combine in torch.
+the threaded GEMV for a single row) and combine in torch.  gpt-oss's experts (biases, the clamped
+SwiGLU of torch_experts.ExpertActivation) take the one native call at any width: its gate/up GEMM adds
+the bias, an activation pass follows, the down GEMM adds its bias (given by the layer only where the
+reference adds it: TP rank 0).
 
 `CpuExperts.build` makes, once after loading (cpu_prepare.prepare_model), a packed copy of every
 expert's two weights (cpu_ops.pack_panels) and lays the dense stacks out [in x out]-major per expert
@@ -24,7 +27,7 @@ import torch
 
 from roofline.config import Switch
 from roofline.cpu import ops as cpu_ops
-from roofline.model_executor.layers.moe.torch_experts import grouped_by_expert
+from roofline.model_executor.layers.moe.torch_experts import SILU, ExpertActivation, grouped_by_expert
 
 SWITCH = Switch("cpu_moe_kernels")
 
@@ -71,17 +74,23 @@ class CpuExperts:
         return cpu_ops.gemm_packed(h, self.w2_packed[e], self.hidden)
 
     def __call__(self, x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor,
-                 ids: torch.Tensor) -> torch.Tensor:
-        """As torch_experts.torch_experts (x [N, H], weights/ids [N, k] -> [N, H])."""
+                 ids: torch.Tensor, activation: ExpertActivation = SILU, b13: Optional[torch.Tensor] = None,
+                 b2: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """As torch_experts.torch_experts (x [N, H], weights/ids [N, k] -> [N, H]; activation, b13 [E, 2I],
+        b2 [E, H] as there)."""
         n, k = ids.shape
         order, counts = grouped_by_expert(ids, w13.shape[0])
         tokens = order // k
-        if self.inter % cpu_ops.PANEL == 0:
+        plain = activation.is_silu and b13 is None and b2 is None
+        if self.inter % cpu_ops.PANEL == 0 or not plain:
             offsets = torch.zeros(counts.numel() + 1, dtype=torch.int64)
             torch.cumsum(counts, 0, out=offsets[1:])
             slot_row = torch.empty_like(order).index_copy_(0, order, torch.arange(order.numel()))
             return cpu_ops.moe_experts(x, tokens, slot_row, weights.reshape(-1).to(torch.float32).contiguous(),
-                                       offsets, self.w13_packed, self.w2_packed, self.inter)
+                                       offsets, self.w13_packed, self.w2_packed, self.inter,
+                                       b13=None if b13 is None else b13.contiguous(),
+                                       b2=None if b2 is None else b2.contiguous(), activation=activation.kind,
+                                       alpha=activation.alpha, limit=activation.limit)
         x_sorted = x.index_select(0, tokens)  # [N*k, H], rows of one expert together
         y_sorted = torch.empty_like(x_sorted)
         start = 0

@@ -29,9 +29,9 @@ Expert compute by where the tensors live:
 Options (gpt-oss): `activation` (torch_experts.ExpertActivation: SiLU-and-mul, or the clamped SwiGLU) and
 `bias` (w13_bias [slots, 2 I/tp] sliced like w13's rows, w2_bias [slots, H] whole, added by TP rank 0 only
 so that the all-reduce counts it once; under expert parallelism every rank holds whole experts and adds it).
-A layer with either runs the torch reference on the CPU (the native CPU kernels fuse SiLU-and-mul and know no
-biases: prepare_cpu builds no CpuExperts for it) and the Triton grouped GEMM with the bias and activation
-applied in torch between its launches on CUDA; FP8 expert blocks are dequantized at load for it.
+On the CPU such a layer takes the same one native call (cpu_experts.py: the bias in each GEMM, an activation
+pass between them), on CUDA the Triton grouped GEMM with the bias and activation applied in torch between its
+launches; FP8 expert blocks are dequantized at load for it.
 """
 
 from __future__ import annotations
@@ -258,9 +258,9 @@ class FusedMoE(nn.Module):
         return [(e, s) for e in range(self.num_experts) for s in SHARDS if (e, s) not in self._loaded]
 
     def prepare_cpu(self) -> None:
-        """After loading on the CPU: per-expert packed copies for the native kernels (cpu_prepare.prepare_model);
-        none for experts the kernels cannot compute (another activation than SiLU-and-mul, biases)."""
-        if self.w13_quant is None and self.plain:
+        """After loading on the CPU: per-expert packed copies for the native kernels (cpu_prepare.prepare_model;
+        FP8 stacks kept in their blocks take their own route)."""
+        if self.w13_quant is None:
             self.cpu_experts = CpuExperts.build(self.w13_weight, self.w2_weight)
 
     # ---- compute ---------------------------------------------------------------------------------
@@ -268,13 +268,13 @@ class FusedMoE(nn.Module):
         """The chosen experts' weighted sum per token, un-reduced across tensor-parallel ranks."""
         if self.w13_quant is not None:
             return quantized_experts(x, self.w13_quant, self.w2_quant, weights, ids)
-        if self.cpu_experts is not None and self.cpu_experts.takes(x):
-            return self.cpu_experts(x, self.w13_weight, self.w2_weight, weights, ids)
         if self.plain:
             extra = {}
         else:  # the down bias once across the TP group's partial sums (TP rank 0; every rank under EP)
             extra = dict(activation=self.activation, b13=self.w13_bias,
                          b2=self.w2_bias if self.tp_rank == 0 else None)
+        if self.cpu_experts is not None and self.cpu_experts.takes(x):
+            return self.cpu_experts(x, self.w13_weight, self.w2_weight, weights, ids, **extra)
         if x.is_cuda:
             from roofline.model_executor.layers.moe.triton_moe import triton_experts
 
