@@ -64,8 +64,8 @@ class SchedulerConfig:
     enable_chunked_prefill: bool = True
     max_waiting_requests: Optional[int] = None
     # the per-step token budget (core/step_budget.py): prefill tokens join a step's decodes while its predicted
-    # time stays within this inter-token latency target, in ms; None: 1.25x the decodes' own step time; 0: off
-    # (max_num_batched_tokens every step)
+    # time stays within this inter-token latency target, in ms; None: 1.25x the decode step of the batch being
+    # built; 0: off (max_num_batched_tokens every step; the offline LLM class's default, engine/llm.py)
     target_itl_ms: Optional[float] = None
 
 

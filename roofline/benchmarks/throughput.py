@@ -49,6 +49,14 @@ def _make_llm(args, **overrides):
     return LLM(**{k: v for k, v in vars(ea).items()}, show_progress=False)
 
 
+def _make_engine(args, **overrides):
+    """The engine itself (EngineCore), with the engine's and the server's defaults: the ITL-driven token budget
+    on unless --target-itl-ms 0 (the offline LLM class turns it off by default), for a workload that streams."""
+    from roofline.engine.engine_core import EngineCore
+
+    return EngineCore.from_engine_args(engine_args_from(args, **overrides), show_progress=False)
+
+
 def _vocab(llm) -> int:
     return int(llm.llm_engine.model_config.hf_config.vocab_size)
 
@@ -294,10 +302,13 @@ def _w4_run(args, budget: Optional[int]) -> dict:
     ITL-driven token budget off (None: the default configuration, the budget on)."""
     from roofline import SamplingParams
 
-    llm = _make_llm(args, **({} if budget is None else {"max_num_batched_tokens": budget, "target_itl_ms": 0}))
-    engine = llm.llm_engine
-    vocab = _vocab(llm)
-    _warmup(llm)
+    engine = _make_engine(args, **({} if budget is None else {"max_num_batched_tokens": budget, "target_itl_ms": 0}))
+    vocab = int(engine.model_config.hf_config.vocab_size)
+    for i in range(2):  # warm-up, as _warmup's
+        engine.add_request(f"warmup{i}", [100 + j for j in range(16)],
+                           SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
+    while engine.has_unfinished_requests():
+        engine.step()
     decoders = random_requests(16, (64, 64), (256, 256), seed=0, vocab_size=vocab)
     long_req = random_requests(1, (2048, 2048), (16, 16), seed=1, vocab_size=vocab)[0]
     params = SamplingParams(temperature=0, max_tokens=256, ignore_eos=True)
@@ -341,7 +352,7 @@ def _w4_run(args, budget: Optional[int]) -> dict:
            "p99_itl_before_ms": 1000 * p99_before, "p99_during_over_before": p99 / p99_before,
            "ttft_long_s": (long_first - long_added) if long_first and long_added else float("nan"),
            "itl_samples": len(itl_window)}
-    del llm
+    del engine
     gc.collect()
     return res
 

@@ -44,7 +44,8 @@ _HELP = {
                      "decodes while the cost model (calibrated by measured steps) predicts the step within it, "
                      "at least a minimum chunk, at most --max-num-batched-tokens; a step without decodes gets "
                      "--max-num-batched-tokens. Unset: 1.25x the predicted decode step of the batch being built (the "
-                     "running decodes and the requests that join them, as far as --max-num-seqs leaves seats); "
+                     "running decodes and the requests that join them, as far as --max-num-seqs leaves seats) in "
+                     "the server and the engine, off in the offline LLM class (throughput: no stream to protect); "
                      "0: off (--max-num-batched-tokens every step)",
     "scheduling_policy": "fcfs | priority",
     "attention_backend": "auto | torch | cpu | triton",

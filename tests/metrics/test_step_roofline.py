@@ -183,12 +183,13 @@ def test_engine_records_every_step_and_switch_turns_it_off(tiny_models):
     assert st.num_free_blocks == st.num_total_blocks
 
     # off: no records; the model stays while the token budget plans with it, and goes with the budget off too
-    off = LLM(path, dtype="float32", device="cpu", num_kv_blocks=64, show_progress=False, step_roofline=False)
+    # (offline LLM: the budget only with a target given)
+    off = LLM(path, dtype="float32", device="cpu", num_kv_blocks=64, show_progress=False, step_roofline=False,
+              target_itl_ms=50)
     outs_off = off.generate(prompts, sp, use_tqdm=False)
     assert off.llm_engine.step_time is not None and off.llm_engine.get_stats().step_roofline == []
     assert [o.outputs[0].token_ids for o in outs_on] == [o.outputs[0].token_ids for o in outs_off]
-    none = LLM(path, dtype="float32", device="cpu", num_kv_blocks=64, show_progress=False, step_roofline=False,
-               target_itl_ms=0)
+    none = LLM(path, dtype="float32", device="cpu", num_kv_blocks=64, show_progress=False, step_roofline=False)
     assert none.llm_engine.step_roofline is None and none.llm_engine.step_time is None
 
 
