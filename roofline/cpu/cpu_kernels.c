@@ -969,9 +969,9 @@ void gemm_packed_silu_mul_f32(const float *a, int64_t lda, const float *panels, 
  * The GEMM work items -- (expert, block of up to 96 rows, panel group) over every active expert -- are
  * dealt dynamically, so at decode, where each expert has a few rows, all experts' panels stream
  * through both cores back to back.  Each item computes exactly what packed_gemm's item does for that
- * expert alone, so rows get the bits of the per-expert calls.  I must be a multiple of 16.
+ * expert alone, so rows get the bits of the per-expert calls.  On that route (plain SiLU) I must be a multiple of 16.
  *
- * moe_experts_opts_f32 adds gpt-oss's experts: biases (b13 [E, 2I] on the gate/up projection, b2 [E, H] on
+ * Options, for gpt-oss's experts: biases (b13 [E, 2I] on the gate/up projection, b2 [E, H] on
  * the down projection, before the routing weight; NULL: none) and the activation act (MOE_ACT_SILU, or
  * MOE_ACT_CLAMPED_SWIGLU: gate g = min(g, limit), up u clamped to [-limit, limit], (u + 1) g sigmoid(alpha g),
  * in the order of HF's GptOssExperts).  Unless the experts are plain SiLU without b13 (the fused route
@@ -995,44 +995,33 @@ static int64_t moe_items(const int64_t *offsets, int64_t E, int64_t ng, moe_item
     return n;
 }
 
-/* One row's act(gate, up) over [gate | up] (2I floats at gu) into out[0..I) (out may be gu itself: each
- * lane reads its gate and up before writing where the gate was). */
-static void moe_activation_row(const float *gu, float *out, int64_t I, int act, float alpha, float limit) {
+/* One row's clamped SwiGLU over [gate | up] (2I floats at gu) into out[0..I) (out may be gu itself: each lane
+ * reads its gate and up before writing where the gate was). */
+static void clamped_swiglu_row(const float *gu, float *out, int64_t I, float alpha, float limit) {
     const float *g = gu, *u = gu + I;
     int64_t i = 0;
 #ifdef HAVE_AVX2
-    const __m256 one = _mm256_set1_ps(1.0f), zero = _mm256_setzero_ps();
+    const __m256 one = _mm256_set1_ps(1.0f);
     const __m256 lim = _mm256_set1_ps(limit), nlim = _mm256_set1_ps(-limit), nalpha = _mm256_set1_ps(-alpha);
     for (; i + 8 <= I; i += 8) {
-        __m256 gv = _mm256_loadu_ps(g + i), uv = _mm256_loadu_ps(u + i), r;
-        if (act == MOE_ACT_SILU) {
-            r = _mm256_mul_ps(_mm256_div_ps(gv, _mm256_add_ps(one, exp256(_mm256_sub_ps(zero, gv)))), uv);
-        } else {
-            gv = _mm256_min_ps(gv, lim);
-            uv = _mm256_max_ps(_mm256_min_ps(uv, lim), nlim);
-            const __m256 glu = _mm256_div_ps(gv, _mm256_add_ps(one, exp256(_mm256_mul_ps(nalpha, gv))));
-            r = _mm256_mul_ps(_mm256_add_ps(uv, one), glu);
-        }
-        _mm256_storeu_ps(out + i, r);
+        const __m256 gv = _mm256_min_ps(_mm256_loadu_ps(g + i), lim);
+        const __m256 uv = _mm256_max_ps(_mm256_min_ps(_mm256_loadu_ps(u + i), lim), nlim);
+        const __m256 glu = _mm256_div_ps(gv, _mm256_add_ps(one, exp256(_mm256_mul_ps(nalpha, gv))));
+        _mm256_storeu_ps(out + i, _mm256_mul_ps(_mm256_add_ps(uv, one), glu));
     }
 #endif
     for (; i < I; i++) {
-        float gi = g[i], ui = u[i];
-        if (act == MOE_ACT_SILU) {
-            out[i] = gi / (1.0f + exp_clamped(-gi)) * ui;
-        } else {
-            gi = gi < limit ? gi : limit;
-            ui = ui < limit ? (ui > -limit ? ui : -limit) : limit;
-            out[i] = (ui + 1.0f) * (gi / (1.0f + exp_clamped(-alpha * gi)));
-        }
+        const float gi = g[i] < limit ? g[i] : limit;
+        const float ui = u[i] < limit ? (u[i] > -limit ? u[i] : -limit) : limit;
+        out[i] = (ui + 1.0f) * (gi / (1.0f + exp_clamped(-alpha * gi)));
     }
 }
 
-static void moe_experts(const float *x, int64_t ldx, int64_t N, int64_t k, const int64_t *row_token,
-                        const int64_t *slot_row, const float *slot_weight, const int64_t *offsets, int64_t E,
-                        const float *w13, const float *w2, const float *b13, const float *b2, int act, float alpha,
-                        float limit, int64_t H, int64_t I, float *xs, float *hs, float *gu, float *ys, float *out,
-                        int nthreads) {
+void moe_experts_f32(const float *x, int64_t ldx, int64_t N, int64_t k, const int64_t *row_token,
+                     const int64_t *slot_row, const float *slot_weight, const int64_t *offsets, int64_t E,
+                     const float *w13, const float *w2, const float *b13, const float *b2, int act, float alpha,
+                     float limit, int64_t H, int64_t I, float *xs, float *hs, float *gu, float *ys, float *out,
+                     int nthreads) {
     const int64_t R = N * k, np2 = (H + GEMM_NR - 1) / GEMM_NR, np1 = (2 * I + GEMM_NR - 1) / GEMM_NR;
     const int fused = act == MOE_ACT_SILU && !b13;  /* SiLU-and-mul in the gate/up GEMM's epilogue */
     const int64_t w13_size = np1 * GEMM_NR * H, w2_size = np2 * GEMM_NR * I;  /* floats per expert */
@@ -1062,7 +1051,13 @@ static void moe_experts(const float *x, int64_t ldx, int64_t N, int64_t k, const
         }
         if (!fused) {
 #pragma omp for schedule(static)
-            for (int64_t r = 0; r < R; r++) moe_activation_row(gu + r * 2 * I, gu + r * 2 * I, I, act, alpha, limit);
+            for (int64_t r = 0; r < R; r++) {
+                float *row = gu + r * 2 * I;
+                if (act == MOE_ACT_SILU)
+                    gated_and_mul(row, row, 1, I, 0, 1);
+                else
+                    clamped_swiglu_row(row, row, I, alpha, limit);
+            }
         }
 #pragma omp for schedule(dynamic)
         for (int64_t it = 0; it < n2; it++) {
@@ -1087,23 +1082,6 @@ static void moe_experts(const float *x, int64_t ldx, int64_t N, int64_t k, const
         }
     }
     free(items1);
-}
-
-void moe_experts_f32(const float *x, int64_t ldx, int64_t N, int64_t k, const int64_t *row_token,
-                     const int64_t *slot_row, const float *slot_weight, const int64_t *offsets, int64_t E,
-                     const float *w13, const float *w2, int64_t H, int64_t I, float *xs, float *hs, float *ys,
-                     float *out, int nthreads) {
-    moe_experts(x, ldx, N, k, row_token, slot_row, slot_weight, offsets, E, w13, w2, 0, 0, MOE_ACT_SILU, 0.f, 0.f, H,
-                I, xs, hs, 0, ys, out, nthreads);
-}
-
-void moe_experts_opts_f32(const float *x, int64_t ldx, int64_t N, int64_t k, const int64_t *row_token,
-                          const int64_t *slot_row, const float *slot_weight, const int64_t *offsets, int64_t E,
-                          const float *w13, const float *w2, const float *b13, const float *b2, int act, float alpha,
-                          float limit, int64_t H, int64_t I, float *xs, float *hs, float *gu, float *ys, float *out,
-                          int nthreads) {
-    moe_experts(x, ldx, N, k, row_token, slot_row, slot_weight, offsets, E, w13, w2, b13, b2, act, alpha, limit, H,
-                I, xs, hs, gu, ys, out, nthreads);
 }
 
 /* ---- prefill attention ------------------------------------------------------------------------

@@ -84,8 +84,7 @@ _SIGNATURES = {
     "pack_panels_f32": [_P, _I, _I, _I, _P],
     "gemm_packed_f32": [_P, _I, _P, _P, _P, _I, _I, _I, _I, ctypes.c_int],
     "gemm_packed_silu_mul_f32": [_P, _I, _P, _P, _I, _I, _I, _I, ctypes.c_int],
-    "moe_experts_f32": [_P, _I, _I, _I, _P, _P, _P, _P, _I, _P, _P, _I, _I, _P, _P, _P, _P, ctypes.c_int],
-    "moe_experts_opts_f32": [_P, _I, _I, _I, _P, _P, _P, _P, _I, _P, _P, _P, _P, ctypes.c_int, _F, _F, _I, _I, _P, _P,
+    "moe_experts_f32": [_P, _I, _I, _I, _P, _P, _P, _P, _I, _P, _P, _P, _P, ctypes.c_int, _F, _F, _I, _I, _P, _P,
                              _P, _P, _P, ctypes.c_int],
     "greedy_head_f32": [_P, _I, _I, _I, _I, _P, _P, _P, _P, _F, ctypes.c_int32, _P, _P, _I, _I, _P, _P, _P,
                         ctypes.c_int],
@@ -560,7 +559,7 @@ def moe_experts(x: torch.Tensor, row_token: torch.Tensor, slot_row: torch.Tensor
                 offsets: torch.Tensor, w13_packed: torch.Tensor, w2_packed: torch.Tensor, inter: int,
                 b13: Optional[torch.Tensor] = None, b2: Optional[torch.Tensor] = None, activation: str = "silu",
                 alpha: float = 0.0, limit: float = 0.0) -> torch.Tensor:
-    """A MoE layer's routed experts in one native call (cpu_kernels.c moe_experts_f32 / moe_experts_opts_f32):
+    """A MoE layer's routed experts in one native call (cpu_kernels.c moe_experts_f32):
     x [N, H]; the N*k (token, slot) rows sorted by expert, sorted row r from token row_token[r] (int64 [N*k]);
     expert e's rows offsets[e]..offsets[e+1] (int64 [E+1]); (token t, slot j) at sorted row slot_row[t*k+j]
     with weight slot_weight[t*k+j] (fp32); w13_packed [E, ceil(2*inter/16)*16*H] and
@@ -598,17 +597,12 @@ def moe_experts(x: torch.Tensor, row_token: torch.Tensor, slot_row: torch.Tensor
     out = torch.empty((n, h), dtype=torch.float32)
     args = (x.data_ptr(), x.stride(0), n, r // n if n else 0, row_token.data_ptr(), slot_row.data_ptr(),
             slot_weight.data_ptr(), offsets.data_ptr(), e, w13_packed.data_ptr(), w2_packed.data_ptr())
-    if fused and b2 is None:
-        hs = torch.empty((r, inter), dtype=torch.float32)
-        _need().moe_experts_f32(*args, h, inter, xs.data_ptr(), hs.data_ptr(), ys.data_ptr(), out.data_ptr(),
-                                torch.get_num_threads())
-        return out
     # the activations: hs [R, inter] on the fused route, else left in gu's rows [R, 2*inter]
     hs = torch.empty((r, inter) if fused else (0,), dtype=torch.float32)
     gu = torch.empty((0,) if fused else (r, 2 * inter), dtype=torch.float32)
-    _need().moe_experts_opts_f32(*args, 0 if b13 is None else b13.data_ptr(), 0 if b2 is None else b2.data_ptr(),
-                                 MOE_ACTIVATIONS[activation], alpha, limit, h, inter, xs.data_ptr(), hs.data_ptr(),
-                                 gu.data_ptr(), ys.data_ptr(), out.data_ptr(), torch.get_num_threads())
+    _need().moe_experts_f32(*args, 0 if b13 is None else b13.data_ptr(), 0 if b2 is None else b2.data_ptr(),
+                            MOE_ACTIVATIONS[activation], alpha, limit, h, inter, xs.data_ptr(), hs.data_ptr(),
+                            gu.data_ptr(), ys.data_ptr(), out.data_ptr(), torch.get_num_threads())
     return out
 
 
