@@ -21,10 +21,10 @@
  *                         (a decode verifying speculative drafts, a few decodes) by the same GEMV decoding
  *                         each weight block once for a group of rows (up to six in the AVX2 build, taking a
  *                         block's groups of eight weights in passes; all of them in the AVX-512 build's
- *                         sixteen-lane registers) -- every row's values are the one-row
- *                         GEMV's, bit for bit, and the same in both builds (the AVX-512 build takes up to 32
- *                         rows of these formats so, eight at a time); the activation-quantized mode
- *                         (QT_ACT_Q8) for any rows, over weights interleaved sixteen rows at a time
+ *                         sixteen-lane registers, two weight rows at a time up to four rows) -- every row's
+ *                         values are the one-row GEMV's, bit for bit, and the same in both builds; the
+ *                         activation-quantized mode (QT_ACT_Q8) for any rows, over weights interleaved
+ *                         sixteen rows at a time
  *   quant_expand_panel    16 weight rows expanded into one panel of cpu_kernels.c's packed GEMM, which
  *                         quant_linear_f32 there runs over more rows (its values: gemm_packed_f32's over the
  *                         dequantized weight, bit for bit, whatever M past the rows routes)
@@ -273,6 +273,7 @@ typedef struct {
 /* fp16 -> fp32 of every 16-bit pattern (half_to_float's values), so a block's d and m are each one
  * broadcast straight from memory -- a load, where converting them took five vector uops of the ~12 a
  * two-row block's loop runs on the two AVX-512 ports */
+#define GEMV_PREFETCH 2048  /* bytes ahead the AVX-512 GEMVs prefetch */
 static float half_table[65536];
 __attribute__((constructor)) static void fill_half_table(void) {
     for (uint32_t h = 0; h < 65536; h++) {
@@ -338,7 +339,7 @@ static inline __attribute__((always_inline)) void dot_rows_pairs(int qt, const u
     __m512 w0 = block_pair(qt, &dec, 0), w1 = block_pair(qt, &dec, 1);
     for (int64_t b = 0; b < nb; b++) {
         const uint8_t *blk = row + b * bb;
-        if (b + 4 < nb) _mm_prefetch((const char *)(blk + 4 * bb), _MM_HINT_T0);
+        _mm_prefetch((const char *)(blk + GEMV_PREFETCH), _MM_HINT_T0);
         __m512 n0 = w0, n1 = w1;
         if (b + 1 < nb) {
             dec = block_pairs(qt, blk + bb);
@@ -353,6 +354,81 @@ static inline __attribute__((always_inline)) void dot_rows_pairs(int qt, const u
         w1 = n1;
     }
     for (int m = 0; m < MM; m++) out[m] = hsum_pairs(acc[m][0], acc[m][1]);
+}
+
+/* dot_rows_pairs for two weight rows at once: out0[m] / out1[m] = x_m . row0 / row1, each sum the very chain
+ * of dot_rows_pairs (so dot_row's, bit for bit), the activations loaded once for both rows.  One weight row's
+ * sums are MM x 2 chains of dependent FMAs, one FMA per block each; the second row doubles the independent
+ * chains (the one-row GEMV's reason for dot_row_pair) -- 2 x MM x 2 accumulators, 16 of 32 registers at
+ * MM = 4; more rows go in two calls, or one weight row at a time (dot_rows_two_any).  2 threads, 2-core Zen 5, 120 Q4_1 weights of 30 SmolLM2
+ * layers from memory, best of 12: 2 rows 4.00-4.60 -> 3.20-3.71 ms, 4 rows 5.18-5.85 -> 4.29-4.84 ms (one
+ * row 2.3-2.8 ms); with the 2 KiB prefetch now in dot_rows_pairs too, 5 rows 6.1-6.9 -> 5.1-6.1 ms, 6 rows
+ * 7.3-8.4 -> 5.8-6.5 ms (it prefetched four blocks, ~100 bytes, ahead). */
+static inline __attribute__((always_inline)) void dot_rows_two(int qt, const uint8_t *row0, const uint8_t *row1,
+                                                               int64_t bb, const float *x, int64_t ldx,
+                                                               const int MM, int64_t nb, float *out0,
+                                                               float *out1) {
+    __m512 acc[2][4][2];
+    for (int m = 0; m < MM; m++) acc[0][m][0] = acc[0][m][1] = acc[1][m][0] = acc[1][m][1] = _mm512_setzero_ps();
+    block_pairs_t d0 = block_pairs(qt, row0), d1 = block_pairs(qt, row1);
+    __m512 w00 = block_pair(qt, &d0, 0), w01 = block_pair(qt, &d0, 1);
+    __m512 w10 = block_pair(qt, &d1, 0), w11 = block_pair(qt, &d1, 1);
+    for (int64_t b = 0; b < nb; b++) {
+        _mm_prefetch((const char *)(row0 + b * bb + GEMV_PREFETCH), _MM_HINT_T0);
+        _mm_prefetch((const char *)(row1 + b * bb + GEMV_PREFETCH), _MM_HINT_T0);
+        __m512 n00 = w00, n01 = w01, n10 = w10, n11 = w11;
+        if (b + 1 < nb) {  /* block b+1 decoded before block b's FMAs (dot_rows_pairs' pipelining) */
+            d0 = block_pairs(qt, row0 + (b + 1) * bb);
+            d1 = block_pairs(qt, row1 + (b + 1) * bb);
+            n00 = block_pair(qt, &d0, 0);
+            n01 = block_pair(qt, &d0, 1);
+            n10 = block_pair(qt, &d1, 0);
+            n11 = block_pair(qt, &d1, 1);
+        }
+        for (int m = 0; m < MM; m++) {
+            const __m512 x0 = _mm512_loadu_ps(x + m * ldx + b * 32), x1 = _mm512_loadu_ps(x + m * ldx + b * 32 + 16);
+            acc[0][m][0] = _mm512_fmadd_ps(x0, w00, acc[0][m][0]);
+            acc[0][m][1] = _mm512_fmadd_ps(x1, w01, acc[0][m][1]);
+            acc[1][m][0] = _mm512_fmadd_ps(x0, w10, acc[1][m][0]);
+            acc[1][m][1] = _mm512_fmadd_ps(x1, w11, acc[1][m][1]);
+        }
+        w00 = n00;
+        w01 = n01;
+        w10 = n10;
+        w11 = n11;
+    }
+    for (int m = 0; m < MM; m++) {
+        out0[m] = hsum_pairs(acc[0][m][0], acc[0][m][1]);
+        out1[m] = hsum_pairs(acc[1][m][0], acc[1][m][1]);
+    }
+}
+
+/* dot_rows_two for 1 <= M <= QROWS_MAX rows, more than four in two calls (the caller sends those here for
+ * long rows only: 1 thread, hot, 5-8 rows over 128 x 4608 Q4_1 84-136 -> 62-83 us, where M rows of
+ * activations leave L1; over 1024 x 576 and 384 x 1536 the one weight row of dot_rows_pairs is as fast or
+ * faster, 60 against 64 us at 5 rows of 576) */
+static void dot_rows_two_any(int qt, const uint8_t *row0, const uint8_t *row1, const float *x, int64_t ldx, int M,
+                             int64_t K, float *out0, float *out1) {
+    const int64_t bb = quant_block_bytes(qt), nb = K / 32;
+#define TWO(QT, MM) dot_rows_two(QT, row0, row1, bb, x, ldx, MM, nb, out0, out1)
+#define TWO2(QT, MM, F) dot_rows_two(QT, row0, row1, bb, x + (F) * ldx, ldx, MM, nb, out0 + (F), out1 + (F))
+#define TWO_FORMAT(QT)                  \
+    switch (M) {                        \
+    case 1: TWO(QT, 1); return;         \
+    case 2: TWO(QT, 2); return;         \
+    case 3: TWO(QT, 3); return;         \
+    case 4: TWO(QT, 4); return;         \
+    case 5: TWO(QT, 3); TWO2(QT, 2, 3); return; \
+    case 6: TWO(QT, 3); TWO2(QT, 3, 3); return; \
+    case 7: TWO(QT, 4); TWO2(QT, 3, 4); return; \
+    default: TWO(QT, 4); TWO2(QT, 4, 4); return; \
+    }
+    if (qt == QT_Q4_1) TWO_FORMAT(QT_Q4_1)  /* the format a constant too: no branch on it in the loop */
+    if (qt == QT_Q4_0) TWO_FORMAT(QT_Q4_0)
+    TWO_FORMAT(QT_Q8_0)
+#undef TWO_FORMAT
+#undef TWO2
+#undef TWO
 }
 #endif
 
@@ -406,7 +482,6 @@ static float dot_row(int qt, const uint8_t *row, const float *x, int64_t K) {
  * block per accumulator, and two independent chains keep the FMA units busy while a lone chain waits
  * on its latency; the activations are loaded once for both.  (The AVX-512 build: 10-14% faster per
  * GEMV here; with AVX2's sixteen registers the two rows spill and it was 5-10% slower.) */
-#define GEMV_PREFETCH 2048  /* bytes ahead the two-row GEMV prefetches */
 static void dot_row_pair(int qt, const uint8_t *row0, const uint8_t *row1, const float *x, int64_t K, float *out) {
     const int64_t bb = quant_block_bytes(qt), nb = K / 32;
     __m512 acc[2][2] = {{_mm512_setzero_ps(), _mm512_setzero_ps()}, {_mm512_setzero_ps(), _mm512_setzero_ps()}};
@@ -585,6 +660,20 @@ static void quant_gemv_rows(int qt, const float *a, int64_t lda, const uint8_t *
             for (int m = 0; m < mm; m++) permute_x(x + m * lda, K, xp + m * K);
             x = xp;
             ldx = K;
+        }
+#endif
+#ifdef QUANT_AVX512
+        if ((qt == QT_Q4_0 || qt == QT_Q4_1 || qt == QT_Q8_0) && (mm <= 4 || K >= 2048)) {  /* weight rows in pairs (dot_rows_two) */
+#pragma omp parallel for num_threads(nthreads) schedule(static) if (N * K > 32768)
+            for (int64_t p = 0; p < (N + 1) / 2; p++) {
+                const int64_t n = 2 * p;
+                float s[2][QROWS_MAX];
+                if (n + 1 < N) dot_rows_two_any(qt, w + n * row_bytes, w + (n + 1) * row_bytes, x, ldx, mm, K, s[0], s[1]);
+                else dot_rows(qt, w + n * row_bytes, x, ldx, mm, K, s[0]);
+                for (int64_t i = n; i < n + 2 && i < N; i++)
+                    for (int m = 0; m < mm; m++) c[(m0 + m) * ldc + i] = bias ? s[i - n][m] + bias[i] : s[i - n][m];
+            }
+            continue;
         }
 #endif
 #pragma omp parallel for num_threads(nthreads) schedule(static) if (N * K > 32768)

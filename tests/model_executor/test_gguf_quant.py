@@ -82,13 +82,14 @@ def test_gemv_result_does_not_depend_on_the_thread_count(threads):
 
 
 @pytest.mark.parametrize("qtype", sorted(FORMATS))
-@pytest.mark.parametrize("m", [2, 3, 5, 8])
+@pytest.mark.parametrize("m", [2, 3, 4, 5, 8])
 @pytest.mark.parametrize("threads", [1, 2])
-def test_a_few_rows_are_the_one_row_gemv_bit_for_bit(qtype, m, threads):
+@pytest.mark.parametrize("cols", [512, 2048])  # 2048: more than four rows go as two calls of two weight rows
+def test_a_few_rows_are_the_one_row_gemv_bit_for_bit(qtype, m, threads, cols):
     """2..8 rows (a decode verifying drafts, a few decodes): each weight row decoded once for all of
     them, and every row's values exactly the one-row GEMV's (so a verified draft's logits are a plain
     decode's)."""
-    rows, cols = 53, 512
+    rows = 53
     g = torch.Generator().manual_seed(m * 7 + qtype)
     w = random_blocks(qtype, rows, cols, seed=m * 3 + qtype)
     x = torch.randn(m, cols, generator=g)
