@@ -273,7 +273,6 @@ typedef struct {
 /* fp16 -> fp32 of every 16-bit pattern (half_to_float's values), so a block's d and m are each one
  * broadcast straight from memory -- a load, where converting them took five vector uops of the ~12 a
  * two-row block's loop runs on the two AVX-512 ports */
-#define GEMV_PREFETCH 2048  /* bytes ahead the AVX-512 GEMVs prefetch */
 static float half_table[65536];
 __attribute__((constructor)) static void fill_half_table(void) {
     for (uint32_t h = 0; h < 65536; h++) {
@@ -286,6 +285,8 @@ static inline float half_at(const uint8_t *p) {
     memcpy(&h, p, sizeof h);
     return half_table[h];
 }
+
+#define GEMV_PREFETCH 2048  /* bytes ahead the AVX-512 GEMVs prefetch */
 
 static inline block_pairs_t block_pairs(int qt, const uint8_t *blk) {
     block_pairs_t b;
@@ -359,9 +360,10 @@ static inline __attribute__((always_inline)) void dot_rows_pairs(int qt, const u
 /* dot_rows_pairs for two weight rows at once: out0[m] / out1[m] = x_m . row0 / row1, each sum the very chain
  * of dot_rows_pairs (so dot_row's, bit for bit), the activations loaded once for both rows.  One weight row's
  * sums are MM x 2 chains of dependent FMAs, one FMA per block each; the second row doubles the independent
- * chains (the one-row GEMV's reason for dot_row_pair) -- 2 x MM x 2 accumulators, 16 of 32 registers at
- * MM = 4; more rows go in two calls, or one weight row at a time (dot_rows_two_any).  2 threads, 2-core Zen 5, 120 Q4_1 weights of 30 SmolLM2
- * layers from memory, best of 12: 2 rows 4.00-4.60 -> 3.20-3.71 ms, 4 rows 5.18-5.85 -> 4.29-4.84 ms (one
+ * chains (the one-row GEMV's reason for dot_row_pair, which keeps its own loop: this one at MM = 1 ran it
+ * 2-13% slower on the Zen 5) -- 2 x MM x 2 accumulators, 16 of 32 registers at MM = 4; more rows go in two
+ * calls, or one weight row at a time (dot_rows_two_any).  2 threads, 2-core Zen 5, 120 Q4_1 weights of 30
+ * SmolLM2 layers from memory, best of 12: 2 rows 4.00-4.60 -> 3.20-3.71 ms, 4 rows 5.18-5.85 -> 4.29-4.84 ms (one
  * row 2.3-2.8 ms); with the 2 KiB prefetch now in dot_rows_pairs too, 5 rows 6.1-6.9 -> 5.1-6.1 ms, 6 rows
  * 7.3-8.4 -> 5.8-6.5 ms (it prefetched four blocks, ~100 bytes, ahead). */
 static inline __attribute__((always_inline)) void dot_rows_two(int qt, const uint8_t *row0, const uint8_t *row1,
@@ -663,7 +665,8 @@ static void quant_gemv_rows(int qt, const float *a, int64_t lda, const uint8_t *
         }
 #endif
 #ifdef QUANT_AVX512
-        if ((qt == QT_Q4_0 || qt == QT_Q4_1 || qt == QT_Q8_0) && (mm <= 4 || K >= 2048)) {  /* weight rows in pairs (dot_rows_two) */
+        /* weight rows in pairs (dot_rows_two) up to four rows, or for long rows */
+        if ((qt == QT_Q4_0 || qt == QT_Q4_1 || qt == QT_Q8_0) && (mm <= 4 || K >= 2048)) {
 #pragma omp parallel for num_threads(nthreads) schedule(static) if (N * K > 32768)
             for (int64_t p = 0; p < (N + 1) / 2; p++) {
                 const int64_t n = 2 * p;
