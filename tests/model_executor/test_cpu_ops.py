@@ -215,6 +215,35 @@ def test_a_few_rows_attend_exactly_as_decodes(rows, heads, kv_heads, head_dim):
             torch.testing.assert_close(got[qsl[r]:qsl[r + 1]], as_decodes, atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("threads", [2, 3])
+@pytest.mark.parametrize("specs,heads,kv_heads", [([(70, 5)], 9, 3), ([(50, 6)], 8, 1), ([(33, 2)], 4, 2),
+                                                  ([(40, 8), (17, 3)], 9, 3), ([(15, 7)], 6, 3)])
+def test_a_lone_verifying_request_splits_its_rows_exactly(specs, heads, kv_heads, threads):
+    """A single stream verifying its drafts has fewer (request, KV head) pairs than two a thread, so its rows
+    are split into parts that read the head's K and V separately: every row is still, bit for bit, a decode
+    at its own causal length, whatever part it falls in (parts of uneven sizes, a part of one row, rows
+    crossing a block boundary, one KV head)."""
+    meta, q, k, v, cache, _ = make_batch(specs, block_size=16, num_heads=heads, num_kv_heads=kv_heads,
+                                         head_dim=64, seed=len(specs) + heads)
+    write_kv_torch(k, v, cache, meta.slot_mapping)
+    saved = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        got = torch.empty_like(q)
+        cpu_ops.paged_prefill_attention(q, cache, meta.block_tables, meta.query_start_loc, meta.seq_lens, 0.125,
+                                        got)
+        qsl, lens = meta.query_start_loc.tolist(), meta.seq_lens.tolist()
+        for r in range(len(specs)):
+            n = qsl[r + 1] - qsl[r]
+            own = torch.tensor([lens[r] - n + i + 1 for i in range(n)], dtype=torch.int32)
+            torch.set_num_threads(1)
+            as_decodes = cpu_ops.paged_decode_attention(q[qsl[r]:qsl[r + 1]].contiguous(), cache,
+                                                        meta.block_tables[r:r + 1].expand(n, -1), own, 0.125)
+            assert torch.equal(got[qsl[r]:qsl[r + 1]], as_decodes), r
+    finally:
+        torch.set_num_threads(saved)
+
+
 def test_prefill_head_size_off_the_tiles_falls_back():
     """A head size that is not a multiple of 16 keeps the SDPA path, with the same result."""
     meta, q, k, v, cache, _ = make_batch([(0, 20), (7, 9)], block_size=16, num_heads=4, num_kv_heads=2, head_dim=24)
