@@ -219,38 +219,25 @@ static inline __attribute__((always_inline)) void scores_tile(const int GT, cons
 typedef struct {
     const char *at, *end;
     int64_t per_call;  /* lines per prefetch call */
-    const char *row;   /* the slice being fetched: rows of `width` bytes, `stride` apart (width 0: one range) */
+    const char *row;   /* the row being fetched; rows are `width` bytes, `stride` apart */
     int64_t width, stride;
 } ahead_t;
 
 static const ahead_t NOTHING_AHEAD = {0, 0, 0, 0, 0, 0};
 
-/* Block b of a sequence of S tokens in `cache` (token rows of tok_stride floats), its lines spread over
- * `calls` prefetch calls; nothing past the sequence's last block.  Of each token row only the `width`
- * floats from `offset` (an item's KV heads), or the whole row where width == tok_stride. */
-static inline ahead_t block_ahead_slice(const float *cache, const int32_t *bt, int64_t b, int64_t S,
-                                        int64_t block_size, int64_t tok_stride, int64_t offset, int64_t width,
-                                        int64_t calls) {
+/* Block b of a sequence of S tokens in `cache` (token rows of tok_stride floats), the `width` floats from
+ * `offset` of each row (an item's KV heads; width == tok_stride: whole rows), its lines spread over `calls`
+ * prefetch calls; nothing past the sequence's last block. */
+static inline ahead_t block_ahead(const float *cache, const int32_t *bt, int64_t b, int64_t S, int64_t block_size,
+                                  int64_t tok_stride, int64_t offset, int64_t width, int64_t calls) {
     const int64_t left = S - b * block_size;
     if (left <= 0) return NOTHING_AHEAD;
     const int64_t rows = left < block_size ? left : block_size;
     const float *first = cache + (int64_t)bt[b] * block_size * tok_stride + offset;
-    if (width == tok_stride) {
-        const int64_t floats = rows * tok_stride;
-        ahead_t a = {(const char *)first, (const char *)(first + floats),
-                     ((floats * (int64_t)sizeof(float) + 63) / 64 + calls - 1) / calls, (const char *)first, 0, 0};
-        return a;
-    }
     const int64_t row_bytes = width * (int64_t)sizeof(float), lines = rows * ((row_bytes + 63) / 64);
     ahead_t a = {(const char *)first, (const char *)(first + (rows - 1) * tok_stride + width),
-                 (lines + calls - 1) / calls, (const char *)first, row_bytes,
-                 tok_stride * (int64_t)sizeof(float)};
+                 (lines + calls - 1) / calls, (const char *)first, row_bytes, tok_stride * (int64_t)sizeof(float)};
     return a;
-}
-
-static inline ahead_t block_ahead(const float *cache, const int32_t *bt, int64_t b, int64_t S, int64_t block_size,
-                                  int64_t tok_stride, int64_t calls) {
-    return block_ahead_slice(cache, bt, b, S, block_size, tok_stride, 0, tok_stride, calls);
 }
 
 static inline void fetch_ahead(ahead_t *a) {
@@ -258,7 +245,7 @@ static inline void fetch_ahead(ahead_t *a) {
     for (int64_t i = 0; i < a->per_call && a->at < a->end; i++) {
         _mm_prefetch(a->at, _MM_HINT_T0);
         a->at += 64;
-        if (a->width && a->at >= a->row + a->width) a->at = a->row += a->stride;
+        if (a->at >= a->row + a->width) a->at = a->row += a->stride;
     }
 #else
     (void)a;
@@ -474,7 +461,7 @@ static void decode_attention(const float *q, int64_t q_row_stride, float *out, c
      * block's head tiles (and 32-wide value slices) make */
     const int64_t width = span * D;  /* of each token row, the floats an item reads */
     const int64_t tiles = span * ((G + 2) / 3);
-    const int64_t score_calls = tiles, value_calls = tiles * (D / 32 + (D % 32 ? 1 : 0));
+    const int64_t score_calls = tiles, value_calls = tiles * ((D + 31) / 32);
 #pragma omp parallel num_threads(nthreads) if (items > 1)
     {
         int64_t cap = 0;
@@ -500,8 +487,8 @@ static void decode_attention(const float *q, int64_t q_row_stride, float *out, c
                 const float *kb = key_cache + (int64_t)bt[b] * block_size * tok_stride + kv0 * D;
                 /* next: K block b + 1, after the last one the window's first V block */
                 ahead_t next = t0 + block_size < S
-                                   ? block_ahead_slice(key_cache, bt, b + 1, S, block_size, tok_stride, kv0 * D, width, score_calls)
-                                   : block_ahead_slice(value_cache, bt, b0, S, block_size, tok_stride, kv0 * D, width, score_calls);
+                                   ? block_ahead(key_cache, bt, b + 1, S, block_size, tok_stride, kv0 * D, width, score_calls)
+                                   : block_ahead(value_cache, bt, b0, S, block_size, tok_stride, kv0 * D, width, score_calls);
                 block_scores(qs, kb, tok_stride, nt, nh, G, D, scale, scores, S, t0, mx, &next);
             }
             if (opts) {  /* pass 2 */
@@ -517,7 +504,7 @@ static void decode_attention(const float *q, int64_t q_row_stride, float *out, c
             for (int64_t b = b0, t0 = b0 * block_size; t0 < S; b++, t0 += block_size) {  /* pass 3: weighted values */
                 const int64_t nt = S - t0 < block_size ? S - t0 : block_size;
                 const float *vb = value_cache + (int64_t)bt[b] * block_size * tok_stride + kv0 * D;
-                ahead_t next = block_ahead_slice(value_cache, bt, b + 1, S, block_size, tok_stride, kv0 * D, width,
+                ahead_t next = block_ahead(value_cache, bt, b + 1, S, block_size, tok_stride, kv0 * D, width,
                                                  value_calls);
                 block_values(scores, vb, tok_stride, nt, nh, G, D, S, t0, acc, &next);
             }
@@ -1449,10 +1436,7 @@ static void rows_attention(const float *q, int64_t q_row_stride, float *out, con
                            int64_t num_kv_heads, int64_t head_dim, int64_t block_size, float scale, int nthreads) {
     const int64_t G = num_heads / num_kv_heads, D = head_dim, tok_stride = num_kv_heads * D;
     const int64_t pairs = num_reqs * num_kv_heads, want = 2 * (int64_t)nthreads;  /* (request, KV head) */
-    int64_t parts = pairs < want ? (want + pairs - 1) / pairs : 1;  /* row parts per pair */
-    int64_t most = 1;
-    for (int64_t r = 0; r < num_reqs; r++) most = qsl[r + 1] - qsl[r] > most ? qsl[r + 1] - qsl[r] : most;
-    parts = parts < most ? parts : most;
+    const int64_t parts = pairs < want ? (want + pairs - 1) / pairs : 1;  /* row parts per pair (empty ones skipped) */
     const int64_t items = pairs * parts;
 #pragma omp parallel num_threads(nthreads) if (items > 1)
     {
@@ -1481,13 +1465,13 @@ static void rows_attention(const float *q, int64_t q_row_stride, float *out, con
             ahead_t none = NOTHING_AHEAD;  /* the blocks rows see in part prefetch nothing */
             /* the shared blocks prefetch the next block's lines of head h over their tiles' calls: K block b + 1,
              * after the last one V block 0; then V block b + 1 */
-            const int64_t tiles = (nh + 2) / 3, value_calls = tiles * (D / 32 + (D % 32 ? 1 : 0));
+            const int64_t tiles = (nh + 2) / 3, value_calls = tiles * ((D + 31) / 32);
             for (int64_t g = 0; g < nh; g++) mx[g] = -INFINITY;
             for (int64_t b = 0; b < shared; b++) {  /* pass 1: scores */
                 const float *kb = key_cache + (int64_t)bt[b] * block_size * tok_stride + h * D;
                 ahead_t next = (b + 1) * block_size < S
-                                   ? block_ahead_slice(key_cache, bt, b + 1, S, block_size, tok_stride, h * D, D, tiles)
-                                   : block_ahead_slice(value_cache, bt, 0, S, block_size, tok_stride, h * D, D, tiles);
+                                   ? block_ahead(key_cache, bt, b + 1, S, block_size, tok_stride, h * D, D, tiles)
+                                   : block_ahead(value_cache, bt, 0, S, block_size, tok_stride, h * D, D, tiles);
                 block_scores(qb, kb, tok_stride, block_size, nh, nh, D, scale, scores, S, b * block_size, mx, &next);
             }
             for (int64_t i = 0; i < R; i++) {
@@ -1503,7 +1487,7 @@ static void rows_attention(const float *q, int64_t q_row_stride, float *out, con
             memset(acc, 0, (size_t)(nh * D) * sizeof(float));
             for (int64_t b = 0; b < shared; b++) {  /* pass 3: weighted values */
                 const float *vb = value_cache + (int64_t)bt[b] * block_size * tok_stride + h * D;
-                ahead_t next = block_ahead_slice(value_cache, bt, b + 1, S, block_size, tok_stride, h * D, D, value_calls);
+                ahead_t next = block_ahead(value_cache, bt, b + 1, S, block_size, tok_stride, h * D, D, value_calls);
                 block_values(scores, vb, tok_stride, block_size, nh, nh, D, S, b * block_size, acc, &next);
             }
             for (int64_t i = 0; i < R; i++) {
