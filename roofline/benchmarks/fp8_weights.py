@@ -2,8 +2,8 @@
 
 Two parts, one process, nothing else running:
   gemv   one row through DeepSeek-V3-sized FP8 block weights by the native GEMV (fp8_kernels.c): the weight
-         bytes streamed per second, next to a plain memory copy of as many bytes (torch's copy_, counted as
-         bytes read + written) and the fp32 GEMV over the same matrix (four times the bytes)
+         bytes streamed per second, next to a plain memory copy of as many bytes (torch's copy_ of the weight's
+         bytes, counted as bytes read + written) and the fp32 GEMV over the same matrix (four times the bytes)
   model  a dummy DeepSeek-V3-shaped model (random weights from transformers' DeepseekV3 with `--hidden`,
          `--layers`, experts ...; projections quantized to [128, 128] e4m3 blocks, written as a checkpoint)
          decoding one stream: tokens/s with the weights kept in blocks (--quantized-weights native) and
@@ -49,7 +49,9 @@ def bench_gemv(repeats: int, shapes=GEMV_SHAPES) -> list[dict]:
         w = Fp8BlockTensor(q, s, 128, 128)
         x = torch.randn(1, k, generator=g)
         t_fp8 = _median_time(lambda: w.linear(x), repeats)
-        src = torch.empty(n * k, dtype=torch.uint8)
+        # the weight's own bytes: a never-written source would read the kernel's one shared zero page from
+        # cache and time the writes alone (before 2026-12-03 it did: "copy" was ~1.7x the real copy's rate)
+        src = q.reshape(-1).view(torch.uint8).clone()
         dst = torch.empty_like(src)
         t_copy = _median_time(lambda: dst.copy_(src), repeats)
         fp32 = w.dequantize().t().contiguous().t()  # the GEMV's [in x out]-major layout
