@@ -18,7 +18,10 @@ moved by up to 2x between runs a minute apart on a 2-core Zen 3 (the sparse deco
 the measured times, so the prediction's error was the snapshot's, not the model's.
 The probes time each kernel call cold (probes._kernel_rate: after reading twice the last-level cache), as a
 model runs it: back to back, the few MB a call touches stay in the last-level cache and the probe read ~10-20%
-faster than the same call inside the layer, so DSA's prediction leaned low.
+faster than the same call inside the layer, so DSA's prediction leaned low.  The layer's own calls are timed
+cold too (probes.cold_median_time): back to back, a 4k context's ~11 MB of one layer's cache rows stayed in the
+32 MB last-level cache whenever the machine's neighbours left it alone, and the 4k DSA figure came out
+bimodal (10 or 17-24 ms a token on the 2-core Zen 5, against a cold prediction of 18).
 """
 
 from __future__ import annotations
@@ -63,10 +66,12 @@ def _layer(cfg):
 
 def time_decode(attn, context: int, block_size: int, repeats: int) -> float:
     """Median seconds of one decode token at position `context` over random caches (the probes' clock: the
-    thread's CPU time when torch runs one thread, else the wall clock)."""
+    thread's CPU time when torch runs one thread, else the wall clock), each call timed cold as the planner's
+    kernel probes are: inside a model, the other layers' weights and caches pass between two calls of one
+    layer, while back to back a 4k context's few MB of cache rows stay in the last-level cache."""
     import torch
 
-    from roofline.planner.probes import median_time
+    from roofline.planner.probes import cold_median_time
 
     from roofline.attention.backend import AttentionMetadata
 
@@ -84,7 +89,7 @@ def time_decode(attn, context: int, block_size: int, repeats: int) -> float:
     cos_sin = attn.rotary.cos_sin(positions, x.dtype)
     with torch.inference_mode():
         attn(positions, x, caches, meta, cos_sin)
-        return median_time(lambda: attn(positions, x, caches, meta, cos_sin), "cpu", repeats)
+        return cold_median_time(lambda: attn(positions, x, caches, meta, cos_sin), repeats)
 
 
 def predicted_attention_s(cfg, context: int, bandwidth: float, rates: dict) -> float:

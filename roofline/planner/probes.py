@@ -97,6 +97,23 @@ def last_level_cache_bytes() -> int:
     return max(sizes, default=32 << 20)
 
 
+def cold_median_time(fn, repeats: int) -> float:
+    """Median seconds of 2 x repeats + 1 calls of fn on the CPU probes' clock, each after the caches are emptied
+    (twice the last-level cache read, not timed): what fn touched before is gone from every level, as for a
+    layer's call inside a model step, between two of which the other layers' weights and caches pass."""
+    import torch
+
+    buffer = torch.ones(2 * last_level_cache_bytes() // 4, dtype=torch.float32)
+    clock = _clock("cpu")
+    times = []
+    for _ in range(2 * repeats + 1):
+        buffer.sum()
+        t0 = clock()
+        fn()
+        times.append(clock() - t0)
+    return statistics.median(times)
+
+
 def _kernel_rate(fn, flops: float, repeats: int, sample_s: float = 0.05, cold: bool = False) -> float:
     """FLOP/s of a native CPU kernel call `fn` of `flops` FLOPs: the median of `repeats` samples, each as many
     calls as take about `sample_s` (a short call timed alone on a shared machine reads a whole time slice of
@@ -106,16 +123,7 @@ def _kernel_rate(fn, flops: float, repeats: int, sample_s: float = 0.05, cold: b
     while back-to-back calls over a few MB find them in the last-level cache."""
     fn()  # warm up: pages faulted in, scratch allocated
     if cold:
-        import torch
-
-        buffer = torch.ones(2 * last_level_cache_bytes() // 4, dtype=torch.float32)
-        times = []
-        for _ in range(2 * repeats + 1):
-            buffer.sum()  # twice the last-level cache read: what fn touched before is gone from every level
-            t0 = _clock("cpu")()
-            fn()
-            times.append(_clock("cpu")() - t0)
-        return flops / statistics.median(times)
+        return flops / cold_median_time(fn, repeats)
     t0 = time.perf_counter()
     fn()
     calls = max(1, round(sample_s / max(time.perf_counter() - t0, 1e-6)))

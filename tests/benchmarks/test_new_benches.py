@@ -43,6 +43,25 @@ def test_dsa_against_dense_with_the_planner(capsys):
             {k: row["probed_" + k] for k in ("attention_flops", "indexer_flops", "sparse_attention_flops")}))
 
 
+def test_dsa_layer_calls_are_timed_cold(monkeypatch):
+    """The layer's calls take the probes' cold timing (caches emptied before each), as the kernel probes the
+    planner prices them with: a 4k context's cache rows fit a last-level cache back to back."""
+    from roofline.benchmarks import sparse_attention
+    from roofline.planner import probes
+
+    timed = []
+
+    def spy(fn, repeats):
+        fn()
+        timed.append(repeats)
+        return 0.25
+
+    monkeypatch.setattr(probes, "cold_median_time", spy)
+    args = argparse.Namespace(contexts=[48], hidden=64, heads=4, q_lora_rank=32, index_topk=32, layers=1)
+    layer = sparse_attention._layer(sparse_attention._config(args, False))
+    assert sparse_attention.time_decode(layer, 48, 16, repeats=3) == 0.25 and timed == [3]
+
+
 def test_dbo_on_two_ranks(capsys):
     from roofline.benchmarks import dual_batch
 
